@@ -1,0 +1,46 @@
+"""shardtrain: fully sharded data-parallel training for PyTorch.
+
+Public names are imported lazily so that `import shardtrain` stays cheap and each layer loads only
+when used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "shard": "shardtrain.core.shard",
+    "Strategy": "shardtrain.strategy",
+    "SizePolicy": "shardtrain.policy",
+    "MixedPrecision": "shardtrain.policy",
+    "CPUOffload": "shardtrain.policy",
+    "clip_grad_norm_": "shardtrain.ops.grad_norm",
+    "no_sync": "shardtrain.ops.no_sync",
+    "full_state_dict": "shardtrain.ops.state_dict",
+    "plan": "shardtrain.planning.plan",
+    "Plan": "shardtrain.planning.plan",
+    "estimate_memory": "shardtrain.planning.estimate",
+    "MemoryEstimate": "shardtrain.planning.estimate",
+    "save_checkpoint": "shardtrain.checkpoint",
+    "load_checkpoint": "shardtrain.checkpoint",
+    "Engine": "shardtrain.engine",
+    "GradScaler": "shardtrain.ops.grad_scaler",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'shardtrain' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)

@@ -1,0 +1,142 @@
+"""Partition a module tree into sharding units.
+
+A unit is a module subtree minus the subtrees of the units nested in it. Each parameter belongs to
+exactly one unit. A parameter registered under several modules (tied weights, shared submodules)
+that would fall into different units moves to the unit of the modules' lowest common ancestor:
+that unit is unsharded for the whole time any of the users run (an ancestor's forward encloses its
+descendants'), so the tie keeps working without user action.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from ..policy import SizePolicy, describe_policy, module_classes, resolve_module_policy
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class Occurrence:
+    """One registration of a parameter: `module._parameters[attr]`, known as `fqn`."""
+
+    module: nn.Module
+    attr: str
+    fqn: str
+
+
+@dataclass(kw_only=True, eq=False)
+class UnitSpec:
+    name: str  # module path ("" for the root)
+    module: nn.Module
+    params: list[nn.Parameter] = field(default_factory=list)
+    occurrences: list[list[Occurrence]] = field(default_factory=list)  # per param, first is canonical
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel() for p in self.params)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Partition:
+    units: tuple[UnitSpec, ...]  # module pre-order: parents before children; root first
+    notes: tuple[str, ...]  # what the partitioner decided on the user's behalf (tied weights moved)
+
+
+def _size_policy_roots(root: nn.Module, policy: SizePolicy) -> set[str]:
+    """Post-order: a module becomes a unit when the parameters its child units left reach min_params."""
+    chosen: set[str] = set()
+    seen_params: set[int] = set()
+
+    def visit(module: nn.Module, path: str) -> int:
+        remaining = 0
+        for name, child in module.named_children():
+            remaining += visit(child, f"{path}.{name}" if path else name)
+        for p in module.parameters(recurse=False):
+            if id(p) not in seen_params:
+                seen_params.add(id(p))
+                remaining += p.numel()
+        if path and remaining >= policy.min_params:
+            chosen.add(path)
+            return 0
+        return remaining
+
+    visit(root, "")
+    return chosen
+
+
+def _unit_roots(root: nn.Module, policy, *, what: str) -> set[str]:
+    resolved = resolve_module_policy(policy, what=what)
+    if resolved is None:
+        return set()
+    if isinstance(resolved, SizePolicy):
+        chosen = _size_policy_roots(root, resolved)
+    else:
+        chosen = {path for path, m in root.named_modules() if path and resolved(m)}
+        if resolved(root):
+            chosen.add("")
+    if not chosen:
+        classes = module_classes(root.modules())
+        extra = ""
+        if isinstance(resolved, SizePolicy):
+            largest = max((sum(p.numel() for p in m.parameters()) for _, m in root.named_children()), default=0)
+            extra = f"; the largest child module has {largest:,} parameters, lower min_params"
+        raise ValueError(
+            f"{what}={describe_policy(policy)} matches no module of {type(root).__name__}; "
+            f"the model contains {classes}{extra}"
+        )
+    return chosen
+
+
+def _nearest_unit(path: str, unit_paths: set[str]) -> str:
+    while path and path not in unit_paths:
+        path = path.rpartition(".")[0]
+    return path
+
+
+def _common_prefix(paths: list[str]) -> str:
+    parts = [p.split(".") if p else [] for p in paths]
+    common = []
+    for level in zip(*parts):
+        if len(set(level)) != 1:
+            break
+        common.append(level[0])
+    return ".".join(common)
+
+
+def matching_paths(root: nn.Module, policy, *, what: str) -> set[str]:
+    """Module paths a policy selects (used by activation checkpointing too)."""
+    return _unit_roots(root, policy, what=what)
+
+
+def partition(root: nn.Module, wrap) -> Partition:
+    unit_paths = _unit_roots(root, wrap, what="wrap") | {""}
+    modules = dict(root.named_modules(remove_duplicate=False))
+    # Note: a shared submodule appears under several paths; keep the first as its home.
+    home: dict[int, str] = {}
+    for path, module in modules.items():
+        home.setdefault(id(module), path)
+
+    occurrences: dict[int, list[Occurrence]] = {}
+    params: dict[int, nn.Parameter] = {}
+    for path, module in modules.items():
+        for attr, p in module._parameters.items():
+            if p is None:
+                continue
+            fqn = f"{path}.{attr}" if path else attr
+            params[id(p)] = p
+            occurrences.setdefault(id(p), []).append(Occurrence(module=module, attr=attr, fqn=fqn))
+
+    order = {path: i for i, path in enumerate(modules)}
+    specs = {path: UnitSpec(name=path, module=modules[path]) for path in sorted(unit_paths, key=order.__getitem__)}
+    notes = []
+    for pid, occ in occurrences.items():
+        owners = {_nearest_unit(o.fqn.rpartition(".")[0], unit_paths) for o in occ}
+        owner = owners.pop() if len(owners) == 1 else None
+        if owner is None:
+            owner = _nearest_unit(_common_prefix([o.fqn.rpartition(".")[0] for o in occ]), unit_paths)
+            names = ", ".join(o.fqn for o in occ)
+            notes.append(f"tied parameter ({names}) spans several units; it is kept in unit '{owner or '<root>'}'")
+        specs[owner].params.append(params[pid])
+        specs[owner].occurrences.append(occ)
+    return Partition(units=tuple(specs.values()), notes=tuple(notes))

@@ -1,0 +1,114 @@
+"""User-facing policies: what becomes a unit, mixed precision, CPU offload.
+
+Each is a small frozen dataclass; `resolve_module_policy` turns every accepted form of a module
+policy (set of classes, `SizePolicy`, callable, None) into one predicate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+ModulePredicate = Callable[[nn.Module], bool]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SizePolicy:
+    """Make a unit of every module whose parameters not yet claimed by a child unit reach `min_params`."""
+
+    min_params: int = 100_000_000
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.min_params, int) or self.min_params < 1:
+            raise ValueError(f"SizePolicy(min_params={self.min_params!r}): min_params must be a positive int")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MixedPrecision:
+    """Dtypes of the unsharded parameters, of the gradient reduction, and of the buffers.
+
+    None means "keep the dtype of the stored value" (fp32 parameters, fp32 reduction, buffers as built).
+    The sharded parameter the optimizer updates always stays in its original (fp32) dtype.
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    buffer_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
+
+
+@dataclass(frozen=True, kw_only=True)
+class CPUOffload:
+    """Keep fp32 shards, their gradients and the optimizer state in host memory."""
+
+    params: bool = True
+    optimizer: bool = True
+
+
+_PRECISION_NAMES = {
+    "bf16": MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+    "bf16-mixed": MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+    "fp16": MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float32),
+    "16-mixed": MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float32),
+    "fp32": MixedPrecision(),
+    "32": MixedPrecision(),
+    "32-true": MixedPrecision(),
+}
+
+
+def parse_mixed_precision(value: Any) -> MixedPrecision:
+    if value is None:
+        return MixedPrecision()
+    if isinstance(value, MixedPrecision):
+        return value
+    if isinstance(value, str) and value.lower() in _PRECISION_NAMES:
+        return _PRECISION_NAMES[value.lower()]
+    raise ValueError(
+        f"mixed_precision={value!r} is not understood; use None, one of {sorted(_PRECISION_NAMES)}, "
+        "or st.MixedPrecision(param_dtype=..., reduce_dtype=..., buffer_dtype=...)"
+    )
+
+
+def parse_cpu_offload(value: Any) -> CPUOffload | None:
+    if value is None or value is False:
+        return None
+    if value is True:
+        return CPUOffload()
+    if isinstance(value, CPUOffload):
+        return value if (value.params or value.optimizer) else None
+    raise TypeError(f"cpu_offload={value!r}: use True, False or st.CPUOffload(params=..., optimizer=...)")
+
+
+def describe_policy(policy: Any) -> str:
+    if isinstance(policy, (set, frozenset, list, tuple)):
+        return "{" + ", ".join(sorted(c.__name__ for c in policy)) + "}"
+    if isinstance(policy, SizePolicy):
+        return repr(policy)
+    return getattr(policy, "__name__", repr(policy))
+
+
+def resolve_module_policy(policy: Any, *, what: str) -> ModulePredicate | SizePolicy | None:
+    """Normalise a module policy; a `SizePolicy` is returned as is (it needs the tree, not one module)."""
+    if policy is None or isinstance(policy, SizePolicy):
+        return policy
+    if isinstance(policy, type) and issubclass(policy, nn.Module):
+        policy = {policy}
+    if isinstance(policy, (set, frozenset, list, tuple)):
+        classes = tuple(policy)
+        bad = [c for c in classes if not (isinstance(c, type) and issubclass(c, nn.Module))]
+        if bad:
+            raise TypeError(f"{what}={policy!r}: every entry must be an nn.Module subclass, got {bad!r}")
+        return lambda module: isinstance(module, classes)
+    if callable(policy):
+        return policy
+    raise TypeError(
+        f"{what}={policy!r} is not a policy; use a set of module classes, st.SizePolicy(min_params=...), "
+        "a callable(module) -> bool, or None"
+    )
+
+
+def module_classes(modules: Iterable[nn.Module]) -> list[str]:
+    return sorted({type(m).__name__ for m in modules})

@@ -1,0 +1,1 @@
+"""The sharding engine: units, their flat parameters, communication and the schedule."""

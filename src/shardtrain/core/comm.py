@@ -1,0 +1,148 @@
+"""Collectives for one unit: async all-gather and reduce-scatter on CPU (Gloo) and CUDA (NCCL).
+
+On CUDA each kind of collective runs on its own high-priority stream, ordered against the compute
+stream with events, so the CPU never blocks. On CPU the Gloo work handle runs in Gloo's threads
+and `wait()` joins it. Both are hidden behind `Pending`, whose `wait()` makes the results usable on
+the compute stream (CUDA) or on the host (CPU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(eq=False)
+class Pending:
+    """An issued collective. `keep` holds tensors that must outlive it; `then` runs after it (CPU)."""
+
+    event: torch.cuda.Event | None = None
+    work: dist.Work | None = None
+    keep: list[torch.Tensor] = field(default_factory=list)
+    then: Callable[[], None] | None = None
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
+            self.event = None
+        if self.then is not None:
+            then, self.then = self.then, None
+            then()
+        # Note: only now may the kept tensors be freed: the compute stream is ordered after the
+        # collective (CUDA) or the collective has finished (CPU).
+        self.keep.clear()
+
+
+class Groups:
+    """The groups one unit talks to: it shards over `shard`, replicates over `replicate` (hybrid)."""
+
+    def __init__(self, *, shard: dist.ProcessGroup | None, replicate: dist.ProcessGroup | None,
+                 device: torch.device) -> None:
+        self.shard = shard
+        self.replicate = replicate
+        self.shard_rank = dist.get_rank(shard) if shard is not None else 0
+        self.shard_world = dist.get_world_size(shard) if shard is not None else 1
+        self.replicate_world = dist.get_world_size(replicate) if replicate is not None else 1
+        self.device = device
+        self.cuda = device.type == "cuda"
+        backend = dist.get_backend(shard) if shard is not None else "gloo"
+        # Note: Gloo before torch 2.13 lacks ReduceOp.AVG; SUM then divide works everywhere.
+        self.native_avg = backend == "nccl"
+        if self.cuda:
+            high = torch.cuda.Stream.priority_range()[1]
+            self.gather_stream = torch.cuda.Stream(device=device, priority=high)
+            self.reduce_stream = torch.cuda.Stream(device=device, priority=high)
+
+    @property
+    def data_parallel_world(self) -> int:
+        return self.shard_world * self.replicate_world
+
+    # ------------------------------------------------------------------ all-gather
+    def gather_context(self):
+        """Where all-gather inputs are prepared and outputs allocated (the gather stream on CUDA)."""
+        if self.cuda:
+            stream = self.gather_stream
+            stream.wait_stream(torch.cuda.current_stream())
+            return torch.cuda.stream(stream)
+        return contextlib.nullcontext()
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> Pending:
+        """Gather `inp` of every shard rank into `out`; call inside `gather_context()`."""
+        if self.shard_world == 1:
+            if out.data_ptr() != inp.data_ptr():
+                out.copy_(inp)
+            return self._finish_cuda(self.gather_stream) if self.cuda else Pending()
+        if self.cuda:
+            dist.all_gather_into_tensor(out, inp, group=self.shard)
+            return self._finish_cuda(self.gather_stream, keep=[inp])
+        work = dist.all_gather_into_tensor(out, inp, group=self.shard, async_op=True)
+        return Pending(work=work, keep=[inp])
+
+    # ------------------------------------------------------------------ gradient reduction
+    def reduce_gradient(self, flat_grad: torch.Tensor, *, reduce_dtype: torch.dtype,
+                        accumulate: Callable[[torch.Tensor], None]) -> Pending:
+        """Average `flat_grad` over all data-parallel ranks, keep this rank's shard, pass it to `accumulate`.
+
+        Inside a shard group the gradient is reduce-scattered; across replicas (hybrid) the shard is
+        then all-reduced. `accumulate(shard_grad)` gets the averaged shard in `reduce_dtype`.
+        """
+        if self.cuda:
+            stream = self.reduce_stream
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                shard = self._reduce(flat_grad, reduce_dtype)
+                accumulate(shard)
+            return self._finish_cuda(stream, keep=[flat_grad])
+        if self.data_parallel_world == 1:
+            accumulate(flat_grad.to(reduce_dtype))
+            return Pending()
+        inp = flat_grad.to(reduce_dtype)
+        out = self._shard_output(inp)
+        works = self._reduce_into(out, inp, async_op=True)
+
+        def finish() -> None:
+            for w in works[1:]:
+                w.wait()
+            self._finish_average(out)
+            accumulate(out)
+
+        return Pending(work=works[0], keep=[inp], then=finish)
+
+    def _shard_output(self, inp: torch.Tensor) -> torch.Tensor:
+        return torch.empty(inp.numel() // self.shard_world, dtype=inp.dtype, device=inp.device) \
+            if self.shard_world > 1 else inp
+
+    def _reduce(self, flat_grad: torch.Tensor, reduce_dtype: torch.dtype) -> torch.Tensor:
+        inp = flat_grad.to(reduce_dtype)
+        out = self._shard_output(inp)
+        self._reduce_into(out, inp, async_op=False)
+        self._finish_average(out)
+        return out
+
+    def _reduce_into(self, out: torch.Tensor, inp: torch.Tensor, *, async_op: bool) -> list:
+        op = dist.ReduceOp.AVG if self.native_avg else dist.ReduceOp.SUM
+        works = []
+        if self.shard_world > 1:
+            works.append(dist.reduce_scatter_tensor(out, inp, op=op, group=self.shard, async_op=async_op))
+        if self.replicate_world > 1:
+            if works and async_op:
+                works[0].wait()  # Gloo: the all-reduce needs the reduce-scatter's result
+            works.append(dist.all_reduce(out, op=op, group=self.replicate, async_op=async_op))
+        return works
+
+    def _finish_average(self, out: torch.Tensor) -> None:
+        if not self.native_avg and self.data_parallel_world > 1:
+            out.div_(self.data_parallel_world)
+
+    def _finish_cuda(self, stream: torch.cuda.Stream, keep: list[torch.Tensor] | None = None) -> Pending:
+        event = torch.cuda.Event()
+        event.record(stream)
+        return Pending(event=event, keep=keep or [])
+

@@ -1,0 +1,290 @@
+"""`Engine`: the Fabric-like front door to shardtrain.
+
+A user's own training script keeps its loop; the engine owns what is tedious and easy to get
+wrong around it: starting one process per device, joining the process group, building the model on
+the meta device, sharding it, rebinding an optimizer that was built before sharding, clipping
+gradients with the true global norm, skipping gradient sync on accumulation micro-batches, and
+saving/loading sharded checkpoints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import sys
+from datetime import timedelta
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..policy import parse_cpu_offload, parse_mixed_precision, resolve_module_policy
+from ..strategy import parse_strategy
+from . import launch as _launch
+from .devices import RankInfo, Topology, join_process_group, launched_externally, rank_info_from_env, resolve_topology
+
+
+class Engine:
+    """Run a training script on every local device with a fully sharded model.
+
+    Args (all keyword-only):
+        devices: "auto" (every visible GPU, else 2 CPU processes) or a number of local processes.
+        accelerator: "auto", "cuda" or "cpu".
+        strategy: a sharding strategy name accepted by `st.shard` ("full_shard", "shard_grad_op", ...).
+        precision: "auto" (bf16-mixed on CUDA, 32-true on CPU, where bf16 matmuls are slow),
+            "bf16-mixed", "32-true", or anything `st.shard(mixed_precision=...)` accepts.
+        wrap, activation_checkpointing, cpu_offload, param_init_fn, sync_module_states: passed to `st.shard`.
+        timeout: the process group's collective timeout (None: torch's default).
+    """
+
+    def __init__(
+        self,
+        *,
+        devices: int | str = "auto",
+        accelerator: str = "auto",
+        strategy: Any = "full_shard",
+        precision: Any = "auto",
+        wrap: Any = None,
+        activation_checkpointing: Any = None,
+        cpu_offload: Any = False,
+        param_init_fn: Callable[[nn.Module], None] | None = None,
+        sync_module_states: bool = False,
+        timeout: timedelta | None = None,
+    ) -> None:
+        self._devices = devices
+        self._topology: Topology = resolve_topology(accelerator=accelerator, devices=devices)
+        self._strategy = parse_strategy(strategy)
+        if precision == "auto":
+            precision = "bf16-mixed" if self._topology.accelerator == "cuda" else "32-true"
+        self._mixed_precision = parse_mixed_precision(precision)
+        if self._mixed_precision.param_dtype is torch.float16:
+            raise ValueError(
+                f"precision={precision!r}: fp16 needs loss scaling, which the Engine does not do; "
+                "use precision='bf16-mixed' (same speed, no scaler) or '32-true'"
+            )
+        self.precision = precision
+        for what, policy in (("wrap", wrap), ("activation_checkpointing", activation_checkpointing)):
+            resolve_module_policy(policy, what=what)
+        self._shard_kwargs = dict(
+            strategy=self._strategy,
+            wrap=wrap,
+            mixed_precision=self._mixed_precision,
+            activation_checkpointing=activation_checkpointing,
+            cpu_offload=parse_cpu_offload(cpu_offload) or False,
+            param_init_fn=param_init_fn,
+            sync_module_states=sync_module_states,
+        )
+        self._timeout = timeout
+        self._info: RankInfo | None = None
+        self._device: torch.device | None = None
+
+    # ----------------------------------------------------------------------------------- launching
+
+    def launch(self, fn: Callable[..., Any] | None = None, *args: Any) -> Any:
+        """Start the processes and join the process group.
+
+        - Under torchrun (RANK/WORLD_SIZE set) or in a world of one: join in this process, then run
+          `fn(self, *args)` if given and return its result.
+        - Launched plainly with several devices and no `fn`: re-run this script in one process per
+          device and exit with their exit code when they finish (this process does not return).
+        - Launched plainly with `fn`: spawn the processes, run `fn(engine, *args)` on each, return
+          rank 0's result. `fn` and `args` must be picklable (a module-level function).
+        """
+        if self._info is not None:
+            raise RuntimeError("Engine.launch() was already called in this process")
+        if launched_externally() or self._topology.num_processes == 1:
+            self._join()
+            return fn(self, *args) if fn is not None else None
+        if fn is None:
+            sys.exit(_launch.relaunch_script(nprocs=self._topology.num_processes))
+        return _launch.spawn(_run_on_rank, (self, fn, args), nprocs=self._topology.num_processes)[0]
+
+    def _join(self) -> None:
+        if launched_externally():
+            info = rank_info_from_env()
+            if self._devices != "auto" and self._devices != info.local_world_size:
+                raise ValueError(
+                    f"Engine(devices={self._devices}) but the launcher started {info.local_world_size} "
+                    "processes on this node; pass devices='auto' or match the launcher's --nproc_per_node"
+                )
+        else:
+            info = RankInfo(rank=0, world_size=1, local_rank=0, local_world_size=1)
+        self._device = join_process_group(self._topology, info, timeout=self._timeout)
+        self._info = info
+
+    def _require_launch(self) -> RankInfo:
+        if self._info is None:
+            raise RuntimeError("call engine.launch() before using the engine's ranks, devices or models")
+        return self._info
+
+    @property
+    def rank(self) -> int:
+        return self._require_launch().rank
+
+    @property
+    def world_size(self) -> int:
+        return self._require_launch().world_size
+
+    @property
+    def local_rank(self) -> int:
+        return self._require_launch().local_rank
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def device(self) -> torch.device:
+        self._require_launch()
+        return self._device
+
+    @property
+    def strategy(self):
+        return self._strategy
+
+    # ------------------------------------------------------------------------------ model & optim
+
+    @contextlib.contextmanager
+    def init_module(self, *, empty_init: bool = True) -> Iterator[None]:
+        """Build the model inside this block. With `empty_init`, parameters are created on the meta
+        device (no memory, no init time); `setup` then materialises and initialises them unit by unit,
+        so a model larger than one device's memory can be built."""
+        with torch.device("meta") if empty_init else contextlib.nullcontext():
+            yield
+
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None):
+        """Shard `model` in place with the engine's settings; return it, or (model, optimizer).
+
+        An optimizer built on the unsharded parameters is rebound, group by group and hyperparameters
+        kept, to the sharded parameters that replace them. An optimizer may also be built after setup
+        from `model.parameters()`.
+        """
+        self._require_launch()
+        from .. import shard
+
+        names = {id(p): name for name, p in model.named_parameters()}
+        shard(model, device=self.device, **self._shard_kwargs)
+        if optimizer is None:
+            return model
+        _rebind_optimizer(optimizer, names, dict(model.named_parameters()))
+        return model, optimizer
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def clip_gradients(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, max_norm: float) -> torch.Tensor:
+        """Clip the gradients of `model` to a global L2 norm of `max_norm`; return the norm before clipping
+        (the same value on every rank). `optimizer` is the one that will step on these gradients."""
+        from .. import clip_grad_norm_
+
+        return clip_grad_norm_(model, max_norm)
+
+    def no_backward_sync(self, model: nn.Module, *, enabled: bool = True) -> contextlib.AbstractContextManager:
+        """Within this block (when `enabled`), backward accumulates local gradients without communicating;
+        use it on every micro-batch but the last of an accumulation window."""
+        if not enabled:
+            return contextlib.nullcontext()
+        from .. import no_sync
+
+        return no_sync(model)
+
+    # -------------------------------------------------------------------------------- checkpoints
+
+    def save(self, path: str, state: dict[str, Any], **kwargs: Any) -> None:
+        """Save `state` (modules, optimizers, schedulers by reference; other values as metadata)."""
+        _checkpoint_module().save_checkpoint(path, state, **kwargs)
+
+    def load(self, path: str, state: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+        """Load into the objects of `state` in place; return the stored non-object values."""
+        return _checkpoint_module().load_checkpoint(path, state, **kwargs)
+
+    # ---------------------------------------------------------------------------- collectives etc.
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        if self.rank == 0:
+            print(*args, **kwargs)
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+    @contextlib.contextmanager
+    def rank_zero_first(self, *, local: bool = False) -> Iterator[None]:
+        """Rank 0 (of the world, or of each node with `local`) runs the block before the others, e.g.
+        to download or tokenize a data set once and let the others read the cache."""
+        first = (self.local_rank if local else self.rank) == 0
+        if not first:
+            self.barrier()
+        yield
+        if first:
+            self.barrier()
+
+    def all_reduce(self, tensor: torch.Tensor, *, op: str = "mean") -> torch.Tensor:
+        """Reduce `tensor` over all ranks ("mean", "sum", "max" or "min"); returns a new tensor."""
+        ops = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+        if op not in ops:
+            raise ValueError(f"all_reduce(op={op!r}): use one of {list(ops)}")
+        out = tensor.detach().clone().to(self.device)
+        if self.world_size > 1:
+            dist.all_reduce(out, op=ops[op])
+        return out / self.world_size if op == "mean" else out
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Stack every rank's `tensor` (same shape on all ranks) along a new first dimension."""
+        local = tensor.detach().to(self.device).contiguous()
+        out = [torch.empty_like(local) for _ in range(self.world_size)]
+        if self.world_size > 1:
+            dist.all_gather(out, local)
+        else:
+            out[0].copy_(local)
+        return torch.stack(out)
+
+    @staticmethod
+    def seed_everything(seed: int) -> int:
+        """Seed Python, NumPy and torch (all devices) with the same `seed`; call it with the same value
+        on every rank so that every rank initialises the model identically."""
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        torch.manual_seed(seed)
+        return seed
+
+
+def _run_on_rank(engine: Engine, fn: Callable[..., Any], args: tuple) -> Any:
+    """Entry point of a spawned rank: join the group, then run the user's function."""
+    engine._join()
+    return fn(engine, *args)
+
+
+def _rebind_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], sharded: dict[str, nn.Parameter]) -> None:
+    """Point `optimizer`'s groups at the sharded parameters that replaced the ones it was built on."""
+    if optimizer.state:
+        raise ValueError(
+            "the optimizer passed to Engine.setup has already stepped; its state cannot be moved onto "
+            "sharded parameters. Build it before the first step, or after setup from model.parameters()"
+        )
+    for group in optimizer.param_groups:
+        rebound = []
+        for p in group["params"]:
+            name = names.get(id(p))
+            if name is None or name not in sharded:
+                raise ValueError(
+                    f"the optimizer holds a parameter of shape {tuple(p.shape)} that is not a parameter of "
+                    "the model given to Engine.setup; build the optimizer from that model's parameters"
+                )
+            rebound.append(sharded[name])
+        group["params"] = rebound
+
+
+def _checkpoint_module():
+    try:
+        from .. import checkpoint
+    except ModuleNotFoundError as exc:
+        if exc.name and exc.name.startswith("shardtrain.checkpoint"):
+            raise RuntimeError(
+                "checkpointing is not available in this build of shardtrain (module shardtrain.checkpoint "
+                "is missing); install a release that includes it"
+            ) from exc
+        raise
+    return checkpoint

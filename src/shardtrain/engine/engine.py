@@ -154,18 +154,22 @@ class Engine:
         with torch.device("meta") if empty_init else contextlib.nullcontext():
             yield
 
-    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None):
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, **overrides: Any):
         """Shard `model` in place with the engine's settings; return it, or (model, optimizer).
 
         An optimizer built on the unsharded parameters is rebound, group by group and hyperparameters
         kept, to the sharded parameters that replace them. An optimizer may also be built after setup
-        from `model.parameters()`.
+        from `model.parameters()`. Keyword `overrides` (e.g. `wrap=`, `activation_checkpointing=`)
+        replace the engine's `st.shard` settings for this model only.
         """
         self._require_launch()
         from .. import shard
 
+        unknown = set(overrides) - set(self._shard_kwargs)
+        if unknown:
+            raise TypeError(f"Engine.setup got unknown settings {sorted(unknown)}; it accepts {sorted(self._shard_kwargs)}")
         names = {id(p): name for name, p in model.named_parameters()}
-        shard(model, device=self.device, **self._shard_kwargs)
+        shard(model, device=self.device, **{**self._shard_kwargs, **overrides})
         if optimizer is None:
             return model
         _rebind_optimizer(optimizer, names, dict(model.named_parameters()))
@@ -220,6 +224,14 @@ class Engine:
         yield
         if first:
             self.barrier()
+
+    def broadcast(self, obj: Any, *, src: int = 0) -> Any:
+        """Rank `src`'s `obj` (any picklable value), on every rank."""
+        if self.world_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
 
     def all_reduce(self, tensor: torch.Tensor, *, op: str = "mean") -> torch.Tensor:
         """Reduce `tensor` over all ranks ("mean", "sum", "max" or "min"); returns a new tensor."""

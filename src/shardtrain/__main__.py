@@ -1,0 +1,8 @@
+"""`python -m shardtrain ...` is the `shardtrain` command."""
+
+import sys
+
+from .cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

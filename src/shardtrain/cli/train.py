@@ -1,0 +1,63 @@
+"""`shardtrain train [CONFIG] [--section.key value ...]`: the main job.
+
+With several local devices the command re-runs itself in one process per device (through the
+Engine's launcher); every rank then parses the same arguments and trains its part. A user error
+(bad key, missing data, a model that does not build, a batch too small for the world) is printed
+by each rank as one line with the fix, and the command exits non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..train.config import ConfigError, describe, load_config
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "train", help="train a model (built-in default: a small Llama on the Python standard library)",
+        description="Train a model. Arguments: an optional CONFIG file (.toml or .yaml), then "
+                    "--section.key value overrides.",
+        epilog=describe(), formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False,
+    )
+    parser.add_argument("--resume", metavar="CHECKPOINT", help="resume from a checkpoint directory (= --run.resume)")
+    parser.set_defaults(func=run, overrides=[])
+
+
+def split_config_path(tokens: list[str]) -> tuple[str | None, list[str]]:
+    """The leading CONFIG path (if the first token is not an option) and the overrides after it."""
+    if tokens and not tokens[0].startswith("-"):
+        return tokens[0], tokens[1:]
+    return None, tokens
+
+
+def run(args: argparse.Namespace) -> int:
+    path, overrides = split_config_path(args.overrides)
+    if args.resume:
+        overrides = [*overrides, "--run.resume", args.resume]
+    try:
+        cfg = load_config(path, overrides)
+    except ConfigError as exc:
+        print(f"shardtrain train: error: {exc}", file=sys.stderr)
+        return 2
+    from ..engine import Engine
+    from ..train.loop import run as train
+
+    try:
+        engine = Engine(devices=cfg.engine.devices, accelerator=cfg.engine.accelerator,
+                        strategy=cfg.engine.strategy, precision=cfg.engine.precision)
+    except ValueError as exc:
+        print(f"shardtrain train: error: {exc}", file=sys.stderr)
+        return 2
+    engine.launch()
+    try:
+        summary = train(cfg, engine)
+    except ValueError as exc:
+        print(f"shardtrain train: error on rank {engine.rank}: {exc}", file=sys.stderr, flush=True)
+        return 1
+    if engine.rank == 0:
+        from rich.console import Console
+
+        Console().print(summary.table())
+    return 0

@@ -1,0 +1,311 @@
+"""The main job's configuration: typed, frozen sections loaded from TOML/YAML plus `--section.key value`.
+
+Every key has a type and a default, so `shardtrain train` runs with no file at all. Values from a
+file and from the command line are coerced to the declared type; a key that does not exist is an
+error that lists the valid keys and suggests the closest one, because a silently ignored typo
+(`--train.stpes 10`) trains the wrong job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration value or key is wrong; the message names it and the fix."""
+
+
+def _help(text: str, default: Any = dataclasses.MISSING, **kwargs: Any) -> Any:
+    if default is dataclasses.MISSING:
+        return field(metadata={"help": text}, **kwargs)
+    return field(default=default, metadata={"help": text}, **kwargs)
+
+
+def _require(ok: bool, key: str, value: Any, remedy: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={value!r} is invalid: {remedy}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    name: str = _help("built-in 'llama-<size>' (tiny, 2m, 7m, 34m, 125m, 1.5b, 8b, ...), 'hf' for a "
+                      "Hugging Face causal LM from model.hf_config, or 'package.module:factory'", "llama-2m")
+    kwargs: dict[str, Any] = _help("overrides: LlamaConfig fields, Hugging Face config fields, or factory "
+                                   "keyword arguments (e.g. --model.kwargs.n_layers 2)", default_factory=dict)
+    hf_config: str | None = _help("Hugging Face config: a config.json or a directory holding one "
+                                  "(or give model.kwargs.model_type instead)", None)
+    wrap: tuple[str, ...] = _help("module class names that become sharding units "
+                                  "(default: Llama's Block, or the HF model's _no_split_modules)", ())
+    activation_checkpointing: bool = _help("recompute the wrapped blocks' activations in backward", False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    path: str | None = _help("a text file or a directory of them (default: the Python standard library's "
+                             "own .py files)", None)
+    pattern: str = _help("glob of the files to read under a directory", "**/*.py")
+    seq_len: int = _help("tokens per training sequence", 256)
+    val_fraction: float = _help("fraction of the files held out for evaluation", 0.02)
+    cache_dir: str | None = _help("where the tokenized corpus is cached (default: ~/.cache/shardtrain)", None)
+
+    def __post_init__(self) -> None:
+        _require(self.seq_len >= 2, "data.seq_len", self.seq_len, "use at least 2 tokens")
+        _require(0 < self.val_fraction < 1, "data.val_fraction", self.val_fraction, "use a value in (0, 1)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    lr: float = _help("peak learning rate (AdamW)", 3e-3)
+    min_lr_ratio: float = _help("final learning rate as a fraction of the peak (cosine decay)", 0.1)
+    warmup_steps: int = _help("optimizer steps of linear warm-up", 20)
+    weight_decay: float = _help("AdamW weight decay (not applied to norms and biases)", 0.1)
+    beta1: float = _help("AdamW beta1", 0.9)
+    beta2: float = _help("AdamW beta2", 0.95)
+    grad_clip: float = _help("clip the global gradient norm to this value (0: no clipping)", 1.0)
+
+    def __post_init__(self) -> None:
+        _require(self.lr > 0, "optim.lr", self.lr, "use a positive learning rate")
+        _require(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", self.min_lr_ratio, "use a value in [0, 1]")
+        _require(self.warmup_steps >= 0, "optim.warmup_steps", self.warmup_steps, "use 0 or more")
+        _require(self.grad_clip >= 0, "optim.grad_clip", self.grad_clip, "use 0 (off) or a positive norm")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    steps: int = _help("optimizer steps", 240)
+    batch_size: int = _help("sequences per optimizer step, over all ranks and micro-batches", 16)
+    grad_accum: int = _help("micro-batches accumulated per optimizer step", 1)
+    eval_every: int = _help("evaluate the held-out loss every N steps (and at step 0 and the end)", 40)
+    eval_batches: int = _help("held-out batches (of batch_size sequences) per evaluation", 4)
+    log_every: int = _help("log the training loss every N steps", 10)
+    ema_decay: float = _help("keep an exponential moving average of the weights on CPU (0: off)", 0.0)
+    seed: int = _help("seed of the model initialisation and the data order", 0)
+
+    def __post_init__(self) -> None:
+        for key in ("steps", "batch_size", "grad_accum", "eval_batches", "log_every"):
+            value = getattr(self, key)
+            _require(value >= 1, f"train.{key}", value, "use 1 or more")
+        _require(self.eval_every >= 0, "train.eval_every", self.eval_every, "use 0 (only first and last) or more")
+        _require(0 <= self.ema_decay < 1, "train.ema_decay", self.ema_decay, "use 0 (off) or a value in (0, 1)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    devices: int | str = _help("'auto' (every GPU, else 2 CPU processes) or a number of processes", "auto")
+    accelerator: str = _help("'auto', 'cuda' or 'cpu'", "auto")
+    strategy: str = _help("full_shard, shard_grad_op, optimizer_only, no_shard or hybrid_shard", "full_shard")
+    precision: str = _help("'auto' (bf16-mixed on GPU, 32-true on CPU), 'bf16-mixed' or '32-true'", "auto")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    out_dir: str = _help("directory of the runs", "runs")
+    name: str | None = _help("run name (default: the start time)", None)
+    checkpoint_every: int = _help("save a checkpoint every N steps and at the end (0: no checkpoints)", 0)
+    resume: str | None = _help("checkpoint directory to resume from", None)
+    tensorboard: bool = _help("also write TensorBoard events (needs the 'tensorboard' extra)", False)
+    progress: bool = _help("show a progress bar on rank 0", True)
+
+    def __post_init__(self) -> None:
+        _require(self.checkpoint_every >= 0, "run.checkpoint_every", self.checkpoint_every, "use 0 or more")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+
+SECTIONS: dict[str, type] = dict(typing.get_type_hints(Config))
+
+
+def _fields(section: str) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(SECTIONS[section])}
+
+
+def _unknown(name: str, valid: list[str]) -> ConfigError:
+    """An unknown key: suggest the closest valid one (by whole key, or by its last part) and list them."""
+    close = difflib.get_close_matches(name, valid, n=1, cutoff=0.6)
+    if not close:
+        by_leaf = {v.rpartition(".")[2]: v for v in valid}
+        close = [by_leaf[m] for m in difflib.get_close_matches(name.rpartition(".")[2], list(by_leaf), n=1, cutoff=0.6)]
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return ConfigError(f"unknown config key {name!r}{hint} Valid keys: {', '.join(valid)}")
+
+
+def _resolve_key(dotted: str) -> tuple[str, str, str | None]:
+    """'train.steps' -> ('train', 'steps', None); 'model.kwargs.n_layers' -> ('model', 'kwargs', 'n_layers')."""
+    section, _, rest = dotted.partition(".")
+    if section not in SECTIONS:
+        raise _unknown(dotted, [f"{s}.{k}" for s in SECTIONS for k in _fields(s)])
+    key, _, item = rest.partition(".")
+    fields = _fields(section)
+    if key not in fields:
+        raise _unknown(dotted, [f"{section}.{k}" for k in fields])
+    if item and typing.get_origin(typing.get_type_hints(SECTIONS[section])[key]) is not dict:
+        raise ConfigError(f"{section}.{key} is not a table; {dotted!r} cannot set an item in it")
+    return section, key, item or None
+
+
+_TRUE, _FALSE = {"true", "1", "yes", "on"}, {"false", "0", "no", "off"}
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Convert `value` (a typed value from a file, or a string from the command line) to type `tp`."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if type(None) in args and (value is None or (isinstance(value, str) and value.lower() in ("none", "null"))):
+            return None
+        for option in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(value, option, key)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{key}={value!r}: expected {_type_name(tp)}")
+    if origin is tuple:
+        items = [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)):
+            raise ConfigError(f"{key}={value!r}: expected a list of {_type_name(args[0])} (comma-separated)")
+        return tuple(_coerce(v, args[0], key) for v in items)
+    if origin is dict:
+        parsed = yaml.safe_load(value) if isinstance(value, str) else value
+        if not isinstance(parsed, dict):
+            raise ConfigError(f"{key}={value!r}: expected a table such as {{n_layers: 2}}")
+        return dict(parsed)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
+            return value.lower() in _TRUE
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value.replace("_", ""))
+            except ValueError:
+                pass
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is str and isinstance(value, str):
+        return value
+    raise ConfigError(f"{key}={value!r}: expected {_type_name(tp)}")
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    return getattr(tp, "__name__", str(tp)).replace("NoneType", "none")
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """Read a TOML or YAML file into {section: {key: value}} (values not yet checked)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist; pass the path of a .toml or .yaml file")
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".toml":
+            data = tomllib.loads(path.read_text())
+        elif suffix in (".yaml", ".yml", ".json"):
+            data = yaml.safe_load(path.read_text()) or {}
+        else:
+            raise ConfigError(f"config file {str(path)!r}: unknown format {suffix!r}; use .toml, .yaml or .yml")
+    except (tomllib.TOMLDecodeError, yaml.YAMLError) as exc:
+        raise ConfigError(f"config file {str(path)!r} is not valid {suffix[1:].upper()}: {exc}".replace("\n", " ")) from exc
+    if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
+        raise ConfigError(f"config file {str(path)!r}: expected tables [{'], ['.join(SECTIONS)}] of key = value")
+    return data
+
+
+def parse_overrides(tokens: list[str]) -> list[tuple[str, str | None]]:
+    """`['--train.steps', '5', '--run.tensorboard']` -> [('train.steps', '5'), ('run.tensorboard', None)].
+
+    A value may also be attached with '='; a key without a value (allowed for booleans) gets None.
+    """
+    pairs: list[tuple[str, str | None]] = []
+    i = 0
+    while i < len(tokens):
+        token = tokens[i]
+        if not token.startswith("--") or token == "--":
+            raise ConfigError(f"unexpected argument {token!r}; overrides look like --section.key value")
+        key, eq, value = token[2:].partition("=")
+        if eq:
+            pairs.append((key, value))
+            i += 1
+        elif i + 1 < len(tokens) and not tokens[i + 1].startswith("--"):
+            pairs.append((key, tokens[i + 1]))
+            i += 2
+        else:
+            pairs.append((key, None))
+            i += 1
+    return pairs
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """Defaults, then the file at `path` (if any), then `--section.key value` overrides."""
+    raw: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+    if path is not None:
+        for section, table in read_config_file(path).items():
+            for key, value in table.items():
+                _resolve_key(f"{section}.{key}")
+                raw[section][key] = value
+    for dotted, value in parse_overrides(list(overrides)):
+        section, key, item = _resolve_key(dotted)
+        tp = typing.get_type_hints(SECTIONS[section])[key]
+        if value is None:
+            if tp is not bool:
+                raise ConfigError(f"--{dotted} needs a value ({_type_name(tp)})")
+            value = "true"
+        if item is not None:
+            table = dict(raw[section].get(key) or {})
+            table[item] = yaml.safe_load(value)
+            raw[section][key] = table
+        else:
+            raw[section][key] = value
+    sections = {}
+    for section, cls in SECTIONS.items():
+        hints = typing.get_type_hints(cls)
+        sections[section] = cls(**{k: _coerce(v, hints[k], f"{section}.{k}") for k, v in raw[section].items()})
+    return Config(**sections)
+
+
+def to_dict(config: Config) -> dict[str, dict[str, Any]]:
+    """Plain nested dict (tuples as lists), ready for YAML/JSON."""
+    return json.loads(json.dumps(dataclasses.asdict(config)))
+
+
+def save_config(config: Config, path: str | Path) -> None:
+    """Write the effective configuration as YAML; `shardtrain train <that file>` reruns the job."""
+    Path(path).write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+
+
+def describe() -> str:
+    """Every key with its default and meaning, for `shardtrain train --help`."""
+    lines = []
+    for section, cls in SECTIONS.items():
+        lines.append(f"[{section}]")
+        defaults = dataclasses.asdict(cls())
+        for f in dataclasses.fields(cls):
+            lines.append(f"  --{section}.{f.name} (default {defaults[f.name]!r}): {f.metadata['help']}")
+    return "\n".join(lines)

@@ -1,0 +1,195 @@
+"""Built-in data: byte-level tokens of a text corpus, cached once as a memory-mapped array.
+
+Without a data path the corpus is the Python standard library's own `.py` sources, read from the
+running interpreter: no download, present on every machine, tens of megabytes of real text.
+
+Files are split into train and held-out by a stable hash of their path (so held-out text is never
+seen in training, whatever the file order). The token stream is cut into non-overlapping windows of
+`seq_len + 1` tokens; each epoch visits them in an order drawn from the seed. Sample `i` of the run
+is a pure function of (seed, i), and rank r of a micro-batch takes its own contiguous slice of the
+global batch: ranks read disjoint data, and resuming at a step reproduces exactly the same batches.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+CACHE_VERSION = 1
+_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ByteTokenizer:
+    """UTF-8 bytes as tokens: a vocabulary of 256, nothing to train or download."""
+
+    vocab_size: int = 256
+
+    def encode(self, data: bytes) -> np.ndarray:
+        return np.frombuffer(data, dtype=np.uint8)
+
+    def decode(self, tokens) -> str:
+        return bytes(int(t) for t in tokens).decode("utf-8", errors="replace")
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The smallest unsigned dtype that holds every token id."""
+    return np.dtype(np.uint8 if vocab_size <= 256 else np.uint16)
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def corpus_files(path: str | None, pattern: str) -> tuple[Path, list[Path]]:
+    """(root, files): the files of the corpus in a stable order. Raises ValueError with the fix."""
+    if path is None:
+        root = stdlib_root()
+        files = [f for f in root.glob(pattern) if f.is_file() and not _SKIP_DIRS & set(f.relative_to(root).parts)]
+    else:
+        root = Path(path).expanduser()
+        if not root.exists():
+            raise ValueError(f"data.path={path!r} does not exist; pass an existing file or directory, "
+                             "or leave data.path unset to train on the Python standard library")
+        files = [root] if root.is_file() else [f for f in root.glob(pattern) if f.is_file()]
+        root = root.parent if root.is_file() else root
+    if not files:
+        raise ValueError(f"no file under {str(root)!r} matches data.pattern={pattern!r}; "
+                         "set --data.pattern to a glob that matches your files (e.g. '**/*.txt')")
+    return root, sorted(files, key=lambda f: f.relative_to(root).as_posix())
+
+
+def is_held_out(relpath: str, fraction: float) -> bool:
+    """A stable, platform-independent choice of held-out files."""
+    digest = int.from_bytes(hashlib.sha1(relpath.encode()).digest()[:8], "little")
+    return digest / 2**64 < fraction
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenCache:
+    """A tokenized corpus on disk: train tokens first, then held-out tokens."""
+
+    tokens: np.ndarray  # memory-mapped, read-only
+    num_train: int
+
+    @property
+    def train(self) -> np.ndarray:
+        return self.tokens[: self.num_train]
+
+    @property
+    def held_out(self) -> np.ndarray:
+        return self.tokens[self.num_train:]
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "shardtrain"
+
+
+def build_cache(*, root: Path, files: list[Path], pattern: str, val_fraction: float, cache_dir: str | None,
+                tokenizer: ByteTokenizer, progress: bool) -> TokenCache:
+    """Tokenize `files` (from `corpus_files`) into `cache_dir` unless an identical cache exists; return it
+    memory-mapped.
+
+    The cache key covers every file's path, size and modification time, the split and the
+    tokenizer, so an edited corpus is re-tokenized. The file is written under a temporary name and
+    renamed, so concurrent builders (one per node) never see a partial file.
+    """
+    rel = [f.relative_to(root).as_posix() for f in files]
+    held = [is_held_out(r, val_fraction) for r in rel]
+    if all(held) or not any(held):
+        raise ValueError(f"data.val_fraction={val_fraction} leaves {'no training' if all(held) else 'no held-out'} "
+                         f"file among the {len(files)} files of {str(root)!r}; adjust it or add files")
+    order = [i for i in range(len(files)) if not held[i]] + [i for i in range(len(files)) if held[i]]
+    stats = [files[i].stat() for i in order]
+    key = hashlib.sha256(json.dumps([CACHE_VERSION, str(root), pattern, val_fraction, tokenizer.vocab_size,
+                                     [(rel[i], s.st_size, s.st_mtime_ns) for i, s in zip(order, stats)]]).encode())
+    dtype = token_dtype(tokenizer.vocab_size)
+    base = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    target = base / f"tokens-{key.hexdigest()[:16]}.{dtype.name}"
+    meta = target.with_suffix(".json")
+    if not (target.exists() and meta.exists()):
+        base.mkdir(parents=True, exist_ok=True)
+        num_train = _write_tokens(target, [files[i] for i in order], held=[held[i] for i in order],
+                                  tokenizer=tokenizer, dtype=dtype, total=sum(s.st_size for s in stats), progress=progress)
+        tmp_meta = meta.with_suffix(f".tmp{os.getpid()}")
+        tmp_meta.write_text(json.dumps({"num_train": num_train, "root": str(root), "files": len(files)}))
+        os.replace(tmp_meta, meta)
+    num_train = json.loads(meta.read_text())["num_train"]
+    return TokenCache(tokens=np.memmap(target, dtype=dtype, mode="r"), num_train=num_train)
+
+
+def _write_tokens(target: Path, files: list[Path], *, held: list[bool], tokenizer: ByteTokenizer, dtype: np.dtype,
+                  total: int, progress: bool) -> int:
+    """Stream every file's tokens (each file ending with a newline) into `target`; return #train tokens."""
+    tmp = target.with_suffix(f".tmp{os.getpid()}")
+    num_train = 0
+    with open(tmp, "wb") as out, tqdm(total=total, unit="B", unit_scale=True, desc="tokenizing",
+                                      disable=not progress, leave=False) as bar:
+        for f, is_held in zip(files, held):
+            data = f.read_bytes()
+            if not data.endswith(b"\n"):
+                data += b"\n"
+            tokens = tokenizer.encode(data).astype(dtype, copy=False)
+            out.write(tokens.tobytes())
+            if not is_held:
+                num_train += len(tokens)
+            bar.update(len(data))
+    os.replace(tmp, target)
+    return num_train
+
+
+class TokenBatches:
+    """Batches of (inputs, targets) drawn from a token array for one rank.
+
+    `batch(index)` returns the rank's slice of global micro-batch `index`: global sample
+    `index * global_batch + j` for j in this rank's range. Training windows are visited in a
+    per-epoch permutation drawn from `seed`; evaluation (`shuffle=False`) reads windows in order.
+    """
+
+    def __init__(self, tokens: np.ndarray, *, seq_len: int, global_batch: int, rank: int, world_size: int,
+                 seed: int, shuffle: bool) -> None:
+        if global_batch % world_size:
+            raise ValueError(f"a global micro-batch of {global_batch} sequences does not split over {world_size} "
+                             "ranks; use a batch size that is a multiple of the world size")
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.global_batch = global_batch
+        self.per_rank = global_batch // world_size
+        self.rank = rank
+        self.seed = seed
+        self.shuffle = shuffle
+        self.num_windows = (len(tokens) - 1) // seq_len
+        if self.num_windows < global_batch:
+            raise ValueError(f"{len(tokens):,} tokens hold only {self.num_windows} sequences of {seq_len + 1} tokens, "
+                             f"fewer than one batch of {global_batch}; use more data or a smaller "
+                             "data.seq_len / train.batch_size")
+        self._epoch = -1
+        self._perm: np.ndarray | None = None
+
+    def _window(self, sample: int) -> int:
+        epoch, pos = divmod(sample, self.num_windows)
+        if not self.shuffle:
+            return pos
+        if epoch != self._epoch:
+            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_windows)
+            self._epoch = epoch
+        return int(self._perm[pos])
+
+    def samples(self, index: int) -> list[int]:
+        """Global sample numbers of this rank's part of micro-batch `index`."""
+        start = index * self.global_batch + self.rank * self.per_rank
+        return list(range(start, start + self.per_rank))
+
+    def batch(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = np.stack([self.tokens[w * self.seq_len: w * self.seq_len + self.seq_len + 1]
+                         for w in map(self._window, self.samples(index))]).astype(np.int64)
+        data = torch.from_numpy(rows)
+        return data[:, :-1], data[:, 1:]

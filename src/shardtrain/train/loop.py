@@ -1,0 +1,257 @@
+"""The main job's training loop, run on every rank of a launched `Engine`.
+
+Order matters for failures: everything a user can get wrong (data path, model name, batch size,
+sequence length) is checked on every rank before the first collective, so each rank reports the
+mistake itself and exits, and no rank waits in a collective for a peer that already gave up.
+
+One optimizer step = `grad_accum` micro-batches (all but the last without gradient sync), one
+gradient clip, one `optimizer.step()` and exactly one `scheduler.step()`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..engine import Engine
+from .config import Config, save_config
+from .data import ByteTokenizer, TokenBatches, build_cache, corpus_files
+from .ema import WeightEMA
+from .metrics import MetricsLog, Summary, format_bytes, memory_bytes, plot_metrics
+from .models import BuiltModel, build_model, lm_loss
+from .schedule import make_scheduler
+from .state import check_data_position, data_position, gather_rng_states, restore_rng_states
+
+
+def check_batch(cfg: Config, world_size: int) -> int:
+    """The global micro-batch (sequences per micro-step over all ranks); ValueError with the fix."""
+    batch, accum = cfg.train.batch_size, cfg.train.grad_accum
+    unit = world_size * accum
+    if batch < unit or batch % unit:
+        fix = max(unit, (batch // unit) * unit)
+        raise ValueError(f"train.batch_size={batch} must be a multiple of world size {world_size} x train.grad_accum "
+                         f"{accum} = {unit}; use --train.batch_size {fix}")
+    return batch // accum
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW groups: weight decay on matrices, none on norms, biases and other vectors.
+
+    Decided from the unsharded shapes, so it must run before `Engine.setup` (after it, every
+    parameter is a flat piece of a shard).
+    """
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+@dataclass(kw_only=True)
+class _Job:
+    """The objects of one run, shared by the step, evaluation and checkpoint helpers."""
+
+    cfg: Config
+    engine: Engine
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    train_batches: TokenBatches
+    eval_batches: TokenBatches
+    vocab_size: int
+    ema: WeightEMA | None
+
+    def to_device(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return tuple(t.to(self.engine.device, non_blocking=True) for t in batch)
+
+    def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One optimizer step; returns (mean loss over its micro-batches, gradient norm before clipping)."""
+        accum = self.cfg.train.grad_accum
+        total = torch.zeros((), device=self.engine.device)
+        for micro in range(accum):
+            inputs, targets = self.to_device(self.train_batches.batch(step * accum + micro))
+            with self.engine.no_backward_sync(self.model, enabled=micro < accum - 1):
+                loss = lm_loss(self.model, inputs, targets, vocab_size=self.vocab_size) / accum
+                self.engine.backward(loss)
+            total += loss.detach()
+        norm = None
+        if self.cfg.optim.grad_clip > 0:
+            norm = self.engine.clip_gradients(self.model, self.optimizer, max_norm=self.cfg.optim.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.ema is not None:
+            self.ema.update()
+        return total, norm
+
+    @torch.no_grad()
+    def held_out_loss(self) -> float:
+        self.model.eval()
+        total = torch.zeros((), device=self.engine.device)
+        for index in range(self.cfg.train.eval_batches):
+            inputs, targets = self.to_device(self.eval_batches.batch(index))
+            total += lm_loss(self.model, inputs, targets, vocab_size=self.vocab_size)
+        self.model.train()
+        return self.engine.all_reduce(total / self.cfg.train.eval_batches).item()
+
+    def evaluate(self, step: int, elapsed: float) -> dict:
+        record = {"kind": "eval", "step": step, "eval_loss": self.held_out_loss(), "elapsed_s": round(elapsed, 3)}
+        if self.ema is not None:
+            with self.ema.swapped_in():
+                record["eval_loss_ema"] = self.held_out_loss()
+        return record
+
+    def checkpoint_state(self) -> dict:
+        state = {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler}
+        if self.ema is not None:
+            state["ema"] = self.ema
+        return state
+
+    def save(self, run_dir: Path, step: int) -> None:
+        state = self.checkpoint_state()
+        state["data"] = data_position(step=step, batch_size=self.cfg.train.batch_size)
+        state["rng"] = gather_rng_states(self.engine.world_size)
+        self.engine.save(str(run_dir / "checkpoints" / f"step_{step:06d}"), state)
+
+    def resume(self, path: str) -> int:
+        """Load the checkpoint at `path` into the job; return the step to continue from."""
+        rest = self.engine.load(path, self.checkpoint_state())
+        step = check_data_position(rest["data"], batch_size=self.cfg.train.batch_size)
+        restore_rng_states(rest["rng"], rank=self.engine.rank, world_size=self.engine.world_size)
+        return step
+
+
+def _prepare(cfg: Config, engine: Engine) -> tuple[BuiltModel, int, tuple]:
+    """Every check a user can fail, on every rank, before any communication."""
+    micro_batch = check_batch(cfg, engine.world_size)
+    corpus = corpus_files(cfg.data.path, cfg.data.pattern)
+    if cfg.run.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ValueError("run.tensorboard=true needs the tensorboard package: pip install 'shardtrain[tensorboard]'")
+    if (cfg.run.checkpoint_every or cfg.run.resume) and importlib.util.find_spec("shardtrain.checkpoint") is None:
+        raise ValueError("checkpoints need the module shardtrain.checkpoint, which this build lacks; "
+                         "run with --run.checkpoint_every 0 and without --resume")
+    if cfg.run.resume and not Path(cfg.run.resume).exists():
+        raise ValueError(f"run.resume={cfg.run.resume!r} does not exist; pass a checkpoint directory "
+                         "(runs/<name>/checkpoints/step_NNNNNN)")
+    engine.seed_everything(cfg.train.seed)
+    built = build_model(cfg.model, init_context=engine.init_module)
+    if built.max_seq_len is not None and cfg.data.seq_len > built.max_seq_len:
+        raise ValueError(f"data.seq_len={cfg.data.seq_len} exceeds the model's maximum sequence length "
+                         f"{built.max_seq_len}; lower --data.seq_len or raise --model.kwargs.max_seq_len")
+    return built, micro_batch, corpus
+
+
+def _run_dir(cfg: Config, engine: Engine) -> Path:
+    name = cfg.run.name or engine.broadcast(datetime.now().strftime("%Y%m%d-%H%M%S"))
+    run_dir = Path(cfg.run.out_dir) / name
+    if engine.rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, run_dir / "config.yaml")
+    return run_dir
+
+
+def run(cfg: Config, engine: Engine) -> Summary:
+    """Train as configured on this rank; rank 0 writes the run directory. Returns the run's summary."""
+    start = time.perf_counter()
+    built, micro_batch, (root, files) = _prepare(cfg, engine)
+    tokenizer = ByteTokenizer()
+    with engine.rank_zero_first(local=True):
+        cache = build_cache(root=root, files=files, pattern=cfg.data.pattern, val_fraction=cfg.data.val_fraction,
+                            cache_dir=cfg.data.cache_dir, tokenizer=tokenizer,
+                            progress=cfg.run.progress and engine.local_rank == 0)
+    common = dict(seq_len=cfg.data.seq_len, global_batch=micro_batch, rank=engine.rank,
+                  world_size=engine.world_size, seed=cfg.train.seed)
+    train_batches = TokenBatches(cache.train, shuffle=True, **common)
+    eval_batches = TokenBatches(cache.held_out, shuffle=False, **common)
+    model = built.module
+    optimizer = torch.optim.AdamW(param_groups(model, cfg.optim.weight_decay), lr=cfg.optim.lr,
+                                  betas=(cfg.optim.beta1, cfg.optim.beta2), fused=engine.device.type == "cuda")
+    model, optimizer = engine.setup(model, optimizer, wrap=built.wrap,
+                                    activation_checkpointing=built.wrap if cfg.model.activation_checkpointing else None)
+    scheduler = make_scheduler(optimizer, warmup_steps=cfg.optim.warmup_steps, total_steps=cfg.train.steps,
+                               min_ratio=cfg.optim.min_lr_ratio)
+    ema = WeightEMA(model, decay=cfg.train.ema_decay) if cfg.train.ema_decay > 0 else None
+    job = _Job(cfg=cfg, engine=engine, model=model, optimizer=optimizer, scheduler=scheduler, ema=ema,
+               train_batches=train_batches, eval_batches=eval_batches, vocab_size=tokenizer.vocab_size)
+    first_step = job.resume(cfg.run.resume) if cfg.run.resume else 0
+    run_dir = _run_dir(cfg, engine)
+    return _loop(job, run_dir, first_step=first_step, description=built.description, start=start)
+
+
+def _loop(job: _Job, run_dir: Path, *, first_step: int, description: str, start: float) -> Summary:
+    cfg, engine = job.cfg, job.engine
+    lead = engine.rank == 0
+    log = MetricsLog(run_dir, tensorboard=cfg.run.tensorboard) if lead else None
+    memory_label = "peak CUDA memory per rank" if engine.device.type == "cuda" else "model state per rank (CPU)"
+    tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
+    bar = _progress_bar(cfg, first_step) if lead and cfg.run.progress else None
+    first_eval = job.evaluate(first_step, time.perf_counter() - start)
+    if log:
+        log.write(first_eval)
+    last_eval, memory = first_eval, [0] * engine.world_size
+    loss_sum, loss_count, norm = torch.zeros((), device=engine.device), 0, None
+    interval_start, interval_steps, train_time, train_tokens = time.perf_counter(), 0, 0.0, 0
+    for step in range(first_step, cfg.train.steps):
+        loss, norm = job.train_step(step)
+        loss_sum += loss
+        loss_count += 1
+        interval_steps += 1
+        done = step + 1
+        if bar is not None:
+            bar.update(1)
+        if done % cfg.train.log_every == 0 or done == cfg.train.steps:
+            mean_loss = engine.all_reduce(loss_sum / loss_count).item()
+            memory = [int(b) for b in engine.all_gather(torch.tensor(memory_bytes(job.model, job.optimizer, engine.device)))]
+            elapsed = time.perf_counter() - interval_start
+            train_time += elapsed
+            train_tokens += interval_steps * tokens_per_step
+            record = {"kind": "train", "step": done, "loss": mean_loss, "lr": job.scheduler.get_last_lr()[0],
+                      "grad_norm": None if norm is None else float(norm), "tokens": done * tokens_per_step,
+                      "tokens_per_s": interval_steps * tokens_per_step / elapsed,
+                      "elapsed_s": round(time.perf_counter() - start, 3), "memory_bytes": memory}
+            if log:
+                log.write(record)
+            if bar is not None:
+                bar.set_postfix(loss=f"{mean_loss:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}",
+                                mem="/".join(format_bytes(b) for b in memory))
+            loss_sum.zero_()
+            loss_count, interval_steps, interval_start = 0, 0, time.perf_counter()
+        if (cfg.train.eval_every and done % cfg.train.eval_every == 0) or done == cfg.train.steps:
+            pause = time.perf_counter()
+            last_eval = job.evaluate(done, pause - start)
+            if log:
+                log.write(last_eval)
+            if bar is not None:
+                bar.write(f"step {done}: held-out loss {last_eval['eval_loss']:.4f}")
+            interval_start += time.perf_counter() - pause
+        if cfg.run.checkpoint_every and (done % cfg.run.checkpoint_every == 0 or done == cfg.train.steps):
+            pause = time.perf_counter()
+            job.save(run_dir, done)
+            interval_start += time.perf_counter() - pause
+    if bar is not None:
+        bar.close()
+    summary = Summary(
+        run_dir=str(run_dir), model=description,
+        world=f"{engine.world_size} x {engine.device.type}, {engine.strategy.value}, {engine.precision}",
+        steps=cfg.train.steps - first_step, tokens=train_tokens, wall_s=time.perf_counter() - start,
+        tokens_per_s=train_tokens / train_time if train_time else math.nan,
+        first_eval_loss=first_eval["eval_loss"], final_eval_loss=last_eval["eval_loss"],
+        memory_per_rank=memory, memory_label=memory_label,
+    )
+    if log:
+        log.write({"kind": "summary", "step": cfg.train.steps, "wall_s": round(summary.wall_s, 3),
+                   "eval_loss_drop": summary.eval_loss_drop, "tokens_per_s": summary.tokens_per_s})
+        log.close()
+        plot_metrics(log.records, run_dir / "metrics.png", memory_label=memory_label)
+    return summary
+
+
+def _progress_bar(cfg: Config, first_step: int):
+    from tqdm import tqdm
+
+    return tqdm(total=cfg.train.steps, initial=first_step, desc="train", unit="step", dynamic_ncols=True)

@@ -1,0 +1,135 @@
+"""What a run records and shows: metrics.jsonl, TensorBoard events, a PNG plot, memory per rank,
+and the summary table printed at the end. Only rank 0 writes; every rank measures its own memory.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes this rank holds of parameters, gradients and optimizer state (its shards, after sharding)."""
+    tensors = [p for p in model.parameters()] + [p.grad for p in model.parameters() if p.grad is not None]
+    tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def memory_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> int:
+    """This rank's memory figure: peak allocated on CUDA, else the bytes of model state."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return model_state_bytes(model, optimizer)
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+class MetricsLog:
+    """Appends one JSON object per record to metrics.jsonl (and TensorBoard scalars when enabled)."""
+
+    def __init__(self, run_dir: Path, *, tensorboard: bool) -> None:
+        self.path = run_dir / "metrics.jsonl"
+        self.records: list[dict[str, Any]] = []
+        self._file = open(self.path, "a", buffering=1)
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.records.append(record)
+        self._file.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key not in ("step", "kind"):
+                    self._tb.add_scalar(f"{record['kind']}/{key}", value, record["step"])
+                elif isinstance(value, list):
+                    for rank, v in enumerate(value):
+                        self._tb.add_scalar(f"{record['kind']}/{key}/rank{rank}", v, record["step"])
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def plot_metrics(records: list[dict[str, Any]], path: Path, *, memory_label: str) -> None:
+    """Loss (train and held-out), throughput and memory per rank against the step, as one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [r for r in records if r["kind"] == "train"]
+    evals = [r for r in records if r["kind"] == "eval"]
+    fig, (ax_loss, ax_speed, ax_mem) = plt.subplots(1, 3, figsize=(15, 4))
+    ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], label="train")
+    ax_loss.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="held-out")
+    if any("eval_loss_ema" in r for r in evals):
+        ax_loss.plot([r["step"] for r in evals], [r["eval_loss_ema"] for r in evals], "s--", label="held-out (EMA)")
+    ax_loss.set(xlabel="step", ylabel="loss (nats/token)", title="loss")
+    ax_loss.legend()
+    ax_speed.plot([r["step"] for r in train], [r["tokens_per_s"] for r in train])
+    ax_speed.set(xlabel="step", ylabel="tokens/s (all ranks)", title="throughput")
+    if train:
+        for rank in range(len(train[0]["memory_bytes"])):
+            ax_mem.plot([r["step"] for r in train], [r["memory_bytes"][rank] / 2**20 for r in train], label=f"rank {rank}")
+        ax_mem.legend()
+    ax_mem.set(xlabel="step", ylabel="MiB", title=memory_label)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Summary:
+    """The outcome of a run, as returned by `train.loop.run` and printed as a table."""
+
+    run_dir: str
+    model: str
+    world: str
+    steps: int
+    tokens: int
+    wall_s: float
+    tokens_per_s: float
+    first_eval_loss: float
+    final_eval_loss: float
+    memory_per_rank: list[int]
+    memory_label: str
+
+    @property
+    def eval_loss_drop(self) -> float:
+        """Relative fall of the held-out loss from the first evaluation to the last."""
+        return 1.0 - self.final_eval_loss / self.first_eval_loss
+
+    def table(self):
+        from rich.table import Table
+
+        table = Table(title="shardtrain train", show_header=False)
+        rows = [
+            ("model", self.model),
+            ("world", self.world),
+            ("steps", f"{self.steps:,}"),
+            ("tokens", f"{self.tokens:,}"),
+            ("wall time", f"{self.wall_s:.1f} s"),
+            ("throughput", f"{self.tokens_per_s:,.0f} tokens/s"),
+            ("held-out loss", f"{self.first_eval_loss:.3f} -> {self.final_eval_loss:.3f} "
+                              f"({self.eval_loss_drop:.1%} lower)"),
+            (self.memory_label, ", ".join(format_bytes(b) for b in self.memory_per_rank)),
+            ("run dir", self.run_dir),
+        ]
+        for key, value in rows:
+            table.add_row(key, value)
+        return table

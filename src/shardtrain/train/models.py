@@ -1,0 +1,146 @@
+"""Build the model to train from its name: a built-in Llama size, a Hugging Face causal LM, or a factory.
+
+    llama-<size>            shardtrain.models.llama.LLAMA_SIZES (built on the meta device, so even
+                            8B starts instantly; st.shard materialises it unit by unit)
+    hf                      transformers.AutoModelForCausalLM from a config (model.hf_config and/or
+                            model.kwargs with model_type), randomly initialised: nothing is downloaded
+    package.module:factory  any callable returning an nn.Module, called with model.kwargs
+
+Each comes with its default sharding units: Llama's `Block`, the Hugging Face model's
+`_no_split_modules` (the blocks its authors say must not be split), or the factory model's
+`_no_split_modules` if it has one (else the whole model is one unit).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..models.llama import LLAMA_SIZES, Block, Llama, LlamaConfig, llama_config
+from .config import ModelConfig
+
+LLAMA_PREFIX = "llama-"
+
+
+@dataclass(frozen=True, kw_only=True)
+class BuiltModel:
+    module: nn.Module
+    wrap: frozenset[type[nn.Module]] | None  # None: the whole model is one unit
+    description: str
+    max_seq_len: int | None  # longest sequence the model accepts, where it has a limit
+
+
+def model_names() -> list[str]:
+    return [LLAMA_PREFIX + size for size in LLAMA_SIZES] + ["hf", "package.module:factory"]
+
+
+def build_model(cfg: ModelConfig, *, init_context) -> BuiltModel:
+    """Build the model named by `cfg.name`; raise ValueError with the fix if it cannot be built.
+
+    `init_context(empty_init=...)` is the engine's `init_module`: models that can initialise
+    themselves on the meta device (the built-in Llama) are built there.
+    """
+    name = cfg.name
+    try:
+        if name.lower().startswith(LLAMA_PREFIX):
+            built = _build_llama(name[len(LLAMA_PREFIX):], cfg.kwargs, init_context)
+        elif name == "hf":
+            built = _build_hf(cfg)
+        elif ":" in name:
+            built = _build_factory(name, cfg.kwargs)
+        else:
+            raise ValueError(f"use one of {', '.join(model_names())}")
+    except ValueError as exc:
+        raise ValueError(f"model.name={name!r} does not build: {exc}") from exc
+    if cfg.wrap:
+        built = BuiltModel(module=built.module, wrap=classes_by_name(built.module, cfg.wrap),
+                           description=built.description, max_seq_len=built.max_seq_len)
+    return built
+
+
+def _build_llama(size: str, kwargs: dict[str, Any], init_context) -> BuiltModel:
+    if size.lower() not in LLAMA_SIZES:
+        raise ValueError(f"unknown Llama size {size!r}; built-in sizes: {', '.join(LLAMA_PREFIX + s for s in LLAMA_SIZES)}")
+    try:
+        cfg = llama_config(size, **kwargs)
+    except TypeError as exc:
+        fields = ", ".join(f.name for f in dataclasses.fields(LlamaConfig))
+        raise ValueError(f"model.kwargs={kwargs!r}: {exc}; LlamaConfig fields are {fields}") from exc
+    with init_context(empty_init=True):
+        module = Llama(cfg)
+    return BuiltModel(module=module, wrap=frozenset({Block}), max_seq_len=cfg.max_seq_len,
+                      description=f"Llama {size} ({cfg.num_params() / 1e6:.2f}M params, {cfg.n_layers} layers, dim {cfg.dim})")
+
+
+def _build_hf(cfg: ModelConfig) -> BuiltModel:
+    try:
+        import transformers
+    except ModuleNotFoundError as exc:
+        raise ValueError("Hugging Face models need transformers: pip install 'shardtrain[hf]'") from exc
+    kwargs = dict(cfg.kwargs)
+    if cfg.hf_config is not None:
+        path = Path(cfg.hf_config).expanduser()
+        if not path.exists():
+            raise ValueError(f"model.hf_config={cfg.hf_config!r} does not exist; pass a local config.json or a "
+                             "directory holding one (nothing is downloaded)")
+        hf_cfg = transformers.AutoConfig.from_pretrained(str(path), **kwargs)
+    elif "model_type" in kwargs:
+        hf_cfg = transformers.AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
+    else:
+        raise ValueError("give model.hf_config (a config.json) or model.kwargs.model_type (e.g. 'llama')")
+    try:
+        module = transformers.AutoModelForCausalLM.from_config(hf_cfg)
+    except Exception as exc:  # noqa: BLE001 - transformers raises many types; report them in one line
+        raise ValueError(f"{type(exc).__name__}: {exc}".replace("\n", " ")) from exc
+    no_split = getattr(module, "_no_split_modules", None) or []
+    wrap = classes_by_name(module, tuple(no_split)) if no_split else None
+    params = sum(p.numel() for p in module.parameters())
+    return BuiltModel(module=module, wrap=wrap, max_seq_len=getattr(hf_cfg, "max_position_embeddings", None),
+                      description=f"{type(module).__name__} ({params / 1e6:.2f}M params, from config)")
+
+
+def _build_factory(spec: str, kwargs: dict[str, Any]) -> BuiltModel:
+    module_name, _, attr = spec.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"cannot import {attr!r} from {module_name!r} ({exc}); check the module is on the "
+                         "Python path and the name after ':' exists") from exc
+    try:
+        module = factory(**kwargs)
+    except Exception as exc:  # noqa: BLE001 - the user's factory may raise anything
+        raise ValueError(f"{spec}(**{kwargs!r}) raised {type(exc).__name__}: {exc}".replace("\n", " ")) from exc
+    if not isinstance(module, nn.Module):
+        raise ValueError(f"{spec} returned {type(module).__name__}, not an nn.Module")
+    no_split = getattr(module, "_no_split_modules", None)
+    params = sum(p.numel() for p in module.parameters())
+    return BuiltModel(module=module, wrap=classes_by_name(module, tuple(no_split)) if no_split else None,
+                      max_seq_len=None,
+                      description=f"{type(module).__name__} ({params / 1e6:.2f}M params, from {spec})")
+
+
+def classes_by_name(module: nn.Module, names: tuple[str, ...]) -> frozenset[type[nn.Module]]:
+    """Resolve class names (e.g. from model.wrap or `_no_split_modules`) against the model's own modules."""
+    found = {type(m).__name__: type(m) for m in module.modules()}
+    missing = [n for n in names if n not in found]
+    if missing:
+        raise ValueError(f"model.wrap names {missing} that are not module classes of {type(module).__name__}; "
+                         f"its classes are {sorted(found)}")
+    return frozenset(found[n] for n in names)
+
+
+def lm_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, *, vocab_size: int) -> torch.Tensor:
+    """Mean next-token cross-entropy (in fp32) of a model returning logits or an object with `.logits`."""
+    out = model(inputs)
+    logits = getattr(out, "logits", out)
+    if logits.size(-1) < vocab_size:
+        raise ValueError(f"the model predicts {logits.size(-1)} classes but the tokenizer has {vocab_size} tokens; "
+                         f"give the model a vocabulary of at least {vocab_size} (e.g. --model.kwargs.vocab_size {vocab_size})")
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())

@@ -15,6 +15,10 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+# Note: torch 2.13 renamed the tensor collectives (*_single); 2.11 only has the old names.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 @dataclass(eq=False)
 class Pending:
@@ -80,9 +84,9 @@ class Groups:
                 out.copy_(inp)
             return self._finish_cuda(self.gather_stream) if self.cuda else Pending()
         if self.cuda:
-            dist.all_gather_into_tensor(out, inp, group=self.shard)
+            _all_gather(out, inp, group=self.shard)
             return self._finish_cuda(self.gather_stream, keep=[inp])
-        work = dist.all_gather_into_tensor(out, inp, group=self.shard, async_op=True)
+        work = _all_gather(out, inp, group=self.shard, async_op=True)
         return Pending(work=work, keep=[inp])
 
     # ------------------------------------------------------------------ gradient reduction
@@ -130,7 +134,7 @@ class Groups:
         op = dist.ReduceOp.AVG if self.native_avg else dist.ReduceOp.SUM
         works = []
         if self.shard_world > 1:
-            works.append(dist.reduce_scatter_tensor(out, inp, op=op, group=self.shard, async_op=async_op))
+            works.append(_reduce_scatter(out, inp, op=op, group=self.shard, async_op=async_op))
         if self.replicate_world > 1:
             if works and async_op:
                 works[0].wait()  # Gloo: the all-reduce needs the reduce-scatter's result

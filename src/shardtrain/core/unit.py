@@ -241,6 +241,10 @@ class ShardUnit:
         pending = self.groups.reduce_gradient(flat, reduce_dtype=self.behaviour.reduce_dtype, accumulate=accumulate)
         self.runtime.track_reduce(self, pending)
 
+    def owns_grads(self) -> bool:
+        """Whether every gradient-carrying parameter's `.grad` is still the view into `sharded_grad`."""
+        return all(p.grad is v for p, v in zip(self.shard_params, self._grad_views) if p.requires_grad)
+
     def publish_grads(self, used: list[bool]) -> None:
         """Point `.grad` of every parameter that got a gradient on any rank at its shard gradient."""
         if self.sharded_grad is None:

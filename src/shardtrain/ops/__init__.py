@@ -1,0 +1,1 @@
+"""Operations on a sharded model around the training step."""

@@ -1,0 +1,85 @@
+"""`st.plan`: a dry run of the wrap policy, with no process group and no memory allocated.
+
+Works on a model on any device, the meta device included.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from ..core.flat import build_layout
+from ..policy import parse_mixed_precision
+from ..strategy import Strategy, parse_strategy
+from .units import partition
+
+MIB = 1024 * 1024
+DOMINANT_FRACTION = 0.5
+
+
+@dataclass(frozen=True, kw_only=True)
+class UnitRow:
+    name: str
+    params: int
+    padded: int
+    sharded_bytes: int  # per rank, the stored (fp32) shard
+    unsharded_bytes: int  # the gathered parameters in param dtype
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    model: str
+    world_size: int
+    strategy: Strategy
+    units: tuple[UnitRow, ...]
+    warnings: tuple[str, ...]
+    notes: tuple[str, ...]
+
+    @property
+    def total_params(self) -> int:
+        return sum(u.params for u in self.units)
+
+    def __str__(self) -> str:
+        header = f"{'unit':<32} {'params':>14} {'MiB/rank sharded':>17} {'MiB unsharded':>14}"
+        lines = [f"shardtrain plan: {self.model}, {self.strategy.value}, world size {self.world_size}, "
+                 f"{len(self.units)} units", header, "-" * len(header)]
+        for u in self.units:
+            lines.append(f"{(u.name or '<root>'):<32} {u.params:>14,} {u.sharded_bytes / MIB:>17.2f} "
+                         f"{u.unsharded_bytes / MIB:>14.2f}")
+        lines.append("-" * len(header))
+        lines.append(f"{'total':<32} {self.total_params:>14,} "
+                     f"{sum(u.sharded_bytes for u in self.units) / MIB:>17.2f} "
+                     f"{sum(u.unsharded_bytes for u in self.units) / MIB:>14.2f}")
+        lines += [f"note: {n}" for n in self.notes] + [f"warning: {w}" for w in self.warnings]
+        return "\n".join(lines)
+
+
+def plan(model: nn.Module, *, wrap: Any = None, world_size: int = 1, strategy: Any = "full_shard",
+         mixed_precision: Any = None) -> Plan:
+    """Units, parameters and bytes per unit for `model` sharded over `world_size` ranks."""
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"plan: world_size={world_size!r} must be a positive int")
+    strategy = parse_strategy(strategy)
+    precision = parse_mixed_precision(mixed_precision)
+    parts = partition(model, wrap)
+    shard_world = 1 if strategy is Strategy.NO_SHARD else world_size
+    rows = []
+    for spec in parts.units:
+        layout = build_layout([(occ[0].fqn, p, ()) for p, occ in zip(spec.params, spec.occurrences)], shard_world)
+        stored = spec.params[0].element_size() if spec.params else 4
+        compute = precision.param_dtype.itemsize if precision.param_dtype else stored
+        rows.append(UnitRow(name=spec.name, params=layout.numel, padded=layout.padded_numel,
+                            sharded_bytes=layout.shard_numel * stored, unsharded_bytes=layout.padded_numel * compute))
+    total = sum(r.params for r in rows)
+    warnings = []
+    if total and len(rows) > 0:
+        big = max(rows, key=lambda r: r.params)
+        if big.params / total > DOMINANT_FRACTION and world_size > 1:
+            warnings.append(
+                f"unit '{big.name or '<root>'}' holds {100 * big.params / total:.0f}% of the parameters: its unsharded "
+                "copy must fit on every rank at once, so sharding will save little; wrap smaller modules "
+                "(e.g. the transformer block class) or use st.SizePolicy(min_params=...)")
+    return Plan(model=type(model).__name__, world_size=world_size, strategy=strategy, units=tuple(rows),
+                warnings=tuple(warnings), notes=parts.notes)

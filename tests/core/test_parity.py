@@ -1,0 +1,40 @@
+"""The engine trains exactly like a single unsharded process (issue: the sharding engine).
+
+Each call runs many configurations inside one persistent process group of the given size.
+"""
+
+import itertools
+
+import pytest
+
+from tests.core.parity import Case, run_cases
+
+STRATEGIES = ["full_shard", "shard_grad_op", "no_shard"]
+
+
+def _matrix(optims, accums, acs):
+    return [Case(strategy=s, optim=o, accum=a, ac=ac)
+            for s, o, a, ac in itertools.product(STRATEGIES, optims, accums, acs)]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("kind", ["llama", "cnn", "frozen"])
+def test_parity_fp32(pools, world, kind):
+    cases = _matrix(["sgd", "adamw"], ["none", "no_sync"], [False, True])
+    if world in (1, 3):  # the uneven-padding and single-rank sizes get a lighter matrix
+        cases = _matrix(["sgd", "adamw"], ["no_sync"], [False]) + _matrix(["adamw"], ["plain"], [True])
+    assert pools(world).run(run_cases, kind, cases) == [len(cases)] * world
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_parity_optimizers_clip_and_plain_accumulation(pools, world):
+    cases = [Case(strategy=s, optim=o, accum="plain", clip=0.05)
+             for s in STRATEGIES for o in ["adamw_fused", "adam_foreach"]]
+    assert pools(world).run(run_cases, "llama", cases) == [len(cases)] * world
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_parity_mixed_precision(pools, precision):
+    cases = [Case(strategy=s, precision=precision, accum=a, ac=ac)
+             for s in STRATEGIES for a, ac in [("none", False), ("no_sync", True)]]
+    assert pools(2).run(run_cases, "llama", cases) == [len(cases)] * 2

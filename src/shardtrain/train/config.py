@@ -67,7 +67,7 @@ class DataConfig:
 class OptimConfig:
     lr: float = _help("peak learning rate (AdamW)", 3e-3)
     min_lr_ratio: float = _help("final learning rate as a fraction of the peak (cosine decay)", 0.1)
-    warmup_steps: int = _help("optimizer steps of linear warm-up", 20)
+    warmup_steps: int = _help("optimizer steps of linear warm-up", 10)
     weight_decay: float = _help("AdamW weight decay (not applied to norms and biases)", 0.1)
     beta1: float = _help("AdamW beta1", 0.9)
     beta2: float = _help("AdamW beta2", 0.95)
@@ -82,10 +82,10 @@ class OptimConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    steps: int = _help("optimizer steps", 240)
+    steps: int = _help("optimizer steps", 120)
     batch_size: int = _help("sequences per optimizer step, over all ranks and micro-batches", 16)
     grad_accum: int = _help("micro-batches accumulated per optimizer step", 1)
-    eval_every: int = _help("evaluate the held-out loss every N steps (and at step 0 and the end)", 40)
+    eval_every: int = _help("evaluate the held-out loss every N steps (and at step 0 and the end)", 30)
     eval_batches: int = _help("held-out batches (of batch_size sequences) per evaluation", 4)
     log_every: int = _help("log the training loss every N steps", 10)
     ema_decay: float = _help("keep an exponential moving average of the weights on CPU (0: off)", 0.0)

@@ -155,9 +155,9 @@ def _run_dir(cfg: Config, engine: Engine) -> Path:
     return run_dir
 
 
-def run(cfg: Config, engine: Engine) -> Summary:
-    """Train as configured on this rank; rank 0 writes the run directory. Returns the run's summary."""
-    start = time.perf_counter()
+def build_job(cfg: Config, engine: Engine) -> tuple[_Job, str]:
+    """Check the configuration, tokenize the data (once per node), build and shard the model, make the
+    optimizer, scheduler and EMA. Returns the job and a description of the model."""
     built, micro_batch, (root, files) = _prepare(cfg, engine)
     tokenizer = ByteTokenizer()
     with engine.rank_zero_first(local=True):
@@ -166,8 +166,6 @@ def run(cfg: Config, engine: Engine) -> Summary:
                             progress=cfg.run.progress and engine.local_rank == 0)
     common = dict(seq_len=cfg.data.seq_len, global_batch=micro_batch, rank=engine.rank,
                   world_size=engine.world_size, seed=cfg.train.seed)
-    train_batches = TokenBatches(cache.train, shuffle=True, **common)
-    eval_batches = TokenBatches(cache.held_out, shuffle=False, **common)
     model = built.module
     optimizer = torch.optim.AdamW(param_groups(model, cfg.optim.weight_decay), lr=cfg.optim.lr,
                                   betas=(cfg.optim.beta1, cfg.optim.beta2), fused=engine.device.type == "cuda")
@@ -175,12 +173,19 @@ def run(cfg: Config, engine: Engine) -> Summary:
                                     activation_checkpointing=built.wrap if cfg.model.activation_checkpointing else None)
     scheduler = make_scheduler(optimizer, warmup_steps=cfg.optim.warmup_steps, total_steps=cfg.train.steps,
                                min_ratio=cfg.optim.min_lr_ratio)
-    ema = WeightEMA(model, decay=cfg.train.ema_decay) if cfg.train.ema_decay > 0 else None
-    job = _Job(cfg=cfg, engine=engine, model=model, optimizer=optimizer, scheduler=scheduler, ema=ema,
-               train_batches=train_batches, eval_batches=eval_batches, vocab_size=tokenizer.vocab_size)
+    job = _Job(cfg=cfg, engine=engine, model=model, optimizer=optimizer, scheduler=scheduler,
+               ema=WeightEMA(model, decay=cfg.train.ema_decay) if cfg.train.ema_decay > 0 else None,
+               train_batches=TokenBatches(cache.train, shuffle=True, **common),
+               eval_batches=TokenBatches(cache.held_out, shuffle=False, **common), vocab_size=tokenizer.vocab_size)
+    return job, built.description
+
+
+def run(cfg: Config, engine: Engine) -> Summary:
+    """Train as configured on this rank; rank 0 writes the run directory. Returns the run's summary."""
+    start = time.perf_counter()
+    job, description = build_job(cfg, engine)
     first_step = job.resume(cfg.run.resume) if cfg.run.resume else 0
-    run_dir = _run_dir(cfg, engine)
-    return _loop(job, run_dir, first_step=first_step, description=built.description, start=start)
+    return _loop(job, _run_dir(cfg, engine), first_step=first_step, description=description, start=start)
 
 
 def _loop(job: _Job, run_dir: Path, *, first_step: int, description: str, start: float) -> Summary:

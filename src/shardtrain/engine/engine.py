@@ -10,6 +10,7 @@ saving/loading sharded checkpoints.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import random
 import sys
 from datetime import timedelta
@@ -291,7 +292,7 @@ def _rebind_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], s
 
 def _checkpoint_module():
     try:
-        from .. import checkpoint
+        return importlib.import_module("shardtrain.checkpoint")
     except ModuleNotFoundError as exc:
         if exc.name and exc.name.startswith("shardtrain.checkpoint"):
             raise RuntimeError(
@@ -299,4 +300,3 @@ def _checkpoint_module():
                 "is missing); install a release that includes it"
             ) from exc
         raise
-    return checkpoint

@@ -1,0 +1,83 @@
+import pytest
+
+from shardtrain.train.config import Config, ConfigError, load_config, parse_overrides, save_config
+
+
+def test_defaults_need_no_file():
+    cfg = load_config()
+    assert cfg == Config()
+    assert cfg.model.name == "llama-2m" and cfg.engine.devices == "auto"
+
+
+def test_overrides_are_typed():
+    cfg = load_config(None, ["--train.steps", "5", "--optim.lr=1e-3", "--run.tensorboard", "--engine.devices", "1",
+                             "--model.wrap", "Block,Attention", "--data.path", "none", "--model.kwargs.n_layers", "2"])
+    assert cfg.train.steps == 5 and cfg.optim.lr == 1e-3 and cfg.run.tensorboard is True
+    assert cfg.engine.devices == 1 and cfg.model.wrap == ("Block", "Attention")
+    assert cfg.data.path is None and cfg.model.kwargs == {"n_layers": 2}
+
+
+def test_file_then_overrides(tmp_path):
+    toml = tmp_path / "job.toml"
+    toml.write_text('[train]\nsteps = 7\nbatch_size = 4\n[model]\nname = "llama-tiny"\nkwargs = { n_layers = 1 }\n')
+    cfg = load_config(toml, ["--train.steps", "9"])
+    assert (cfg.train.steps, cfg.train.batch_size, cfg.model.name, cfg.model.kwargs) == (9, 4, "llama-tiny", {"n_layers": 1})
+    yml = tmp_path / "job.yaml"
+    yml.write_text("optim:\n  lr: 0.01\nengine:\n  devices: 2\n")
+    cfg = load_config(yml)
+    assert cfg.optim.lr == 0.01 and cfg.engine.devices == 2
+
+
+def test_saved_config_reloads(tmp_path):
+    cfg = load_config(None, ["--train.steps", "3", "--model.wrap", "Block", "--model.kwargs.dim", "64"])
+    save_config(cfg, tmp_path / "config.yaml")
+    assert load_config(tmp_path / "config.yaml") == cfg
+
+
+@pytest.mark.parametrize("tokens, expected", [
+    (["--train.stpes", "5"], "did you mean 'train.steps'"),
+    (["--steps", "5"], "did you mean 'train.steps'"),
+    (["--trian.steps", "5"], "did you mean 'train.steps'"),
+    (["--optim.learning_rate", "1"], "Valid keys: optim.lr"),
+])
+def test_unknown_key_suggests_and_lists(tokens, expected):
+    with pytest.raises(ConfigError, match=expected):
+        load_config(None, tokens)
+
+
+def test_unknown_key_in_file_is_an_error(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("[train]\nstep = 3\n")
+    with pytest.raises(ConfigError, match="did you mean 'train.steps'"):
+        load_config(path)
+
+
+@pytest.mark.parametrize("tokens, expected", [
+    (["--train.steps", "many"], r"train.steps='many': expected int"),
+    (["--train.steps", "0"], r"train.steps=0 is invalid: use 1 or more"),
+    (["--run.tensorboard", "maybe"], "expected bool"),
+    (["--data.seq_len"], r"--data.seq_len needs a value"),
+    (["--data.val_fraction", "1.5"], r"use a value in \(0, 1\)"),
+    (["stray"], "unexpected argument 'stray'"),
+    (["--train.steps.x", "1"], "is not a table"),
+])
+def test_bad_values_name_key_and_fix(tokens, expected):
+    with pytest.raises(ConfigError, match=expected):
+        load_config(None, tokens)
+
+
+def test_missing_or_malformed_file(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad)
+    ini = tmp_path / "c.ini"
+    ini.write_text("")
+    with pytest.raises(ConfigError, match="unknown format"):
+        load_config(ini)
+
+
+def test_parse_overrides_forms():
+    assert parse_overrides(["--a.b", "1", "--c.d=2", "--e.f"]) == [("a.b", "1"), ("c.d", "2"), ("e.f", None)]

@@ -1,0 +1,326 @@
+"""What the memory estimator needs to know about a model, from any of the forms a user has at hand.
+
+`resolve_model` accepts a built-in Llama size name, a `LlamaConfig`, a parameter count with optional
+shape hints, a Hugging Face config (duck-typed), or an `nn.Module` (typically built on the meta
+device), and returns a `ModelSpec`: the parameter counts per sharding unit, plus the Llama-style shape
+that the activation formulas need (None when it cannot be known).
+
+Missing shape hints are filled the way Llama-3 models are built: head dim 128, 8 key/value heads (or
+the largest divisor of the head count up to 8), SwiGLU width round_up(1.3 * 8/3 * dim, 256), a
+128,256-token vocabulary, untied embeddings, and (when neither dim nor layers is given) a width near
+128 * layers, the depth/width ratio of Llama 3.2-1B and Llama 3-8B, rounded to a multiple of 1024
+(256 below 2048), with the depth that then matches the count. Those defaults only shape the
+activation and unit estimates; a parameter count the user gives is used as is for the model states.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from torch import nn
+
+from ..models.llama import LLAMA_SIZES, Block, Llama, LlamaConfig
+from .sizes import format_count, parse_count
+from .units import partition
+
+DEFAULT_VOCAB = 128256
+HINTS = ("dim", "layers", "vocab", "ffn", "heads", "kv_heads", "tie_embeddings")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LlamaShape:
+    """The dimensions of a Llama-style decoder (RMSNorm, GQA attention, SwiGLU)."""
+
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    vocab_size: int
+    tie_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"model shape: {name}={value!r} must be a positive integer")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"model shape: heads={self.n_heads} is not a multiple of kv_heads={self.n_kv_heads}; "
+                "give kv_heads that divides heads"
+            )
+
+    @property
+    def block_params(self) -> int:
+        q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        return self.dim * (2 * q + 2 * kv) + 3 * self.dim * self.ffn_dim + 2 * self.dim
+
+    @property
+    def root_params(self) -> int:
+        """Embedding, final norm and output head: the parameters outside the blocks."""
+        return self.vocab_size * self.dim * (1 if self.tie_embeddings else 2) + self.dim
+
+    @property
+    def num_params(self) -> int:
+        return self.n_layers * self.block_params + self.root_params
+
+    def describe(self) -> str:
+        return (
+            f"dim {self.dim}, {self.n_layers} layers, {self.n_heads} heads ({self.n_kv_heads} kv), "
+            f"ffn {self.ffn_dim}, vocab {self.vocab_size}" + (", tied embeddings" if self.tie_embeddings else "")
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """Parameter counts per sharding unit and, when known, the shape for the activation formulas.
+
+    `root_params` belong to the outermost unit, which is unsharded for the whole forward and the whole
+    backward (its forward encloses every other unit's); `enclosing_params` is the largest sum of the
+    units enclosing some inner unit (the root's, for a flat list of blocks); `unit_params` lists the
+    inner units, largest first.
+    """
+
+    name: str
+    num_params: int
+    trainable_params: int
+    root_params: int
+    enclosing_params: int
+    unit_params: tuple[int, ...]
+    shape: LlamaShape | None
+    notes: tuple[str, ...] = ()
+
+    def largest_units(self, count: int) -> int:
+        """Parameters of the `count` largest inner units together."""
+        return sum(self.unit_params[:count])
+
+
+def _round_up(value: float, multiple: int) -> int:
+    return int(-(-int(value) // multiple) * multiple)
+
+
+def _default_ffn(dim: int) -> int:
+    return _round_up(1.3 * int(8 * dim / 3), 256)
+
+
+def _default_heads(dim: int) -> int:
+    for head_dim in (128, 64):
+        if dim % head_dim == 0:
+            return dim // head_dim
+    return 1
+
+
+def _shape_from_dims(dim: int, layers: int, hints: dict[str, Any]) -> LlamaShape:
+    heads = hints.get("heads") or _default_heads(dim)
+    if dim % heads:
+        raise ValueError(f"dim={dim} is not a multiple of heads={heads}; give heads that divides dim")
+    kv_heads = hints.get("kv_heads") or max(d for d in range(1, min(8, heads) + 1) if heads % d == 0)
+    return LlamaShape(
+        dim=dim,
+        n_layers=layers,
+        n_heads=heads,
+        n_kv_heads=kv_heads,
+        head_dim=dim // heads,
+        ffn_dim=hints.get("ffn") or _default_ffn(dim),
+        vocab_size=hints.get("vocab") or DEFAULT_VOCAB,
+        tie_embeddings=bool(hints.get("tie_embeddings") or False),
+    )
+
+
+def _shape_for_count(params: int, hints: dict[str, Any]) -> LlamaShape:
+    """Choose dim and layers (those not hinted) so that the Llama-style count comes closest to `params`."""
+    dim, layers, heads = hints.get("dim"), hints.get("layers"), hints.get("heads")
+    if heads and not dim and not layers:
+        dim = 128 * heads  # Llama's head dim
+    if dim and layers:
+        return _shape_from_dims(dim, layers, hints)
+    if layers:
+        step = heads or 64
+        candidates = (_shape_from_dims(d, layers, hints) for d in range(step, 65537, step))
+        return min(candidates, key=lambda s: abs(s.num_params - params))
+    if not dim:  # the depth that fits at dim = 128 * layers, then a round width (8 kv heads divide it)
+        close = min((_shape_from_dims(128 * n, n, hints) for n in range(1, 257)), key=lambda s: abs(s.num_params - params))
+        granule = 1024 if close.dim >= 2048 else 256
+        dim = max(granule, round(close.dim / granule) * granule)
+    probe = _shape_from_dims(dim, 1, hints)
+    return replace(probe, n_layers=max(1, round((params - probe.root_params) / probe.block_params)))
+
+
+def _from_shape(name: str, shape: LlamaShape, *, params: int | None = None, notes=()) -> ModelSpec:
+    """Units of a Llama: the root (embedding, final norm, head) plus one unit per block."""
+    total = shape.num_params if params is None else params
+    blocks = total - shape.root_params
+    if blocks < shape.n_layers:
+        raise ValueError(
+            f"params={total:,} leaves nothing for {shape.n_layers} blocks after the embedding and head "
+            f"({shape.root_params:,} parameters at vocab {shape.vocab_size}, dim {shape.dim}); "
+            "give a larger parameter count or smaller vocab / dim hints"
+        )
+    notes = list(notes)
+    if params is not None and abs(shape.num_params - params) > 0.1 * params:
+        notes.append(
+            f"the shape used for activations ({shape.describe()}) has {format_count(shape.num_params)} "
+            f"parameters, not {format_count(params)}; give dim / layers hints that match"
+        )
+    return ModelSpec(
+        name=name,
+        num_params=total,
+        trainable_params=total,
+        root_params=shape.root_params,
+        enclosing_params=shape.root_params,
+        unit_params=(blocks // shape.n_layers,) * shape.n_layers,
+        shape=shape,
+        notes=tuple(notes),
+    )
+
+
+def _shape_from_llama(cfg: LlamaConfig) -> LlamaShape:
+    return LlamaShape(
+        dim=cfg.dim,
+        n_layers=cfg.n_layers,
+        n_heads=cfg.n_heads,
+        n_kv_heads=cfg.n_kv_heads,
+        head_dim=cfg.head_dim,
+        ffn_dim=cfg.ffn_dim,
+        vocab_size=cfg.vocab_size,
+        tie_embeddings=cfg.tie_embeddings,
+    )
+
+
+def _shape_from_hf(cfg: Any) -> LlamaShape:
+    missing = [a for a in ("hidden_size", "num_hidden_layers", "vocab_size") if getattr(cfg, a, None) is None]
+    if missing:
+        raise ValueError(
+            f"Hugging Face-style config {type(cfg).__name__} lacks {missing}; it needs hidden_size, "
+            "num_hidden_layers, vocab_size (and optionally intermediate_size, num_attention_heads, "
+            "num_key_value_heads, head_dim, tie_word_embeddings)"
+        )
+    dim = int(cfg.hidden_size)
+    heads = int(getattr(cfg, "num_attention_heads", None) or _default_heads(dim))
+    return LlamaShape(
+        dim=dim,
+        n_layers=int(cfg.num_hidden_layers),
+        n_heads=heads,
+        n_kv_heads=int(getattr(cfg, "num_key_value_heads", None) or heads),
+        head_dim=int(getattr(cfg, "head_dim", None) or dim // heads),
+        ffn_dim=int(getattr(cfg, "intermediate_size", None) or _default_ffn(dim)),
+        vocab_size=int(cfg.vocab_size),
+        tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+    )
+
+
+def _apply_hints(shape: LlamaShape, hints: dict[str, Any]) -> LlamaShape:
+    """Hints override the fields of a shape that came from a name or config."""
+    fields = {"dim": "dim", "layers": "n_layers", "vocab": "vocab_size", "ffn": "ffn_dim",
+              "heads": "n_heads", "kv_heads": "n_kv_heads", "tie_embeddings": "tie_embeddings"}
+    changes = {fields[k]: v for k, v in hints.items() if v is not None}
+    if not changes:
+        return shape
+    if "dim" in changes or "n_heads" in changes:
+        changes.setdefault("n_heads", shape.n_heads)
+        changes["head_dim"] = changes.get("dim", shape.dim) // changes["n_heads"]
+    return replace(shape, **changes)
+
+
+def _default_wrap(module: nn.Module):
+    """Llama: one unit per Block. Otherwise: the element classes of the largest nn.ModuleList."""
+    if isinstance(module, Llama):
+        return {Block}
+    lists = [m for m in module.modules() if isinstance(m, nn.ModuleList) and len(m)]
+    if not lists:
+        return None
+    largest = max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
+    return {type(child) for child in largest}
+
+
+def _from_module(module: nn.Module, wrap, hints: dict[str, Any]) -> ModelSpec:
+    parts = partition(module, _default_wrap(module) if wrap is None else wrap)
+    units = parts.units
+    root, inner = units[0], units[1:]
+    enclosing = 0
+    for unit in inner:
+        outer = [u for u in units if u is root or (u is not unit and unit.name.startswith(u.name + "."))]
+        enclosing = max(enclosing, sum(u.numel for u in outer))
+    params = [p for u in units for p in u.params]
+    total = sum(p.numel() for p in params)
+    notes = list(parts.notes)
+    shape = None
+    if isinstance(module, Llama):
+        shape = _apply_hints(_shape_from_llama(module.cfg), hints)
+    elif hints.get("dim"):
+        embeddings = [m for m in module.modules() if isinstance(m, nn.Embedding)]
+        vocab = max((e.num_embeddings for e in embeddings), default=None)
+        filled = {"layers": len(inner) or None, "vocab": vocab, **{k: v for k, v in hints.items() if v}}
+        if not filled.get("layers"):
+            raise ValueError(f"{type(module).__name__} has no inner units to count as layers; give layers=")
+        shape = _shape_from_dims(filled["dim"], filled["layers"], filled)
+    else:
+        notes.append(
+            f"activations and logits of {type(module).__name__} are not estimated (counted as 0): pass "
+            "dim= (and optionally layers=, vocab=, ffn=, heads=, kv_heads=) to estimate them Llama-style"
+        )
+    return ModelSpec(
+        name=f"{type(module).__name__} ({format_count(total)} params)",
+        num_params=total,
+        trainable_params=sum(p.numel() for p in params if p.requires_grad),
+        root_params=root.numel,
+        enclosing_params=enclosing or root.numel,
+        unit_params=tuple(sorted((u.numel for u in inner), reverse=True)),
+        shape=shape,
+        notes=tuple(notes),
+    )
+
+
+def resolve_model(model: Any = None, *, params: Any = None, wrap=None, **hints: Any) -> ModelSpec:
+    """Turn any accepted model description into a `ModelSpec` (see the module docstring)."""
+    unknown = set(hints) - set(HINTS)
+    if unknown:
+        raise ValueError(f"unknown shape hints {sorted(unknown)}; the hints are {list(HINTS)}")
+    for key, value in hints.items():
+        if value is not None and key != "tie_embeddings" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{key}={value!r} must be a positive integer")
+    hints = {k: v for k, v in hints.items() if v is not None}
+    if isinstance(model, (int, float, str)) and not isinstance(model, bool):
+        if isinstance(model, str) and model.strip().lower() in LLAMA_SIZES:
+            model = LLAMA_SIZES[model.strip().lower()]
+        elif params is None:
+            try:
+                model, params = None, parse_count(model, what="model")
+            except ValueError:
+                raise ValueError(
+                    f"model={model!r} is neither a built-in name (one of {list(LLAMA_SIZES)}) nor a "
+                    "parameter count such as '7B', '1.5b' or '350M'"
+                ) from None
+        else:
+            raise ValueError(f"model={model!r} and params={params!r} both give a size; give one of them")
+    if wrap is not None and not isinstance(model, nn.Module):
+        raise ValueError(f"wrap={wrap!r} applies only to an nn.Module model; drop it for {type(model).__name__}")
+    if model is not None and params is not None:
+        raise ValueError(
+            f"params={params!r} is only for a bare parameter count, but model={type(model).__name__} "
+            "already fixes it; drop params= (use shape hints such as vocab= to adjust the model)"
+        )
+    if model is None:
+        if params is None:
+            raise ValueError(
+                "no model given: pass a built-in name such as '8b' (one of "
+                f"{list(LLAMA_SIZES)}), a LlamaConfig, a Hugging Face config, an nn.Module, or params='7B'"
+            )
+        count = parse_count(params)
+        return _from_shape(f"{format_count(count)} params", _shape_for_count(count, hints), params=count)
+    if isinstance(model, LlamaConfig):
+        shape = _apply_hints(_shape_from_llama(model), hints)
+        return _from_shape(f"Llama {format_count(shape.num_params)}", shape)
+    if isinstance(model, nn.Module):
+        return _from_module(model, wrap, hints)
+    if hasattr(model, "hidden_size") and hasattr(model, "num_hidden_layers"):
+        shape = _apply_hints(_shape_from_hf(model), hints)
+        kind = getattr(model, "model_type", None) or type(model).__name__
+        return _from_shape(f"{kind} {format_count(shape.num_params)}", shape)
+    raise ValueError(
+        f"model={model!r} is not understood; pass a built-in name (one of {list(LLAMA_SIZES)}), a "
+        "parameter count such as '7B', a LlamaConfig, a Hugging Face config (hidden_size, "
+        "num_hidden_layers, ...) or an nn.Module"
+    )

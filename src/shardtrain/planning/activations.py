@@ -1,0 +1,92 @@
+"""Activation and loss memory of a Llama-style decoder on one device, in bytes.
+
+Notation: T = micro_batch * seq_len tokens on the device, s = seq_len, h = dim, q = heads * head_dim
+(= h in Llama), kv = kv_heads * head_dim, f = ffn_dim, V = vocab, c = bytes of the compute dtype
+(the param dtype: 2 for bf16, 4 without mixed precision).
+
+Saved for backward by one block without checkpointing, per token, in elements of c bytes:
+
+    attention-norm input and output              2h
+    q and k after rotary embedding, v            q + 2kv
+    attention output, stored twice               2q   (by the kernel, and as the output projection's input)
+    feed-forward-norm input and output           2h
+    w1(x), w3(x), silu(w1(x)), their product     4f
+
+so c * T * (4h + 3q + 2kv + 4f), i.e. s*b*[h*(14 + 4*kv_heads/heads) + 8*ffn] bytes in bf16, plus fp32
+statistics (log-sum-exp, 4 bytes per head, and two RMSNorm reciprocal std, 8 bytes). Counting the
+tensors gives 12h; the second copy of the attention output (2h more) was measured: on 2x H200 with
+torch 2.11 FSDP2, blocks of the 1.5B and 8B Llama kept 98,480 and 176,524 bytes per token, against
+98,376 and 176,264 here (0.1% apart).
+
+In fp32 compute the flash / cuDNN kernels do not apply (they need 16-bit inputs; with grouped-query
+attention the memory-efficient kernel does not either), so torch's math kernel stores the softmax
+probabilities, 4 * heads * s bytes per token and block (measured: 458,774 bytes per token per block
+for the 1.5B in fp32, formula 458,824), and its backward allocates two more such matrices.
+
+Activation checkpointing keeps only each checkpointed block's input (c * T * h) and recomputes one
+block's full activations at a time during backward. Checkpointing every k-th block checkpoints blocks
+0, k, 2k, ... (ceil(L / k) of them); the others save everything.
+
+The final norm keeps its input and output (the head's input): 2 * c * T * h.
+
+The loss (`Llama.loss`: logits in the compute dtype, cast to fp32, cross-entropy) peaks in the
+backward of log_softmax, when three fp32 tensors of T * V elements coexist: the saved log-probabilities,
+the incoming gradient from nll_loss, and the gradient of the logits: 12 * T * V bytes. (The forward
+holds 10 * T * V in bf16: logits, their fp32 copy, the log-probabilities.) This is what dominates small
+models with a large vocabulary: 11.7 GiB at 1.5B, batch 2 x 4096, vocab 128,256. A training loop that
+keeps its own reference to the logits until backward adds c * T * V.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .model_spec import LlamaShape
+
+FP32 = 4
+LOSS_BYTES_PER_LOGIT = 3 * FP32
+
+
+@dataclass(frozen=True, kw_only=True)
+class ActivationBill:
+    """Bytes for one micro-batch: what stays saved through forward, and what backward adds on top."""
+
+    saved: int  # every block's saved tensors (or checkpoints) and the final norm's, at the end of forward
+    backward_extra: int  # a checkpointed block's recomputation and the attention backward's temporaries
+    loss_peak: int  # logits and cross-entropy tensors at their peak (backward of log_softmax)
+
+
+def block_bytes(shape: LlamaShape, *, tokens: int, seq_len: int, compute_bytes: int) -> int:
+    """What one block saves for backward without checkpointing (see the module docstring)."""
+    q, kv = shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim
+    per_token = compute_bytes * (4 * shape.dim + 3 * q + 2 * kv + 4 * shape.ffn_dim)
+    if compute_bytes >= FP32:
+        per_token += attention_matrix_bytes(shape, seq_len=seq_len)
+    else:
+        per_token += FP32 * shape.n_heads + 2 * FP32
+    return tokens * per_token
+
+
+def attention_matrix_bytes(shape: LlamaShape, *, seq_len: int) -> int:
+    """Per token: one fp32 row of softmax probabilities per head (math attention kernel)."""
+    return FP32 * shape.n_heads * seq_len
+
+
+def checkpointed_blocks(n_layers: int, every: int) -> int:
+    """How many blocks recompute in backward when every `every`-th one is checkpointed (0: none)."""
+    return 0 if every == 0 else -(-n_layers // every)
+
+
+def activation_bill(
+    shape: LlamaShape, *, micro_batch: int, seq_len: int, compute_bytes: int, checkpoint_every: int
+) -> ActivationBill:
+    tokens = micro_batch * seq_len
+    block = block_bytes(shape, tokens=tokens, seq_len=seq_len, compute_bytes=compute_bytes)
+    n_ckpt = checkpointed_blocks(shape.n_layers, checkpoint_every)
+    checkpoint = compute_bytes * tokens * shape.dim
+    final_norm = 2 * compute_bytes * tokens * shape.dim
+    saved = (shape.n_layers - n_ckpt) * block + n_ckpt * checkpoint + final_norm
+    extra = block if n_ckpt else 0
+    if compute_bytes >= FP32:
+        extra += 2 * tokens * attention_matrix_bytes(shape, seq_len=seq_len)
+    return ActivationBill(saved=saved, backward_extra=extra, loss_peak=LOSS_BYTES_PER_LOGIT * tokens * shape.vocab_size)

@@ -1,0 +1,369 @@
+"""Per-device memory bill of one training step, by sharding strategy, without touching a GPU.
+
+The bill is the peak of torch.cuda.max_memory_allocated() over four moments of the step, each
+itemised (P parameters, N ranks per shard group, u_root the outermost unit, u the largest inner
+unit, p / r the param / reduce dtype sizes, o the optimizer's bytes per parameter):
+
+  forward + loss   fp32 master P*4/N + optimizer state P*o/N, the saved activations of every block,
+                   and the loss tensors at their peak (12 bytes per logit, see `activations`).
+                   The outermost unit is resharded after its forward (measured with FSDP2), so no
+                   unsharded parameters remain under full_shard; shard_grad_op keeps all of them, P*p.
+  backward start   the same states and activations plus a checkpointed block's recomputation; the
+                   outermost unit and `in_flight` inner units are gathered, p*(u_root + in_flight*u);
+                   the unsharded gradients of the outermost unit and of the current unit, p*(u_root + u),
+                   and the current unit's reduce buffer, r*u (only when r != p: a cast copy; otherwise
+                   the collective reads the gradient buffer itself).
+  backward end     the outermost unit reduces last: its unsharded gradients p*u_root are copied into
+                   its reduce buffer r*u_root, then freed while the reduce-scatter writes its gradient
+                   shard 4*u_root/N (the larger moment counts); the previous unit's reduce buffer r*u
+                   is still held by the asynchronous reduce-scatter. At 8B and above this is the peak:
+                   16 B/param / N plus p + r bytes per root parameter (embedding and head).
+  optimizer step   the states alone, 16 B/param / N for AdamW (fused: no temporaries).
+
+Gradients are allocated in backward and freed by `zero_grad()` (set_to_none), unless keep_grads=True
+(gradient accumulation, or zero_grad(set_to_none=False)). no_shard and optimizer_only keep the
+unsharded params resident in the param dtype (an alias of the master weights when both are fp32).
+
+Calibration: torch FSDP2 (one unit per block plus the root) on 2x H200, torch 2.11, bf16 params,
+fp32 reduce, fused AdamW, seq 4096; peak allocated GiB, measured / ANCHORS.md / this estimate:
+
+    1.5B b2            32.46 / 33.1 / 32.62     8B b1 AC      64.79 / 64.8 / 64.81
+    1.5B b2 ZeRO-2     35.31 / 34.8 / 35.48     8B b2 AC      64.79 / 64.8 / 64.81
+    1.5B b2 AC         20.95 /  -   / 21.12     8B b1         72.42 / 74.8 / 72.65
+    1.5B b4            56.27 /  -   / 56.44     8B b2         99.87 /  -   / 100.02
+    1.5B b1 fp32       42.67 /  -   / 43.49     12.3B b1 AC   98.31 / 98.3 / 97.99
+    1.5B b1 fp32 AC    18.33 /  -   / 17.74     14.5B b1 AC  114.79 / 114.8 / 114.39
+
+(ZeRO-2 = reshard_after_forward=False. ANCHORS' 8B b1 row is 2.4 GiB above our own measurement of
+the same setup: its training loop differed; keeping the bf16 logits alive alone adds 1 GiB there.) FSDP2 differs from this engine's
+design in two places, both outside the peaks above: its all-gather copies out of the gathered buffer
+(a second unit-sized transient) and it holds gradients per parameter, not in one flat buffer per unit.
+
+The `overhead` item (a constant) covers what the itemised terms leave out: cuBLAS and NCCL work
+buffers, rotary tables, optimizer step counters (0.07 GiB measured before the first forward, up to
+0.4 GiB at 12B-14B). Beyond the allocator's peak a device also needs the CUDA context and NCCL's own
+buffers (1.6 GiB measured) and room for the caching allocator's fragmentation: `reserve` adds those,
+and `fits` compares total + reserve with the device's memory. (With plenty of room the allocator
+reserved 13-35% more than the peak; near the limit it releases cached blocks and retries, and 14.5B
+ran with 115 GiB allocated on a 139 GiB device, so the reserve counts 5%.) A non-fused foreach
+AdamW adds a transient copy of the second moments (4 B/param / N) in the optimizer step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from ..policy import CPUOffload, MixedPrecision, parse_cpu_offload, parse_mixed_precision
+from ..strategy import Strategy, parse_strategy
+from .activations import ActivationBill, activation_bill
+from .model_spec import ModelSpec, resolve_model
+from .report import format_estimate
+from .sizes import GiB, parse_bytes
+
+MASTER_BYTES = 4  # fp32 master weights
+GRAD_BYTES = 4  # fp32 sharded gradients
+OPTIMIZER_BYTES = {"adamw": 8, "adam": 8, "sgd": 4}  # sgd: momentum buffer
+OVERHEAD_BYTES = GiB // 4
+CONTEXT_BYTES = 3 * GiB // 2  # CUDA context + NCCL: device memory the caching allocator never sees
+FRAGMENTATION = 0.05  # fraction of the peak kept for the caching allocator's fragmentation
+MAX_MICRO_BATCH = 1 << 16
+
+
+@dataclass(frozen=True, kw_only=True)
+class EstimateInputs:
+    """Everything an estimate was computed from (normalised), so it can be recomputed for another batch."""
+
+    model: ModelSpec
+    world_size: int
+    strategy: Strategy
+    shard_size: int  # ranks one shard spans: world_size, the hybrid group, or 1 for no_shard
+    precision: MixedPrecision
+    checkpoint_every: int  # 0: no activation checkpointing, 1: every block, k: every k-th block
+    offload: CPUOffload | None
+    micro_batch: int
+    seq_len: int
+    optimizer: str
+    optimizer_bytes: float
+    in_flight: int
+    keep_grads: bool
+    device_memory: int | None
+
+    @property
+    def param_bytes(self) -> int:
+        return (self.precision.param_dtype or torch.float32).itemsize
+
+    @property
+    def reduce_bytes(self) -> int:
+        return (self.precision.reduce_dtype or torch.float32).itemsize
+
+    @property
+    def label(self) -> str:
+        if self.strategy.is_hybrid:
+            return f"{self.strategy.value}({self.shard_size})"
+        return self.strategy.value
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryEstimate:
+    """Bytes per device at the step's peak (`peak_phase`), itemised so that the items sum to `total`.
+
+    `host` is what CPU offload keeps in host memory, per process (times the processes of a node).
+    """
+
+    parameters: int  # fp32 master weights (the shard, or all of them when unsharded)
+    gradients: int  # fp32 gradients (sharded unless no_shard)
+    optimizer_state: int
+    unsharded_params: int  # param-dtype copies of gathered (or resident) units
+    unsharded_grads: int  # param-dtype gradients of the units in backward
+    reduce_buffers: int  # reduce-dtype buffers of the gradient collectives
+    activations: int
+    logits: int  # logits and cross-entropy tensors
+    overhead: int
+    host: int
+    peak_phase: str
+    phase_totals: tuple[tuple[str, int], ...]
+    notes: tuple[str, ...]
+    inputs: EstimateInputs = field(repr=False)
+
+    @property
+    def total(self) -> int:
+        """Predicted peak allocated bytes (what torch.cuda.max_memory_allocated() reports)."""
+        return (self.model_states + self.units_in_flight + self.activations + self.logits + self.overhead)
+
+    @property
+    def model_states(self) -> int:
+        return self.parameters + self.gradients + self.optimizer_state
+
+    @property
+    def units_in_flight(self) -> int:
+        return self.unsharded_params + self.unsharded_grads + self.reduce_buffers
+
+    @property
+    def reserve(self) -> int:
+        """Device memory needed beyond `total`: CUDA context, NCCL buffers, allocator fragmentation."""
+        return CONTEXT_BYTES + int(FRAGMENTATION * self.total)
+
+    def fits(self, device_memory: int | str) -> bool:
+        """Whether total + reserve fits in `device_memory` (bytes, or a size such as '80GiB')."""
+        return self.total + self.reserve <= parse_bytes(device_memory)
+
+    def with_micro_batch(self, micro_batch: int) -> "MemoryEstimate":
+        return _estimate(replace(self.inputs, micro_batch=positive_int(micro_batch, "micro_batch")))
+
+    def largest_micro_batch(self, device_memory: int | str) -> int:
+        """The largest micro-batch (per device) that `fits` in `device_memory`; 0 when even 1 does not."""
+        limit = parse_bytes(device_memory)
+        if self.inputs.model.shape is None:
+            raise ValueError(
+                "the largest micro-batch needs the activation estimate, which this model lacks; "
+                "pass shape hints (dim=, layers=, vocab=, ...) to estimate_memory"
+            )
+        if not self.with_micro_batch(1).fits(limit):
+            return 0
+        lo, hi = 1, 2
+        while hi <= MAX_MICRO_BATCH and self.with_micro_batch(hi).fits(limit):
+            lo, hi = hi, hi * 2
+        hi = min(hi, MAX_MICRO_BATCH + 1)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self.with_micro_batch(mid).fits(limit) else (lo, mid)
+        return lo
+
+    def __str__(self) -> str:
+        return format_estimate(self)
+
+
+def positive_int(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive integer")
+    return value
+
+
+def _checkpoint_every(value: Any) -> int:
+    if value is None or value is False:
+        return 0
+    if value is True:
+        return 1
+    if isinstance(value, int) and value >= 1:
+        return value
+    raise ValueError(
+        f"activation_checkpointing={value!r} is not understood; use False, True (every block) "
+        "or an int k >= 1 (every k-th block)"
+    )
+
+
+def _optimizer_bytes(value: Any) -> tuple[str, float]:
+    if isinstance(value, str) and value.lower() in OPTIMIZER_BYTES:
+        return value.lower(), float(OPTIMIZER_BYTES[value.lower()])
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
+        return f"{value:g} B/param", float(value)
+    raise ValueError(
+        f"optimizer={value!r} is not understood; use one of {sorted(OPTIMIZER_BYTES)} "
+        "or the optimizer state's bytes per parameter as a number (e.g. 0 for plain SGD)"
+    )
+
+
+def _shard_size(strategy: Strategy, world_size: int, shard_size: int | None) -> int:
+    if strategy is Strategy.NO_SHARD:
+        return 1
+    if not strategy.is_hybrid:
+        return world_size
+    if shard_size is None:
+        raise ValueError(
+            f"strategy={strategy.value!r} needs shard_size= (ranks per shard group, e.g. the GPUs of one node)"
+        )
+    size = positive_int(shard_size, "shard_size")
+    if world_size % size:
+        raise ValueError(f"shard_size={size} must divide world_size={world_size}; use a divisor such as 1, 2 or {world_size}")
+    return size
+
+
+def estimate_memory(
+    model_or_spec: Any = None,
+    /,
+    *,
+    world_size: int,
+    strategy: Any = "full_shard",
+    shard_size: int | None = None,
+    precision: str | MixedPrecision | None = "bf16",
+    activation_checkpointing: bool | int = False,
+    cpu_offload: bool | CPUOffload = False,
+    micro_batch: int = 1,
+    seq_len: int = 4096,
+    optimizer: str | float = "adamw",
+    in_flight: int = 2,
+    keep_grads: bool = False,
+    device_memory: int | str | None = None,
+    wrap=None,
+    params: Any = None,
+    **shape_hints: Any,
+) -> MemoryEstimate:
+    """Estimate one device's peak memory for a training step (see the module docstring for the bill).
+
+    model_or_spec: a built-in Llama size ("1.5b", "8b", ...), a parameter count (7e9, "7B") or
+    params=, a LlamaConfig, a Hugging Face config, or an nn.Module (meta device is fine; `wrap` picks
+    its units, default one per element of its largest ModuleList). Shape hints (dim, layers, vocab,
+    ffn, heads, kv_heads, tie_embeddings) complete a count or adjust a config. `in_flight` is how many
+    inner units are gathered at once (2: the current one and the prefetched one). `device_memory`
+    (bytes or '80GiB') only adds a fits / largest-micro-batch line to the printed bill.
+    """
+    strategy = parse_strategy(strategy)
+    world_size = positive_int(world_size, "world_size")
+    optimizer_name, optimizer_bytes = _optimizer_bytes(optimizer)
+    inputs = EstimateInputs(
+        model=resolve_model(model_or_spec, params=params, wrap=wrap, **shape_hints),
+        world_size=world_size,
+        strategy=strategy,
+        shard_size=_shard_size(strategy, world_size, shard_size),
+        precision=parse_mixed_precision(precision),
+        checkpoint_every=_checkpoint_every(activation_checkpointing),
+        offload=parse_cpu_offload(cpu_offload),
+        micro_batch=positive_int(micro_batch, "micro_batch"),
+        seq_len=positive_int(seq_len, "seq_len"),
+        optimizer=optimizer_name,
+        optimizer_bytes=optimizer_bytes,
+        in_flight=positive_int(in_flight, "in_flight"),
+        keep_grads=bool(keep_grads),
+        device_memory=None if device_memory is None else parse_bytes(device_memory),
+    )
+    return _estimate(inputs)
+
+
+def _activations(inputs: EstimateInputs) -> ActivationBill:
+    shape = inputs.model.shape
+    if shape is None:
+        return ActivationBill(saved=0, backward_extra=0, loss_peak=0)
+    return activation_bill(
+        shape,
+        micro_batch=inputs.micro_batch,
+        seq_len=inputs.seq_len,
+        compute_bytes=inputs.param_bytes,
+        checkpoint_every=inputs.checkpoint_every,
+    )
+
+
+def _estimate(inputs: EstimateInputs) -> MemoryEstimate:
+    m, s, p, r = inputs.model, inputs.strategy, inputs.param_bytes, inputs.reduce_bytes
+    n = inputs.shard_size
+    resident = s.keeps_params_resident
+    params_alias = p == MASTER_BYTES and (n == 1 or resident)  # unsharded params are views of the master
+    grads_alias = p == GRAD_BYTES and n == 1  # unsharded grads land in the fp32 gradient itself
+    # Each unit's flat buffer is padded to a multiple of the shard group (core.flat.FlatLayout).
+    padding = sum(-(-u // n) * n - u for u in (m.root_params, *m.unit_params))
+    stored, trainable = m.num_params + padding, m.trainable_params + padding
+    master = m.num_params * MASTER_BYTES if (resident and params_alias) else stored * MASTER_BYTES // n
+    grads = trainable * GRAD_BYTES // n
+    optim = int(trainable * inputs.optimizer_bytes / n)
+    host = 0
+    offload = inputs.offload
+    if offload and offload.params:  # the host keeps the shards; the step runs there
+        host += stored * MASTER_BYTES // n + grads
+        master = grads = 0
+        params_alias = False  # the master lives on the host: the device needs its own copy
+    if offload and offload.optimizer:
+        host += optim
+        optim = 0
+
+    copy = 0 if params_alias else p
+    grad_copy = 0 if grads_alias else p
+    whole = m.num_params * copy  # every unit unsharded
+    resident_params = whole if resident else 0
+    if s.reshard_after_forward:  # only the outermost unit and the units in flight are gathered
+        at_loss, gathered = 0, (m.enclosing_params + m.largest_units(inputs.in_flight)) * copy
+    else:  # gathered in forward, kept until each unit's backward ends (or for good)
+        at_loss = gathered = whole
+    big = m.largest_units(1)
+
+    def reduce_copy(numel: int) -> int:
+        return numel * r if r != p else 0
+
+    root_shard = min(grads, m.root_params * GRAD_BYTES // n)
+    in_place = m.root_params * grad_copy if r == p else 0  # the reduce reads the unsharded gradients
+    reducing = dict(
+        unsharded_params=resident_params, reduce_buffers=reduce_copy(m.root_params) + reduce_copy(big),
+        activations=0, logits=0,
+    )
+    acts = _activations(inputs)
+    grads_between = grads if inputs.keep_grads else 0
+    common = dict(parameters=master, optimizer_state=optim)
+    phases = {
+        "forward + loss": dict(
+            common, gradients=grads_between, unsharded_params=at_loss, unsharded_grads=0,
+            reduce_buffers=0, activations=acts.saved, logits=acts.loss_peak,
+        ),
+        "backward start": dict(
+            common, gradients=grads_between, unsharded_params=gathered,
+            unsharded_grads=(m.enclosing_params + big) * grad_copy, reduce_buffers=reduce_copy(big),
+            activations=acts.saved + acts.backward_extra, logits=0,
+        ),
+        "backward end": max(
+            (  # the outermost unit's gradients are copied into its reduce buffer...
+                dict(common, gradients=grads - root_shard, unsharded_grads=m.root_params * grad_copy, **reducing),
+                # ...then freed, while the reduce-scatter writes its shard of the gradients
+                dict(common, gradients=grads, unsharded_grads=in_place, **reducing),
+            ),
+            key=lambda items: sum(items.values()),
+        ),
+        "optimizer step": dict(
+            common, gradients=grads, unsharded_params=resident_params, unsharded_grads=0,
+            reduce_buffers=0, activations=0, logits=0,
+        ),
+    }
+    totals = {name: sum(items.values()) for name, items in phases.items()}
+    peak = max(totals, key=totals.__getitem__)
+    notes = m.notes
+    if m.trainable_params < m.num_params:
+        notes += (f"{m.num_params - m.trainable_params:,} frozen parameters: no gradients or optimizer state",)
+    return MemoryEstimate(
+        **phases[peak],
+        overhead=OVERHEAD_BYTES,
+        host=host,
+        peak_phase=peak,
+        phase_totals=tuple((name, total + OVERHEAD_BYTES) for name, total in totals.items()),
+        notes=notes,
+        inputs=inputs,
+    )
+

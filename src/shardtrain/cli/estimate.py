@@ -1,0 +1,109 @@
+"""`shardtrain estimate`: the per-device memory bill of each sharding strategy, side by side.
+
+    shardtrain estimate --params 7B --gpus 4
+    shardtrain estimate --model 8b --gpus 2 --ac all --device-memory 141GB
+    shardtrain estimate --model path/to/config.json --gpus 8 --strategy full_shard
+
+The model is a built-in Llama size, a Hugging Face config.json, or a parameter count (--params) with
+optional shape hints. The largest micro-batch is computed for --device-memory, by default the local
+GPU's memory, or 80 GiB where there is none (the output says which).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+from ..models.llama import LLAMA_SIZES
+from ..planning.compare import DEFAULT_STRATEGIES, compare_strategies
+from ..planning.sizes import GiB, format_gib, parse_bytes
+
+FALLBACK_DEVICE_MEMORY = 80 * GiB
+PRECISIONS = ("bf16", "fp16", "fp32")
+
+
+def _checkpointing(text: str) -> bool | int:
+    key = text.strip().lower()
+    if key in ("none", "no", "0"):
+        return False
+    if key in ("all", "full", "1"):
+        return True
+    if key.isdigit():
+        return int(key)
+    raise argparse.ArgumentTypeError(f"--ac {text!r}: use none, all, or k (every k-th block), e.g. --ac 2")
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "estimate", help="the per-device memory bill of each sharding strategy",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False,
+    )
+    what = parser.add_argument_group("model (one of --model / --params)")
+    what.add_argument("--model", help=f"built-in size ({', '.join(LLAMA_SIZES)}) or a Hugging Face config.json")
+    what.add_argument("--params", help="parameter count, e.g. 7B, 1.5b, 350M (Llama-style shape derived)")
+    for hint in ("dim", "layers", "vocab", "ffn", "heads", "kv-heads"):
+        what.add_argument(f"--{hint}", type=int, help=f"shape hint: {hint.replace('-', ' ')}")
+    what.add_argument("--tie-embeddings", action="store_true", default=None, help="shape hint: tied embeddings")
+    parser.add_argument("--gpus", type=int, required=True, help="world size (devices in all)")
+    parser.add_argument("--strategy", help=f"comma-separated strategies to compare (default: {','.join(DEFAULT_STRATEGIES)})")
+    parser.add_argument("--shard-size", type=int, help="hybrid_shard group size (default: up to 8, below --gpus)")
+    parser.add_argument("--seq", type=int, default=4096, help="sequence length (default 4096)")
+    parser.add_argument("--batch", type=int, default=1, help="micro-batch per device (default 1)")
+    parser.add_argument("--ac", type=_checkpointing, default=False, metavar="none|all|k",
+                        help="activation checkpointing: none, all blocks, or every k-th block")
+    parser.add_argument("--offload", action="store_true", help="CPU offload of parameters, gradients, optimizer")
+    parser.add_argument("--device-memory", help="e.g. 80GiB, 141GB (default: the local GPU's, else 80 GiB)")
+    parser.add_argument("--precision", choices=PRECISIONS, default="bf16", help="param dtype (reduce in fp32)")
+    parser.add_argument("--optimizer", default="adamw", help="adamw, adam, sgd, or state bytes per parameter")
+    parser.add_argument("--keep-grads", action="store_true", help="gradients stay allocated between steps")
+    parser.set_defaults(func=run)
+
+
+def _default_device_memory() -> tuple[int, str]:
+    import torch
+
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        return props.total_memory, f"the local {props.name}"
+    return FALLBACK_DEVICE_MEMORY, "assumed: no local CUDA device; pass --device-memory"
+
+
+def _model(args: argparse.Namespace):
+    if args.model and args.params:
+        raise ValueError(f"--model {args.model} and --params {args.params} both give the model; pass one of them")
+    if not (args.model or args.params):
+        raise ValueError(f"no model: pass --model (one of {', '.join(LLAMA_SIZES)}, or a config.json) or --params 7B")
+    if args.model and args.model.endswith(".json"):
+        path = Path(args.model)
+        if not path.is_file():
+            raise ValueError(f"--model {args.model}: no such file; give a Hugging Face config.json or a built-in size")
+        return SimpleNamespace(**json.loads(path.read_text()))
+    return args.model
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        if args.device_memory:
+            memory, source = parse_bytes(args.device_memory, what="--device-memory"), "given"
+        else:
+            memory, source = _default_device_memory()
+        hints = {"dim": args.dim, "layers": args.layers, "vocab": args.vocab, "ffn": args.ffn,
+                 "heads": args.heads, "kv_heads": args.kv_heads, "tie_embeddings": args.tie_embeddings}
+        strategies = [s for s in args.strategy.split(",") if s] if args.strategy else None
+        optimizer = float(args.optimizer) if args.optimizer.replace(".", "", 1).isdigit() else args.optimizer
+        comparison = compare_strategies(
+            _model(args), params=args.params, world_size=args.gpus, strategies=strategies,
+            shard_size=args.shard_size, device_memory=memory, precision=args.precision,
+            activation_checkpointing=args.ac, cpu_offload=args.offload, micro_batch=args.batch,
+            seq_len=args.seq, optimizer=optimizer, keep_grads=args.keep_grads, **hints,
+        )
+    except ValueError as exc:
+        print(f"shardtrain estimate: error: {exc}", file=sys.stderr)
+        return 2
+    estimates = comparison.estimates
+    print(estimates[0] if len(estimates) == 1 else comparison)
+    print(f"device memory: {format_gib(memory)} GiB ({source})")
+    return 0

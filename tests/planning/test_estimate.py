@@ -1,0 +1,236 @@
+"""The memory estimator: hand-computed bills, strategy ordering, inputs, errors, the CLI."""
+
+import argparse
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+import shardtrain as st
+from shardtrain.cli import estimate as cli_estimate
+from shardtrain.models.llama import Llama, llama_config
+from shardtrain.planning.compare import compare_strategies
+from shardtrain.planning.estimate import OVERHEAD_BYTES
+from shardtrain.planning.sizes import GiB, parse_bytes, parse_count
+
+# 8b: dim 4096, 32 layers, 32 heads / 8 kv, ffn 14336, vocab 128256 (untied)
+P8 = 8_030_261_248
+ROOT8 = 2 * 128256 * 4096 + 4096  # embedding + head + final norm
+BLOCK8 = 4096 * (2 * 4096 + 2 * 1024) + 3 * 4096 * 14336 + 2 * 4096
+# 1.5b: dim 2048, 16 layers, 16 heads / 8 kv, ffn 8192, vocab 128256
+P15 = 1_532_037_120
+
+
+def test_model_state_arithmetic_by_hand():
+    assert 32 * BLOCK8 + ROOT8 == P8
+    e = st.estimate_memory("8b", world_size=2, activation_checkpointing=True)
+    # AdamW with fp32 master weights: 4 (param) + 4 (grad) + 8 (moments) = 16 B/param, sharded over 2.
+    assert e.parameters == P8 * 4 // 2
+    assert e.optimizer_state == P8 * 8 // 2
+    # The peak is the end of backward: the root (embedding + head) reduces last. Its bf16 grads are
+    # copied into an fp32 reduce buffer while the previous block's fp32 reduce buffer is still held.
+    assert e.peak_phase == "backward end"
+    assert e.gradients == (P8 - ROOT8) * 4 // 2
+    assert e.unsharded_grads == ROOT8 * 2
+    assert e.reduce_buffers == ROOT8 * 4 + BLOCK8 * 4
+    assert e.activations == 0 and e.logits == 0 and e.unsharded_params == 0
+    assert e.total == P8 * 16 // 2 + 4 * ROOT8 + 4 * BLOCK8 + OVERHEAD_BYTES
+
+
+def test_loss_phase_by_hand():
+    e = st.estimate_memory("1.5b", world_size=2, micro_batch=2)
+    tokens, h, kv, f, heads = 2 * 4096, 2048, 1024, 8192, 16
+    per_block = tokens * (2 * (4 * h + 3 * h + 2 * kv + 4 * f) + 4 * heads + 8)  # bf16 + fp32 stats
+    assert e.peak_phase == "forward + loss"
+    assert e.activations == 16 * per_block + 2 * 2 * tokens * h  # + final norm input/output
+    assert e.logits == 12 * tokens * 128256  # fp32 log-probs, their grad, the logits' grad
+    assert e.parameters == P15 * 4 // 2 and e.optimizer_state == P15 * 8 // 2
+    assert e.gradients == 0 and e.unsharded_params == 0  # grads freed by zero_grad; root resharded
+
+
+# torch FSDP2 on 2x H200 (ANCHORS.md): model, micro-batch, checkpointing, reshard after forward, GiB
+ANCHORS = [
+    ("1.5b", 2, False, "full_shard", 33.1),
+    ("1.5b", 2, False, "shard_grad_op", 34.8),
+    ("8b", 1, True, "full_shard", 64.8),
+    ("8b", 1, False, "full_shard", 74.8),
+    ("8b", 2, True, "full_shard", 64.8),
+    ("12b", 1, True, "full_shard", 98.3),
+    ("14b", 1, True, "full_shard", 114.8),
+]
+
+
+@pytest.mark.parametrize("name,batch,ac,strategy,gib", ANCHORS)
+def test_calibrated_against_fsdp2_anchors(name, batch, ac, strategy, gib):
+    e = st.estimate_memory(name, world_size=2, strategy=strategy, micro_batch=batch, activation_checkpointing=ac)
+    assert abs(e.total / GiB / gib - 1) < 0.05
+
+
+def test_strategy_ordering():
+    kw = dict(world_size=4, micro_batch=1)
+    by = {s: st.estimate_memory("8b", strategy=s, **kw) for s in ("full_shard", "shard_grad_op", "optimizer_only", "no_shard")}
+    states = [e.model_states for e in by.values()]
+    assert states[0] == states[1] == states[2] < states[3]
+    step = [dict(e.phase_totals)["optimizer step"] for e in by.values()]  # persistent memory
+    assert step[0] == step[1] < step[2] < step[3]
+    totals = [e.total for e in by.values()]
+    assert totals == sorted(totals)
+    assert by["no_shard"].parameters == P8 * 4 and by["no_shard"].optimizer_state == P8 * 8
+    assert by["shard_grad_op"].unsharded_params == P8 * 2  # every unit kept unsharded until its backward
+
+
+def test_hybrid_shards_within_the_group():
+    hybrid = st.estimate_memory("8b", world_size=8, strategy="hybrid_shard", shard_size=2)
+    full2 = st.estimate_memory("8b", world_size=2)
+    assert hybrid.total == full2.total and hybrid.inputs.label == "hybrid_shard(2)"
+
+
+def test_activation_checkpointing_reduces_activations():
+    acts = {}
+    for ac in (False, 4, 2, True):
+        e = st.estimate_memory("8b", world_size=2, micro_batch=2, activation_checkpointing=ac)
+        acts[ac] = dict(e.phase_totals)["forward + loss"]
+    assert acts[False] > acts[4] > acts[2] > acts[True]
+
+
+def test_offload_moves_states_to_host():
+    base = st.estimate_memory("8b", world_size=4)
+    off = st.estimate_memory("8b", world_size=4, cpu_offload=True)
+    assert off.parameters == off.gradients == off.optimizer_state == 0
+    assert off.host == P8 * 16 // 4
+    assert off.total < base.total
+    opt_only = st.estimate_memory("8b", world_size=4, cpu_offload=st.CPUOffload(params=False, optimizer=True))
+    assert opt_only.optimizer_state == 0 and opt_only.host == P8 * 8 // 4 and opt_only.parameters == P8 * 4 // 4
+
+
+def test_largest_micro_batch_is_monotone_and_tight():
+    e = st.estimate_memory("8b", world_size=2)
+    sizes = [e.largest_micro_batch(f"{g}GiB") for g in (60, 80, 100, 139, 200)]
+    assert sizes == sorted(sizes) and sizes[0] == 0 and sizes[-1] > 1
+    best = e.largest_micro_batch("139GiB")
+    assert e.with_micro_batch(best).fits("139GiB") and not e.with_micro_batch(best + 1).fits("139GiB")
+
+
+def test_input_forms_agree():
+    by_name = st.estimate_memory("8b", world_size=2)
+    by_config = st.estimate_memory(llama_config("8b"), world_size=2)
+    hf = SimpleNamespace(hidden_size=4096, num_hidden_layers=32, intermediate_size=14336, vocab_size=128256,
+                         num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False)
+    by_hf = st.estimate_memory(hf, world_size=2)
+    by_hints = st.estimate_memory(params=P8, dim=4096, layers=32, vocab=128256, ffn=14336, heads=32,
+                                  kv_heads=8, world_size=2)
+    assert by_name.total == by_config.total == by_hf.total == by_hints.total
+
+
+def test_parameter_count_with_defaults():
+    e = st.estimate_memory("7B", world_size=4)
+    assert e.inputs.model.num_params == 7_000_000_000
+    shape = e.inputs.model.shape
+    assert shape.dim % 1024 == 0 and shape.n_kv_heads == 8 and shape.vocab_size == 128256
+    assert abs(shape.num_params / 7e9 - 1) < 0.05
+    assert st.estimate_memory(params=7e9, world_size=4).total == e.total
+
+
+def test_meta_module():
+    cfg = llama_config("tiny")
+    with torch.device("meta"):
+        model = Llama(cfg)
+    e = st.estimate_memory(model, world_size=2)
+    spec = e.inputs.model
+    assert spec.num_params == cfg.num_params() and len(spec.unit_params) == cfg.n_layers
+    assert e.total == st.estimate_memory(cfg, world_size=2).total
+
+    with torch.device("meta"):
+        generic = nn.Sequential(nn.Embedding(1000, 64), nn.ModuleList(nn.Linear(64, 64) for _ in range(3)))
+    bare = st.estimate_memory(generic, world_size=2)
+    assert bare.activations == bare.logits == 0 and "not estimated" in bare.notes[0]
+    assert bare.inputs.model.unit_params == (64 * 64 + 64,) * 3
+    with pytest.raises(ValueError, match="shape hints"):
+        bare.largest_micro_batch("80GiB")
+    hinted = st.estimate_memory(generic, world_size=2, dim=64, seq_len=128)
+    assert hinted.inputs.model.shape.vocab_size == 1000 and hinted.inputs.model.shape.n_layers == 3
+    assert dict(hinted.phase_totals)["forward + loss"] > dict(bare.phase_totals)["forward + loss"]
+
+
+def test_tied_and_frozen_parameters():
+    with torch.device("meta"):
+        model = Llama(llama_config("tiny", tie_embeddings=True))
+    model.layers[0].requires_grad_(False)
+    spec = st.estimate_memory(model, world_size=1).inputs.model
+    assert spec.num_params == llama_config("tiny", tie_embeddings=True).num_params()
+    assert spec.trainable_params == spec.num_params - sum(p.numel() for p in model.layers[0].parameters())
+
+
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda: st.estimate_memory("9x", world_size=2), r"'9x' is neither a built-in name"),
+        (lambda: st.estimate_memory(world_size=2), "no model given"),
+        (lambda: st.estimate_memory("8b", params="7B", world_size=2), "params='7B'"),
+        (lambda: st.estimate_memory("8b", world_size=0), "world_size=0 must be a positive integer"),
+        (lambda: st.estimate_memory("8b", world_size=2, activation_checkpointing="yes"), "activation_checkpointing='yes'"),
+        (lambda: st.estimate_memory("8b", world_size=8, strategy="hybrid_shard"), "needs shard_size="),
+        (lambda: st.estimate_memory("8b", world_size=8, strategy="hybrid_shard", shard_size=3), "must divide world_size=8"),
+        (lambda: st.estimate_memory("8b", world_size=2, optimizer="lion"), "optimizer='lion'.*bytes per parameter"),
+        (lambda: st.estimate_memory("8b", world_size=2, device_memory="80XB"), "'80XB'.*80GiB"),
+        (lambda: st.estimate_memory("8b", world_size=2, strategy="zero4"), "unknown sharding strategy 'zero4'"),
+        (lambda: st.estimate_memory("8b", world_size=2, width=3), r"unknown shape hints \['width'\]"),
+        (lambda: st.estimate_memory(params="1M", world_size=2), "leaves nothing for .* blocks"),
+        (lambda: st.estimate_memory(object(), world_size=2), "is not understood"),
+        (lambda: st.estimate_memory("8b", world_size=2, wrap={nn.Linear}), "applies only to an nn.Module"),
+        (lambda: st.estimate_memory(SimpleNamespace(hidden_size=8, num_hidden_layers=2), world_size=2), r"lacks \['vocab_size'\]"),
+    ],
+)
+def test_bad_inputs_name_the_value_and_the_fix(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_sizes():
+    assert parse_count("1.5b") == 1_500_000_000 and parse_count("350M") == 350_000_000 and parse_count(7e9) == 7e9
+    assert parse_bytes("80GiB") == 80 * GiB and parse_bytes("141GB") == 141 * 10**9 and parse_bytes("80G") == 80 * GiB
+
+
+def test_printed_bill_and_comparison():
+    text = str(st.estimate_memory("8b", world_size=2, activation_checkpointing=True, device_memory="141GB"))
+    for item in ("parameters (fp32 master)", "optimizer state (adamw)", "reduce buffers (fp32)", "total (peak allocated)",
+                 "peak during backward end", "largest micro-batch"):
+        assert item in text
+    table = str(compare_strategies("8b", world_size=4, device_memory="80GiB"))
+    header = next(line for line in table.splitlines() if line.startswith("GiB per device"))
+    assert header.split()[-5:] == ["full_shard", "shard_grad_op", "optimizer_only", "no_shard", "hybrid_shard(2)"]
+    assert "largest micro-batch" in table
+    assert "hybrid" not in str(compare_strategies("8b", world_size=2))  # no group between 1 and 2
+
+
+def _cli(argv):
+    parser = argparse.ArgumentParser(prog="shardtrain")
+    cli_estimate.register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+def test_cli_prints_every_strategy(capsys):
+    assert _cli(["estimate", "--params", "7B", "--gpus", "4", "--device-memory", "80GiB", "--ac", "2"]) == 0
+    out = capsys.readouterr().out
+    for label in ("full_shard", "shard_grad_op", "optimizer_only", "no_shard", "hybrid_shard(2)", "largest micro-batch"):
+        assert label in out
+    assert "device memory: 80.00 GiB (given)" in out and "1 block in 2" in out
+
+
+def test_cli_single_strategy_and_hf_config(capsys, tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"hidden_size": 2048, "num_hidden_layers": 16, "intermediate_size": 8192,
+                                  "vocab_size": 128256, "num_attention_heads": 16, "num_key_value_heads": 8}))
+    assert _cli(["estimate", "--model", str(config), "--gpus", "2", "--strategy", "full_shard", "--batch", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "strategy full_shard" in out and "peak during forward + loss" in out and "device memory:" in out
+
+
+def test_cli_errors(capsys):
+    assert _cli(["estimate", "--gpus", "2"]) == 2
+    assert "no model" in capsys.readouterr().err
+    assert _cli(["estimate", "--params", "7Q", "--gpus", "2"]) == 2
+    assert "'7Q'" in capsys.readouterr().err

@@ -48,6 +48,11 @@ def test_loss_phase_by_hand():
     assert e.logits == 12 * tokens * 128256  # fp32 log-probs, their grad, the logits' grad
     assert e.parameters == P15 * 4 // 2 and e.optimizer_state == P15 * 8 // 2
     assert e.gradients == 0 and e.unsharded_params == 0  # grads freed by zero_grad; root resharded
+    kept = st.estimate_memory("1.5b", world_size=2, micro_batch=2, keep_grads=True)
+    assert kept.gradients == P15 * 4 // 2 and kept.total == e.total + P15 * 2
+    every2 = st.estimate_memory("1.5b", world_size=2, micro_batch=2, activation_checkpointing=2)
+    checkpoint = 2 * tokens * h  # a checkpointed block keeps only its bf16 input
+    assert every2.activations == 8 * per_block + 8 * checkpoint + 2 * 2 * tokens * h
 
 
 # torch FSDP2 on 2x H200 (ANCHORS.md): model, micro-batch, checkpointing, reshard after forward, GiB

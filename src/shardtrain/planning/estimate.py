@@ -35,9 +35,17 @@ fp32 reduce, fused AdamW, seq 4096; peak allocated GiB, measured / ANCHORS.md / 
     1.5B b1 fp32 AC    18.33 /  -   / 17.74     14.5B b1 AC  114.79 / 114.8 / 114.39
 
 (ZeRO-2 = reshard_after_forward=False. ANCHORS' 8B b1 row is 2.4 GiB above our own measurement of
-the same setup: its training loop differed; keeping the bf16 logits alive alone adds 1 GiB there.) FSDP2 differs from this engine's
-design in two places, both outside the peaks above: its all-gather copies out of the gathered buffer
-(a second unit-sized transient) and it holds gradients per parameter, not in one flat buffer per unit.
+the same setup: its training loop differed; keeping the bf16 logits alive alone adds 1 GiB there.)
+FSDP2 differs from this engine's design in two places, both outside the peaks above: its all-gather
+copies out of the gathered buffer (a second unit-sized transient), and it holds gradients per
+parameter, not in one flat buffer per unit.
+
+This engine (st.shard, same setup, measured 2026-11-30) keeps its flat fp32 sharded gradients
+allocated between steps, so keep_grads=True describes it; measured / estimate with keep_grads=True:
+1.5B b2 full_shard 36.29 / 35.48, shard_grad_op 38.16 / 38.33, optimizer_only 38.16 / 38.33,
+no_shard 49.58 / 49.75, AC 24.78 / 23.97; 8B b1 AC 72.04 / 67.76, 8B b1 89.33 / 87.60;
+12.3B b1 AC 107.13 / 101.88. The rest of the gap: the engine keeps the outermost unit gathered after
+forward (2 B per root parameter) and holds more at the outermost unit's reduce than FSDP2.
 
 The `overhead` item (a constant) covers what the itemised terms leave out: cuBLAS and NCCL work
 buffers, rotary tables, optimizer step counters (0.07 GiB measured before the first forward, up to

@@ -125,9 +125,10 @@ def _load_buffers(model: nn.Module, buffers: dict[str, torch.Tensor]) -> None:
 
 def run_case(kind: str, case: Case) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     factory = MODELS[kind][0]
     torch.manual_seed(0)
-    ref_model = factory()
+    ref_model = factory().to(device)
     model = copy.deepcopy(ref_model)
     st.shard(model, strategy=case.strategy, wrap=wrap_policy(kind), mixed_precision=case.precision,
              activation_checkpointing=ac_policy(kind) if case.ac else None)
@@ -136,6 +137,7 @@ def run_case(kind: str, case: Case) -> None:
     per = 2
     tol = FP32_TOL
     for step, batch in enumerate(make_batches(kind, steps=case.steps, global_batch=world * case.micro * per)):
+        batch = tuple(t.to(device) for t in batch)
         loss_sum = 0.0
         for m in range(case.micro):
             sync_off = case.accum == "no_sync" and m < case.micro - 1
@@ -158,6 +160,7 @@ def run_case(kind: str, case: Case) -> None:
     for name, b in reference.buffers[rank].items():
         if name in expected:
             expected[name] = b
+    expected = {k: v.cpu() for k, v in expected.items()}
     assert list(full) == list(expected), f"state dict keys differ: {list(full)} vs {list(expected)}"
     for name in expected:
         torch.testing.assert_close(full[name], expected[name], **tol,

@@ -48,6 +48,9 @@ class Runtime:
         module.register_forward_hook(lambda m, a, o: self._post_forward(unit, o), always_call=False)
 
     def _pre_forward(self, unit: ShardUnit, args, kwargs):
+        if unit.index == 0 and not self.in_backward:
+            for u in self.units:
+                u.release_cleared_grads()
         if not self._order_recorded and not self.in_backward:
             if unit.index == 0:
                 self._forward_order, self._post_forward_order = [], []

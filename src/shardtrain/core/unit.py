@@ -116,7 +116,8 @@ class ShardUnit:
 
     def _ensure_sharded_grad(self) -> torch.Tensor:
         if self.sharded_grad is None:
-            self.sharded_grad = torch.zeros_like(self.shard)
+            # Note: uninitialised on purpose: a fresh gradient is always written whole (overwrite).
+            self.sharded_grad = torch.empty_like(self.shard)
             self._grad_views = [self.sharded_grad[a:a + n].view(shape) for a, n, shape in self._spans]
         return self.sharded_grad
 
@@ -199,17 +200,20 @@ class ShardUnit:
     # ------------------------------------------------------------------ gradients
     def post_backward(self, grads: tuple[torch.Tensor | None, ...]) -> None:
         """All gradients of this unit are ready: reduce them (or keep them under no_sync), reshard."""
+        dtype, device = self.behaviour.param_dtype, self.shard.device
         parts = []
         for i, (g, slot) in enumerate(zip(grads, self.layout.slots)):
             if g is None:
-                parts.append(torch.zeros(slot.numel, dtype=self.behaviour.param_dtype, device=self.shard.device))
+                parts.append(torch.zeros(slot.numel, dtype=dtype, device=device))
             else:
                 self.used[i] = True
                 parts.append(g.reshape(-1))
         pad = self.layout.padded_numel - self.layout.numel
         if pad:
-            parts.append(torch.zeros(pad, dtype=self.behaviour.param_dtype, device=self.shard.device))
-        flat = torch.cat(parts)
+            parts.append(torch.zeros(pad, dtype=dtype, device=device))
+        # Note: one copy, casting straight into the reduction dtype (no intermediate flat in param dtype).
+        flat = torch.cat(parts, out=torch.empty(self.layout.padded_numel, dtype=self.behaviour.reduce_dtype,
+                                                device=device))
         if self._accumulated is not None:
             self._accumulated += flat
             flat = self._accumulated
@@ -217,17 +221,27 @@ class ShardUnit:
             self._accumulated = None
             self._reduce(flat)
         elif self._accumulated is None:
-            self._accumulated = flat.to(self.behaviour.reduce_dtype)
+            self._accumulated = flat
         self._views = None
         if not self.behaviour.resident:
             self.reshard()
         else:
             self.uninstall_views()
 
+    def release_cleared_grads(self) -> None:
+        """Free `sharded_grad` once the user cleared every `.grad` (zero_grad(set_to_none=True)).
+
+        Note: this keeps gradient memory out of the forward's activation peak, as torch FSDP does.
+        """
+        if self.sharded_grad is not None and all(p.grad is None for p in self.shard_params):
+            self.sharded_grad = None
+            self._grad_views = []
+
     def _reduce(self, flat: torch.Tensor) -> None:
+        allocated = self.sharded_grad is None
         target = self._ensure_sharded_grad()
         fresh = [p.grad is None for p in self.shard_params]
-        overwrite = all(fresh)
+        overwrite = allocated or all(fresh)
         stale_slices = [] if overwrite else [v for v, f in zip(self._grad_views, fresh) if f]
 
         def accumulate(shard_grad: torch.Tensor) -> None:

@@ -28,6 +28,7 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, world_size: int, port: int, tasks, results, threads: int) -> None:
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # a Gloo pool computes on the CPU, also on GPU machines
     import torch
     import torch.distributed as dist
 

@@ -1,0 +1,140 @@
+"""Rank-side checks of the engine's behaviour beyond parity (run inside the Gloo pools)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import shardtrain as st
+from shardtrain.core.shard import runtime_of
+from shardtrain.models.llama import Block, RMSNorm, rotary_tables
+from tests.models import FrozenShared, Residual, lm_loss, make_batches, tiny_llama
+
+
+def state_bytes(strategy: str) -> int:
+    """Bytes of parameters + gradients + optimizer state this rank holds after one AdamW step."""
+    torch.manual_seed(0)
+    model = st.shard(tiny_llama(), strategy=strategy, wrap={Block})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batch = make_batches("llama", steps=1, global_batch=2 * dist.get_world_size())[0]
+    rank = dist.get_rank()
+    lm_loss(model, tuple(t[2 * rank:2 * rank + 2] for t in batch)).backward()
+    opt.step()
+    total = 0
+    for unit in runtime_of(model).units:
+        total += unit.shard.numel() * unit.shard.element_size()
+        total += unit.sharded_grad.numel() * unit.sharded_grad.element_size()
+    for state in opt.state.values():
+        total += sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v) and v.dim() > 0)
+    return total
+
+
+def meta_init_is_unit_by_unit() -> dict:
+    """Build on meta, materialise through st.shard; record the most parameters ever unsharded at once."""
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = tiny_llama()
+    full_total = sum(p.numel() for p in model.parameters())
+    peaks = []
+
+    def init(module: nn.Module) -> None:
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+        live = sum(p.numel() for p in model.parameters() if not p.is_meta and p.dim() > 1)
+        peaks.append(live)
+
+    st.shard(model, strategy="full_shard", wrap={Block}, param_init_fn=init)
+    sd = st.full_state_dict(model, rank0_only=False)
+    norms_ok = all(torch.equal(v, torch.ones_like(v)) for k, v in sd.items() if "norm" in k)
+    cos, _ = rotary_tables(model.cfg)
+    rope_ok = torch.allclose(model.rope_cos, cos)
+    batch = make_batches("llama", steps=1, global_batch=2)[0]
+    loss = lm_loss(model, batch)
+    return {"max_live": max(peaks), "total": full_total, "norms_ok": norms_ok, "rope_ok": rope_ok,
+            "loss": loss.item(), "checksum": sum(v.double().sum().item() for v in sd.values())}
+
+
+def synced_states() -> float:
+    """Each rank builds different weights; sync_module_states makes every rank take rank 0's."""
+    rank = dist.get_rank()
+    torch.manual_seed(100 + rank)
+    model = tiny_llama()
+    torch.manual_seed(100)
+    expected = tiny_llama().state_dict()
+    st.shard(model, strategy="full_shard", wrap={Block}, sync_module_states=True)
+    sd = st.full_state_dict(model, rank0_only=False)
+    return max((sd[k] - expected[k]).abs().max().item() for k in expected)
+
+
+def full_state_dict_roundtrip() -> dict:
+    """Full state dict: rank 0 only by default, original keys (tied names too), loads into the plain model."""
+    torch.manual_seed(0)
+    plain = tiny_llama()
+    model = st.shard(copy.deepcopy(plain), strategy="full_shard", wrap={Block})
+    sd = st.full_state_dict(model)
+    if dist.get_rank() != 0:
+        return {"empty": sd == {}}
+    fresh = tiny_llama()
+    fresh.load_state_dict(sd)
+    x = make_batches("llama", steps=1, global_batch=2)[0][0]
+    with torch.no_grad():
+        same = torch.allclose(fresh(x), plain(x), atol=1e-6)
+    return {"keys": list(sd) == list(plain.state_dict()), "outputs": same,
+            "tied": sd["embed.weight"].data_ptr() == sd["head.weight"].data_ptr()}
+
+
+def unused_and_eval_behaviour() -> dict:
+    """A never-used parameter keeps grad None; frozen ones too; an eval pass between steps is harmless."""
+    torch.manual_seed(0)
+    model = st.shard(FrozenShared(), strategy="full_shard", wrap={Residual})
+    x, y = make_batches("frozen", steps=1, global_batch=4)[0]
+    with torch.no_grad():
+        before = model(x)
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    names = {n: p.grad is None for n, p in model.named_parameters()}
+    with torch.no_grad():
+        after = model(x)
+    return {"unused_none": names["unused.weight"] and names["unused.bias"],
+            "frozen_none": names["frozen.lin.weight"] and names["stem.bias"],
+            "used_has_grad": not names["shared.lin.weight"] and not names["out.weight"],
+            "eval_stable": torch.equal(before, after)}
+
+
+def collective_counts() -> dict:
+    """Count all-gathers and reduce-scatters per training step (full_shard, 3 blocks + root)."""
+    from shardtrain.core import comm
+
+    counts = {"gather": 0, "reduce": 0}
+    real_gather, real_reduce = comm._all_gather, comm._reduce_scatter
+
+    def gather(*a, **k):
+        counts["gather"] += 1
+        return real_gather(*a, **k)
+
+    def reduce(*a, **k):
+        counts["reduce"] += 1
+        return real_reduce(*a, **k)
+
+    torch.manual_seed(0)
+    model = st.shard(tiny_llama(), strategy="full_shard", wrap={Block})
+    batch = make_batches("llama", steps=2, global_batch=4)
+    rank = dist.get_rank()
+    comm._all_gather, comm._reduce_scatter = gather, reduce
+    try:
+        per_step = []
+        for b in batch:
+            counts.update(gather=0, reduce=0)
+            lm_loss(model, tuple(t[2 * rank:2 * rank + 2] for t in b)).backward()
+            per_step.append(dict(counts))
+    finally:
+        comm._all_gather, comm._reduce_scatter = real_gather, real_reduce
+    return {"steps": per_step, "units": len(runtime_of(model).units)}
+
+
+def rmsnorm_is_merged() -> bool:
+    """Norms inside a block belong to the block's unit (no hooks on tiny modules)."""
+    model = st.shard(tiny_llama(), strategy="full_shard", wrap={Block})
+    return all(not m._forward_pre_hooks for m in model.modules() if isinstance(m, RMSNorm))

@@ -1,0 +1,150 @@
+"""Behaviour of st.shard beyond parity: memory, meta init, state dicts, errors, policies."""
+
+import pytest
+import torch
+from torch import nn
+
+import shardtrain as st
+from shardtrain.models.llama import Block, Llama, llama_config
+from tests.core import checks
+from tests.models import ConvNet, tiny_llama
+
+
+def test_full_shard_memory_is_a_quarter_at_world_four(pools):
+    one = pools(1).run(checks.state_bytes, "full_shard")[0]
+    four = pools(4).run(checks.state_bytes, "full_shard")
+    assert max(four) <= 0.26 * one, (four, one)
+    no_shard = pools(4).run(checks.state_bytes, "no_shard")
+    assert min(no_shard) >= 0.99 * one  # the replicated baseline keeps everything
+
+
+def test_meta_init_materialises_unit_by_unit(pools):
+    out = pools(2).run(checks.meta_init_is_unit_by_unit)
+    for r in out:
+        assert r["norms_ok"] and r["rope_ok"]
+        assert r["max_live"] < 0.5 * r["total"], r  # never the whole model at once
+    assert out[0]["checksum"] == out[1]["checksum"]  # every rank built the same weights
+    assert out[0]["loss"] == pytest.approx(out[1]["loss"], rel=0.5)
+
+
+def test_sync_module_states_takes_rank_zero_values(pools):
+    assert pools(2).run(checks.synced_states) == [0.0, 0.0]
+
+
+def test_full_state_dict_loads_into_plain_model(pools):
+    rank0, rank1 = pools(2).run(checks.full_state_dict_roundtrip)
+    assert rank0 == {"keys": True, "outputs": True, "tied": True}
+    assert rank1 == {"empty": True}
+
+
+def test_unused_frozen_and_eval(pools):
+    for r in pools(2).run(checks.unused_and_eval_behaviour):
+        assert all(r.values()), r
+
+
+def test_collectives_per_step(pools):
+    for r in pools(2).run(checks.collective_counts):
+        units = r["units"]
+        for step in r["steps"]:
+            # forward gathers every unit; backward re-gathers all but the root; one reduce per unit
+            assert step == {"gather": 2 * units - 1, "reduce": units}, r
+
+
+def test_small_modules_get_no_hooks(pools):
+    assert pools(1).run(checks.rmsnorm_is_merged) == [True]
+
+
+def test_plan_one_unit_per_block_plus_root():
+    with torch.device("meta"):
+        model = Llama(llama_config("1.5b"))
+    plan = st.plan(model, wrap={Block}, world_size=2, mixed_precision="bf16")
+    assert [u.name for u in plan.units] == [""] + [f"layers.{i}" for i in range(16)]
+    assert plan.total_params == model.cfg.num_params()
+    text = str(plan)
+    assert "layers.15" in text and "<root>" in text and "MiB/rank sharded" in text
+    block = plan.units[1]
+    assert block.sharded_bytes == block.padded // 2 * 4 and block.unsharded_bytes == block.padded * 2
+    assert not plan.warnings
+
+
+def test_plan_warns_when_one_unit_dominates():
+    plan = st.plan(tiny_llama(), wrap=None, world_size=4)
+    assert len(plan.units) == 1 and "sharding will save little" in plan.warnings[0]
+
+
+def test_plan_size_policy_and_tied_weights():
+    plan = st.plan(ConvNet(), wrap=st.SizePolicy(min_params=150), world_size=3)
+    assert len(plan.units) > 1
+    tied = st.plan(tiny_llama(), wrap={nn.Embedding, Block}, world_size=2)
+    assert any("embed.weight" in n and "head.weight" in n for n in tied.notes)
+    assert "embed" not in [u.name for u in tied.units if u.params]
+
+
+@pytest.mark.parametrize("policy, message", [
+    ({nn.Conv2d}, "wrap={Conv2d} matches no module of Llama; the model contains"),
+    (st.SizePolicy(min_params=10**9), "lower min_params"),
+    (42, "is not a policy"),
+])
+def test_bad_wrap_policy(policy, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        st.plan(tiny_llama(), wrap=policy, world_size=2)
+
+
+def test_strategy_names():
+    from torch.distributed.fsdp import ShardingStrategy
+
+    from shardtrain.strategy import Strategy, parse_strategy
+
+    assert parse_strategy("FULL_SHARD") is Strategy.FULL_SHARD
+    assert parse_strategy(ShardingStrategy.SHARD_GRAD_OP) is Strategy.SHARD_GRAD_OP
+    assert parse_strategy("no_shard") is Strategy.NO_SHARD
+    with pytest.raises(ValueError, match="unknown sharding strategy 'zero4'; use one of"):
+        parse_strategy("zero4")
+
+
+def test_bad_mixed_precision_and_size_policy():
+    from shardtrain.policy import parse_mixed_precision
+
+    with pytest.raises(ValueError, match="mixed_precision='bf15' is not understood"):
+        parse_mixed_precision("bf15")
+    with pytest.raises(ValueError, match="min_params must be a positive int"):
+        st.SizePolicy(min_params=0)
+
+
+def test_shard_errors(pools):
+    out = pools(2).run(_shard_errors)
+    assert out[0] == out[1]
+    for name, message in out[0].items():
+        assert message is not None, name
+
+
+def _shard_errors() -> dict:
+    cases = {}
+
+    def expect(name, fn, cls, text):
+        try:
+            fn()
+        except cls as e:
+            cases[name] = str(e) if text in str(e) else None
+        else:
+            cases[name] = None
+
+    expect("not a module", lambda: st.shard(object()), TypeError, "expects an nn.Module")
+    expect("strategy", lambda: st.shard(tiny_llama(), strategy="zero9"), ValueError, "unknown sharding strategy")
+    model = st.shard(tiny_llama(), wrap={Block})
+    expect("twice", lambda: st.shard(model), ValueError, "already sharded")
+    expect("mesh", lambda: st.shard(tiny_llama(), mesh=(1, 2)), ValueError, "only used by hybrid_shard")
+
+    class NoReset(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(3))
+
+        def forward(self, x):
+            return x * self.w
+
+    with torch.device("meta"):
+        meta = NoReset()
+    expect("meta", lambda: st.shard(meta), ValueError, "has no reset_parameters(); pass param_init_fn")
+    expect("unsharded", lambda: st.clip_grad_norm_(tiny_llama(), 1.0), ValueError, "is not sharded")
+    return cases

@@ -56,6 +56,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"shardtrain train: error on rank {engine.rank}: {exc}", file=sys.stderr, flush=True)
         return 1
+    except KeyboardInterrupt:
+        return 130
     if engine.rank == 0:
         from rich.console import Console
 

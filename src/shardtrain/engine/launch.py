@@ -74,7 +74,11 @@ def script_command() -> list[str]:
 
 
 def relaunch_script(*, nprocs: int) -> int:
-    """Run the current command in `nprocs` processes; return the exit code to leave with."""
+    """Run the current command in `nprocs` processes; return the exit code to leave with.
+
+    Ctrl-C (or SIGTERM) stops every rank and returns 128 + the signal number, as a shell would.
+    """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
@@ -87,4 +91,6 @@ def relaunch_script(*, nprocs: int) -> int:
         print(f"launcher: rank {rank} exited with code {failure.exitcode}; the other ranks were stopped",
               file=sys.stderr)
         return failure.exitcode if failure.exitcode > 0 else 1
+    except SignalException as exc:
+        return 128 + int(exc.sigval)
     return 0

@@ -123,7 +123,7 @@ class Summary:
             ("world", self.world),
             ("steps", f"{self.steps:,}"),
             ("tokens", f"{self.tokens:,}"),
-            ("wall time", f"{self.wall_s:.1f} s"),
+            ("job time", f"{self.wall_s:.1f} s (from launch to the end, on rank 0)"),
             ("throughput", f"{self.tokens_per_s:,.0f} tokens/s"),
             ("held-out loss", f"{self.first_eval_loss:.3f} -> {self.final_eval_loss:.3f} "
                               f"({self.eval_loss_drop:.1%} lower)"),

@@ -1,0 +1,120 @@
+"""Full format: whole tensors under their original names, streamed to disk unit by unit.
+
+For each sharded module, `<key>.safetensors` holds the unsharded model state dict: every parameter
+under its name and under each alias of a tied weight (so that strict `load_state_dict` of the plain
+model works; safetensors cannot alias two names to one buffer), then the buffers. Rank 0 writes it
+while all ranks gather one unit at a time, so rank 0's host memory never holds more than one
+unit. Each sharded optimizer goes the same way into `<key>.safetensors`, as `state.<fqn>.<k>`
+tensors of the parameter's full shape; its scalars and param groups are in metadata.json.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ..core.comm import _all_gather
+from ..core.shard import runtime_of
+from ..core.unit import ShardUnit
+from ..ops.state_dict import gather_unit
+from .entries import Entries
+from .format import full_file, full_state_tensor
+from .local import persistent_buffers
+from .optim_state import OptimizerSnapshot
+from .source import ModuleSource
+from .tensorfile import CheckpointFiles, FileRecord, SafetensorsWriter, TensorSpec, read_flat
+
+
+class _GuardedWriter:
+    """Rank 0's writer inside a loop of collectives.
+
+    An I/O error must not make rank 0 leave the loop (its peers would wait in the next all-gather
+    forever), so the first error stops the writing and is raised after the loop, from `close`.
+    """
+
+    def __init__(self, path: Path, specs: list[TensorSpec]) -> None:
+        self._error: Exception | None = None
+        self._writer = self._guard(lambda: SafetensorsWriter(path, specs))
+
+    def _guard(self, fn: Callable[[], Any]) -> Any:
+        if self._error is None:
+            try:
+                return fn()
+            except Exception as exc:  # noqa: BLE001 - raised from close()
+                self._error = exc
+        return None
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        self._guard(lambda: self._writer.write(name, tensor))
+
+    def close(self) -> FileRecord:
+        record = self._guard(self._writer.close)
+        if self._error is not None:
+            raise self._error
+        return record
+
+
+def write_full(entries: Entries, snapshots: dict[str, OptimizerSnapshot], staging: Path, *,
+               rank: int) -> dict[str, FileRecord]:
+    """All ranks gather; rank 0 writes each module's and optimizer's file. Returns rank 0's records."""
+    records = {}
+    for key, module in entries.modules.items():
+        units = runtime_of(module).units
+        buffers = persistent_buffers(module)
+        specs = [TensorSpec(name=name, dtype=unit.shard.dtype, shape=slot.shape)
+                 for unit in units for slot in unit.layout.slots for name in (slot.fqn, *slot.aliases)]
+        specs += [TensorSpec(name=n, dtype=b.dtype, shape=tuple(b.shape)) for n, b in buffers.items()]
+        writer = _GuardedWriter(staging / full_file(key), specs) if rank == 0 else None
+        for unit in units:
+            full = gather_unit(unit)
+            if writer is not None:
+                for slot in unit.layout.slots:
+                    for name in (slot.fqn, *slot.aliases):
+                        writer.write(name, full[slot.offset:slot.end])
+            del full
+        if writer is not None:
+            for n, b in buffers.items():
+                writer.write(n, b)
+            records[full_file(key)] = writer.close()
+    for key, snap in snapshots.items():
+        units = runtime_of(entries.modules[snap.module]).units
+        wanted = [(unit, k, [s for s in unit.layout.slots if snap.has(s.fqn, k)]) for unit in units for k in snap.elementwise]
+        specs = [TensorSpec(name=full_state_tensor(s.fqn, k), dtype=snap.elementwise[k], shape=s.shape)
+                 for _, k, slots in wanted for s in slots]
+        writer = _GuardedWriter(staging / full_file(key), specs) if rank == 0 else None
+        for unit, k, slots in wanted:
+            full = _gather(unit, snap.flat(unit, k))
+            if writer is not None:
+                for s in slots:
+                    writer.write(full_state_tensor(s.fqn, k), full[s.offset:s.end])
+            del full
+        if writer is not None:
+            records[full_file(key)] = writer.close()
+    return records
+
+
+def _gather(unit: ShardUnit, flat: torch.Tensor) -> torch.Tensor:
+    """The padded flat `flat` (laid out like `unit`'s shard) from all ranks of the shard group."""
+    if unit.layout.shard_world == 1:
+        return flat
+    full = torch.empty(unit.layout.padded_numel, dtype=flat.dtype, device=flat.device)
+    _all_gather(full, flat, group=unit.groups.shard)
+    return full
+
+
+class FullSource(ModuleSource):
+    def __init__(self, files: CheckpointFiles, key: str, record: dict[str, Any]) -> None:
+        super().__init__(record)
+        self._files = files
+        self._file = full_file(key)
+
+    def read_param(self, name: str, start: int, numel: int) -> torch.Tensor:
+        return read_flat(self._files.tensors(self._file), name, start, numel)
+
+    def read_state(self, optimizer: str, key: str, name: str, start: int, numel: int) -> torch.Tensor:
+        return read_flat(self._files.tensors(full_file(optimizer)), full_state_tensor(name, key), start, numel)
+
+    def read_buffer(self, name: str) -> torch.Tensor:
+        return self._files.tensors(self._file).get_tensor(name)

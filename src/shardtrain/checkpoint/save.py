@@ -1,0 +1,121 @@
+"""`save_checkpoint`: snapshot, write every rank's files into a staging directory, commit.
+
+Three agreed steps (see collective.py): (1) every rank snapshots its optimizers and object state
+and checks they can be stored; (2) every rank writes its files (sharded: its own shards; full: all
+ranks gather, rank 0 writes) plus its rank file; (3) rank 0 writes metadata.json and commits.
+A failure on any rank in any step raises on every rank and leaves the last checkpoint untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import __version__
+from ..core.shard import runtime_of
+from . import commit
+from .collective import Comm
+from .entries import Entries, classify
+from .format import FORMAT_NAME, FORMAT_VERSION, KINDS, dtype_code, unit_record, write_metadata
+from .full import write_full
+from .local import persistent_buffers
+from .objects import rank_payload, write_rank_file
+from .optim_state import OptimizerSnapshot, snapshot
+from .sharded import write_shards
+from .values import encode
+
+
+def save_checkpoint(path: str | os.PathLike, state: dict[str, Any], *, format: str = "sharded",
+                    keep_last: int | None = None) -> Path:
+    """Save `state` to the checkpoint directory `path`, atomically; return `path`.
+
+    Objects (sharded modules, their optimizers, anything with state_dict/load_state_dict) are saved
+    by reference, other values as JSON metadata. `format="sharded"`: every rank writes its own
+    shards, loadable at any world size. `format="full"`: whole tensors, the weights loadable into the
+    plain model with `model.load_state_dict(safetensors.torch.load_file(path/"model.safetensors"))`.
+    `<parent>/latest` is pointed at `path`; `keep_last=k` keeps the k newest checkpoints of the parent.
+    Every rank of the model's process group must call it.
+    """
+    if format not in KINDS:
+        raise ValueError(f"format={format!r}: use one of {KINDS}")
+    if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
+        raise ValueError(f"keep_last={keep_last!r}: use a positive int (checkpoints kept), or None to keep all")
+    final = Path(path)
+    entries = classify(state)
+    comm = Comm.over(entries.comm_group)
+
+    def prepare():
+        return {name: snapshot(o) for name, o in entries.optimizers.items()}, rank_payload(entries.objects)
+
+    def begin():
+        values = {k: encode(v, f"state[{k!r}]") for k, v in entries.values.items()}
+        token = commit.new_token()
+        commit.begin_staging(final, token)
+        return token, values
+
+    snapshots, payload = comm.everyone(prepare)
+    token, values = comm.on_rank0(begin)
+    staging = commit.staging_dir(final, token)
+
+    def write():
+        records = write_rank_file(staging, comm.rank, payload)
+        if format == "sharded":
+            records.update(write_shards(entries, snapshots, staging))
+        else:
+            records.update(write_full(entries, snapshots, staging, rank=comm.rank))
+        if commit.before_commit_hook is not None:
+            commit.before_commit_hook(staging, comm.rank)
+        return {name: asdict(record) for name, record in records.items()}
+
+    per_rank = comm.everyone(write, gather=True)
+
+    def finish():
+        files = {name: record for records in per_rank for name, record in sorted(records.items())}
+        metadata = _metadata(entries, snapshots, kind=format, world=comm.world, values=values, files=files)
+        write_metadata(staging, metadata)
+        commit.commit(staging, final, keep_last=keep_last)
+
+    comm.on_rank0(finish)
+    return final
+
+
+def _metadata(entries: Entries, snapshots: dict[str, OptimizerSnapshot], *, kind: str, world: int,
+              values: dict[str, Any], files: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "kind": kind,
+        "world_size": world,
+        "created_ns": time.time_ns(),
+        "shardtrain_version": __version__,
+        "torch_version": torch.__version__,
+        "modules": {key: _module_record(module) for key, module in entries.modules.items()},
+        "optimizers": {name: snap.record(name) for name, snap in snapshots.items()},
+        "objects": sorted(entries.objects),
+        "values": values,
+        "files": files,
+    }
+
+
+def _module_record(module: nn.Module) -> dict[str, Any]:
+    runtime = runtime_of(module)
+    record = {
+        "class": f"{type(module).__module__}.{type(module).__qualname__}",
+        "strategy": runtime.strategy.value,
+        "shard_world": runtime.groups.shard_world,
+        "replicate_world": runtime.groups.replicate_world,
+        "units": [unit_record(unit) for unit in runtime.units],
+        "buffers": {name: {"shape": list(b.shape), "dtype": dtype_code(b.dtype)}
+                    for name, b in persistent_buffers(module).items()},
+    }
+    config = getattr(module, "config", None)
+    if callable(getattr(config, "to_json_string", None)) and hasattr(config, "model_type"):
+        record["hf_config"] = json.loads(config.to_json_string())  # a transformers model: `convert` writes config.json
+    return record

@@ -1,0 +1,25 @@
+"""Save at N ranks, load at M: parameters and optimizer state equal the saved ones, and training
+continues with the losses of an unsharded reference started from the same state."""
+
+import pytest
+
+from tests.checkpoint.ranks import load_resharded, save_trained
+
+CASES = [
+    # (save world, save strategy, format, load world)
+    (2, "full_shard", "sharded", 3),
+    (3, "full_shard", "sharded", 2),
+    (4, "full_shard", "sharded", 1),
+    (1, "full_shard", "sharded", 4),
+    (2, "no_shard", "sharded", 3),  # replicas: only rank 0 writes
+    (2, "full_shard", "full", 3),
+]
+
+
+@pytest.mark.parametrize("save_world,strategy,fmt,load_world", CASES,
+                         ids=[f"{n}-{s}-{f}-to-{m}" for n, s, f, m in CASES])
+def test_load_at_another_world_size(pools, tmp_path, save_world, strategy, fmt, load_world):
+    directory = str(tmp_path / "ckpt")
+    params, optim_state = pools(save_world).run(save_trained, directory, strategy, fmt)[0]
+    losses = pools(load_world).run(load_resharded, directory, params, optim_state)
+    assert len(losses) == load_world

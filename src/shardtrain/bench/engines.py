@@ -1,0 +1,136 @@
+"""One small adapter per engine: build the benchmark model under it and return (model, optimizer).
+
+Every adapter starts from the same meta-device Llama (`model.build_meta_model`), initialises it by
+name (`model.NamedModel`), uses the same precision (bf16 compute with fp32 master weights and fp32
+gradient reduction, or fp32 throughout), one wrap unit per Block plus the root, the same activation
+checkpointing of every Block when asked, and fused AdamW at lr 1e-4. Only the engine differs.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..models.llama import Block, Llama
+from .model import build_meta_model
+from .spec import RunSpec
+
+LEARNING_RATE = 1e-4
+
+
+@dataclass(frozen=True, kw_only=True)
+class Prepared:
+    """A model ready to train: call `model(tokens)` (under autocast to `autocast_dtype` if set), then
+    `loss.backward(); optimizer.step(); optimizer.zero_grad(set_to_none=True)`."""
+
+    model: nn.Module
+    optimizer: Any  # a torch optimizer, or anything with step() and zero_grad(set_to_none=...)
+    autocast_dtype: torch.dtype | None = None
+
+
+def compute_dtype(spec: RunSpec) -> torch.dtype | None:
+    """The low-precision compute dtype, or None when the run is fp32 throughout."""
+    return torch.bfloat16 if spec.precision == "bf16" else None
+
+
+def make_optimizer(params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
+    """Fused AdamW; the foreach implementation where this build has no fused kernel for the device."""
+    params = list(params)
+    try:
+        return torch.optim.AdamW(params, lr=LEARNING_RATE, fused=True)
+    except RuntimeError:
+        return torch.optim.AdamW(params, lr=LEARNING_RATE, foreach=True)
+
+
+def checkpoint_blocks(model: Llama) -> None:
+    """Wrap every Block in torch's non-reentrant checkpoint wrapper (before an engine wraps it)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+    for i, layer in enumerate(model.layers):
+        model.layers[i] = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+
+
+def build_shardtrain(spec: RunSpec, device: torch.device, *, strategy: str) -> Prepared:
+    import shardtrain as st
+
+    named = build_meta_model(spec.model_config())
+    model = st.shard(
+        named.model,
+        strategy=strategy,
+        wrap={Block},
+        mixed_precision="bf16" if compute_dtype(spec) else None,
+        activation_checkpointing={Block} if spec.ac else None,
+        device=device,
+        param_init_fn=named.param_init_fn(seed=spec.seed, device=device, allocate=False),
+    )
+    return Prepared(model=model, optimizer=make_optimizer(model.parameters()))
+
+
+def build_fsdp2(spec: RunSpec, device: torch.device, *, reshard_after_forward: bool) -> Prepared:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    named = build_meta_model(spec.model_config())
+    model = named.model
+    if spec.ac:
+        checkpoint_blocks(model)
+    dtype = compute_dtype(spec)
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype else MixedPrecisionPolicy()
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    model.to_empty(device=device)
+    named.init_all_(seed=spec.seed, device=device)
+    return Prepared(model=model, optimizer=make_optimizer(model.parameters()))
+
+
+def build_fsdp1(spec: RunSpec, device: torch.device) -> Prepared:
+    """torch FSDP1 as ANCHORS.md ran it: FULL_SHARD, limit_all_gathers, use_orig_params, fp32 reduction."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+    from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, ShardingStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    named = build_meta_model(spec.model_config())
+    dtype = compute_dtype(spec)
+    model = FullyShardedDataParallel(
+        named.model,
+        auto_wrap_policy=ModuleWrapPolicy({Block}),
+        sharding_strategy=ShardingStrategy.FULL_SHARD,
+        mixed_precision=MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32) if dtype else None,
+        limit_all_gathers=True,
+        use_orig_params=True,
+        device_id=device,
+        param_init_fn=named.param_init_fn(seed=spec.seed, device=device, allocate=True),
+    )
+    if spec.ac:
+        # FSDP1's recipe: checkpoint inside each FSDP unit, after wrapping.
+        apply_activation_checkpointing(
+            model,
+            checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
+            check_fn=lambda module: isinstance(module, Block),
+        )
+    return Prepared(model=model, optimizer=make_optimizer(model.parameters()))
+
+
+def build_ddp(spec: RunSpec, device: torch.device) -> Prepared:
+    """DDP: every rank holds the whole fp32 model; bf16 compute through autocast."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    named = build_meta_model(spec.model_config())
+    model = named.model
+    model.to_empty(device=device)
+    named.init_all_(seed=spec.seed, device=device)
+    if spec.ac:
+        checkpoint_blocks(model)
+    ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    return Prepared(model=ddp, optimizer=make_optimizer(ddp.parameters()), autocast_dtype=compute_dtype(spec))

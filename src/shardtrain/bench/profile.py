@@ -1,0 +1,104 @@
+"""`--profile`: a torch.profiler trace of a few steps, and the step time split into where it went.
+
+From the device events of the trace (kernels, memcpy, memset), per step:
+
+- compute: time the compute stream (the stream with the most non-NCCL work) is busy;
+- exposed communication: NCCL kernel time during which the compute stream is idle;
+- exposed copies: time other streams' non-NCCL work (memcpy, casts, copy-in/out kernels) runs while
+  neither compute nor NCCL does;
+- idle: the rest of the window from the first to the last device event (waits on the host).
+
+The four add up to the window, so they show what a faster engine must remove.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import torch
+
+from .intervals import difference, total, union
+
+DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Breakdown:
+    """Milliseconds per step."""
+
+    steps: int
+    step_ms: float
+    compute_ms: float
+    exposed_comm_ms: float
+    exposed_copy_ms: float
+    idle_ms: float
+    comm_ms: float  # all NCCL kernel time, hidden or not
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def breakdown_from_events(events: list[dict], *, steps: int) -> Breakdown | None:
+    """The breakdown of chrome-trace device events (`ts`/`dur` in µs); None if there are none."""
+    device = [e for e in events if e.get("ph") == "X" and e.get("cat") in DEVICE_CATEGORIES and e.get("dur", 0) > 0]
+    if not device:
+        return None
+    spans = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in device]
+    comm_flags = ["nccl" in e.get("name", "").lower() for e in device]
+    streams = [e.get("args", {}).get("stream") for e in device]
+    busy_by_stream: dict = {}
+    for span, is_comm, stream in zip(spans, comm_flags, streams):
+        if not is_comm:
+            busy_by_stream.setdefault(stream, []).append(span)
+    compute_stream = max(busy_by_stream, key=lambda s: total(busy_by_stream[s]), default=None)
+    compute = union(busy_by_stream.get(compute_stream, []))
+    comm = union(s for s, c in zip(spans, comm_flags) if c)
+    copies = union(s for s, c, st in zip(spans, comm_flags, streams) if not c and st != compute_stream)
+    window = max(end for _, end in spans) - min(start for start, _ in spans)
+    exposed_comm = difference(comm, compute)
+    exposed_copy = difference(copies, compute + comm)
+    busy = total(compute + comm + copies)
+    per_step = 1.0 / (1000.0 * steps)  # µs in the whole window -> ms per step
+    return Breakdown(
+        steps=steps,
+        step_ms=window * per_step,
+        compute_ms=total(compute) * per_step,
+        exposed_comm_ms=total(exposed_comm) * per_step,
+        exposed_copy_ms=total(exposed_copy) * per_step,
+        idle_ms=(window - busy) * per_step,
+        comm_ms=total(comm) * per_step,
+    )
+
+
+def profile_steps(step: Callable[[], None], *, steps: int, device: torch.device,
+                  trace_path: str) -> Breakdown | None:
+    """Run `step` `steps` times under torch.profiler; return the breakdown, and keep the trace,
+    gzipped, at `trace_path` when it is not empty."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    _synchronize(device)
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        _synchronize(device)
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(raw)
+        with open(raw) as f:
+            events = json.load(f).get("traceEvents", [])
+        if trace_path:
+            with open(raw, "rb") as src, gzip.open(trace_path, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+    return breakdown_from_events(events, steps=steps)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,6 +1,7 @@
 """The Engine's API: on a persistent Gloo pool (as under torchrun), and in its own spawn mode."""
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -192,8 +193,12 @@ def _fails_on_rank_1(engine: Engine) -> None:
 def test_spawn_mode_failure_stops_all_ranks():
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    with pytest.raises(ChildFailedError, match="rank 1 gives up"):
+    start = time.monotonic()
+    # The root cause reported is the first failure the launcher observes: rank 1's error, or rank 0's
+    # barrier breaking because its peer died; either way every rank is stopped promptly.
+    with pytest.raises(ChildFailedError, match="rank 1 gives up|Connection closed by peer"):
         Engine(devices=2, accelerator="cpu").launch(_fails_on_rank_1)
+    assert time.monotonic() - start < 60
 
 
 def test_world_of_one_runs_in_process():

@@ -75,11 +75,14 @@ class Row:
 
 
 def aggregate(records: list[RunRecord], *, peak_tflops: float | None) -> list[Row]:
-    """Rows in the order their (size, engine) first ran, compared within each size."""
+    """Rows in the order their (size, engine) first ran, the ideal step last in its size; compared
+    within each size."""
     groups: dict[tuple[str, str], list[RunRecord]] = {}
     for record in records:
         groups.setdefault((record.spec.size, record.spec.engine), []).append(record)
-    rows = [_row(group, peak_tflops=peak_tflops) for group in groups.values()]
+    sizes = list(dict.fromkeys(size for size, _ in groups))
+    order = sorted(groups, key=lambda key: (sizes.index(key[0]), key[1] == IDEAL))
+    rows = [_row(groups[key], peak_tflops=peak_tflops) for key in order]
     return [_compare(row, rows) for row in rows]
 
 

@@ -4,7 +4,8 @@ For each size, each repeat runs every engine once, the order rotated by one per 
 always runs first (a cold machine) or last (a warm one). Each run is a new
 `python -m torch.distributed.run ... -m shardtrain.bench.worker` process group: no engine inherits
 another's allocator state, compiled kernels or NCCL communicators. The ideal step, if asked, runs
-once per size in one process.
+once per size in one process, before the engines. With a deadline, runs not started in time are
+reported as skipped, so a time-boxed bench still ends with a complete table.
 
 NVLink multicast stays off in every child (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1,
 NVSHMEM_DISABLE_NVLS=1): on the shared GPU hosts a program that uses it can take the GPUs down.
@@ -34,6 +35,7 @@ from .worker import OUT_OF_MEMORY, failure_path
 
 CHILD_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 LOG_TAIL_LINES = 20
+SKIPPED = "skipped"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,6 +57,7 @@ class BenchOptions:
     trace_dir: str | None = None
     ideal: bool = False
     timeout_s: float = 900.0
+    deadline_s: float | None = None  # launch no run after this many seconds (the rest: "skipped")
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -75,6 +78,8 @@ def planned_runs(options: BenchOptions) -> list[tuple[RunSpec, int, int]]:
     """(spec, nproc, repeat) in the order they run."""
     plan = []
     for size in options.sizes:
+        if options.ideal:  # first: a reference that a time budget should not cut
+            plan.append((options.spec(size=size, engine=IDEAL), 1, 0))
         for repeat in range(options.repeats):
             shift = repeat % len(options.engines)
             for engine in options.engines[shift:] + options.engines[:shift]:
@@ -171,9 +176,14 @@ def run_bench(options: BenchOptions, *, log: Callable[[str], None] = print) -> l
         os.makedirs(options.trace_dir, exist_ok=True)
     plan = planned_runs(options)
     records: list[RunRecord] = []
+    start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="shardtrain-bench-") as workdir:
         for i, (spec, nproc, repeat) in enumerate(plan, 1):
-            record = launch(spec, nproc=nproc, repeat=repeat, workdir=workdir, timeout_s=options.timeout_s)
+            if options.deadline_s is not None and time.monotonic() - start > options.deadline_s:
+                record = RunRecord(spec=spec, nproc=nproc, repeat=repeat, status=SKIPPED, wall_s=0.0,
+                                   error=f"not started: the --deadline of {options.deadline_s:.0f} s had passed")
+            else:
+                record = launch(spec, nproc=nproc, repeat=repeat, workdir=workdir, timeout_s=options.timeout_s)
             records.append(record)
             log(f"[{i}/{len(plan)}] {_progress(record)}")
             if options.json_path:

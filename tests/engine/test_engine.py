@@ -151,15 +151,30 @@ def test_using_an_engine_before_launch_says_so():
         Engine(accelerator="cpu").rank
 
 
-def test_checkpoint_functions_are_wired():
-    engine = Engine(accelerator="cpu", devices=1)
-    try:
-        import shardtrain.checkpoint  # noqa: F401
-    except ModuleNotFoundError:
-        with pytest.raises(RuntimeError, match="checkpointing is not available"):
-            engine.save("unused", {})
-    else:
-        assert callable(engine.save) and callable(engine.load)
+def _save_and_load(path: str) -> bool:
+    engine = Engine(accelerator="cpu", wrap={Block})
+    engine.launch()
+    engine.seed_everything(0)
+    with engine.init_module():
+        model = Llama(LLAMA_SIZES["tiny"])
+    model, opt = engine.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    inputs, targets = _batch(0, engine.rank, rows=2)
+    engine.backward(model.loss(inputs, targets))
+    opt.step()
+    engine.save(path, {"model": model, "optimizer": opt, "step": 1})
+    engine.seed_everything(1)
+    with engine.init_module():
+        fresh = Llama(LLAMA_SIZES["tiny"])
+    fresh, fresh_opt = engine.setup(fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-2))
+    rest = engine.load(path, {"model": fresh, "optimizer": fresh_opt})
+    same_weights = all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
+    same_moments = all(torch.equal(opt.state[a]["exp_avg"], fresh_opt.state[b]["exp_avg"])
+                       for a, b in zip(model.parameters(), fresh.parameters()) if a.numel())
+    return rest["step"] == 1 and same_weights and same_moments
+
+
+def test_save_and_load_through_the_engine(pools, tmp_path):
+    assert pools(2).run(_save_and_load, str(tmp_path / "ckpt")) == [True, True]
 
 
 # ----------------------------------------------------------------------------------- spawn mode

@@ -40,16 +40,21 @@ def test_train_help_lists_every_key(capsys):
     assert "--train.steps" in out and "--model.kwargs" in out and "--resume" in out
 
 
-def test_short_run_writes_metrics_plot_and_config(tmp_path):
-    run = _train([*TINY, "--train.steps", "6", "--train.grad_accum", "2", "--train.eval_every", "3",
-                  "--train.log_every", "1", "--optim.warmup_steps", "2", "--data.cache_dir", str(tmp_path / "cache"),
-                  "--run.out_dir", str(tmp_path), "--run.name", "e2e"])
+def _records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_short_run_writes_metrics_plot_and_config_and_resumes_exactly(tmp_path):
+    common = [*TINY, "--train.steps", "6", "--train.grad_accum", "2", "--train.eval_every", "3",
+              "--train.log_every", "1", "--optim.warmup_steps", "2", "--data.cache_dir", str(tmp_path / "cache"),
+              "--train.ema_decay", "0.9", "--run.checkpoint_every", "3", "--run.out_dir", str(tmp_path)]
+    run = _train([*common, "--run.name", "e2e"])
     assert run.returncode == 0, run.stderr
     assert "held-out loss" in run.stdout and "2 x cpu, full_shard" in run.stdout
     run_dir = tmp_path / "e2e"
     assert (run_dir / "metrics.png").stat().st_size > 10_000
     assert "name: llama-tiny" in (run_dir / "config.yaml").read_text()
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = _records(run_dir)
     evals = [r for r in records if r["kind"] == "eval"]
     train = [r for r in records if r["kind"] == "train"]
     assert [r["step"] for r in evals] == [0, 3, 6]
@@ -60,6 +65,15 @@ def test_short_run_writes_metrics_plot_and_config(tmp_path):
     for r in train:
         assert r["lr"] == pytest.approx(3e-3 * warmup_cosine(r["step"], warmup_steps=2, total_steps=6, min_ratio=0.1))
     assert records[-1]["kind"] == "summary" and evals[-1]["eval_loss"] < evals[0]["eval_loss"]
+    assert "eval_loss_ema" in evals[-1]
+
+    # Resuming from step 3 (model, optimizer, scheduler, EMA, data position, RNG) replays steps 4-6 exactly.
+    resumed = _train([*common, "--run.name", "resumed", "--resume", str(run_dir / "checkpoints" / "step_000003")])
+    assert resumed.returncode == 0, resumed.stderr
+    keys = ("step", "loss", "lr", "grad_norm", "eval_loss", "eval_loss_ema")
+    replay = [{k: r.get(k) for k in keys} for r in _records(tmp_path / "resumed") if r["kind"] != "summary"]
+    original = [r for r in records if (r["kind"] == "train" and r["step"] > 3) or (r["kind"] == "eval" and r["step"] >= 3)]
+    assert replay == [{k: r.get(k) for k in keys} for r in original]
 
 
 @pytest.mark.parametrize("args, message", [

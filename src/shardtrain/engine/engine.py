@@ -10,7 +10,6 @@ saving/loading sharded checkpoints.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import random
 import sys
 from datetime import timedelta
@@ -198,12 +197,18 @@ class Engine:
     # -------------------------------------------------------------------------------- checkpoints
 
     def save(self, path: str, state: dict[str, Any], **kwargs: Any) -> None:
-        """Save `state` (modules, optimizers, schedulers by reference; other values as metadata)."""
-        _checkpoint_module().save_checkpoint(path, state, **kwargs)
+        """Save `state` (modules, optimizers, schedulers by reference; other values as metadata) with
+        `st.save_checkpoint`; every rank's random generators are saved too. All ranks must call it."""
+        from ..checkpoint import save_checkpoint
+
+        save_checkpoint(path, state, **kwargs)
 
     def load(self, path: str, state: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
-        """Load into the objects of `state` in place; return the stored non-object values."""
-        return _checkpoint_module().load_checkpoint(path, state, **kwargs)
+        """Load into the objects of `state` in place with `st.load_checkpoint`; return the stored
+        non-object values. All ranks must call it."""
+        from ..checkpoint import load_checkpoint
+
+        return load_checkpoint(path, state, **kwargs)
 
     # ---------------------------------------------------------------------------- collectives etc.
 
@@ -289,14 +294,3 @@ def _rebind_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], s
             rebound.append(sharded[name])
         group["params"] = rebound
 
-
-def _checkpoint_module():
-    try:
-        return importlib.import_module("shardtrain.checkpoint")
-    except ModuleNotFoundError as exc:
-        if exc.name and exc.name.startswith("shardtrain.checkpoint"):
-            raise RuntimeError(
-                "checkpointing is not available in this build of shardtrain (module shardtrain.checkpoint "
-                "is missing); install a release that includes it"
-            ) from exc
-        raise

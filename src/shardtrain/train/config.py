@@ -112,7 +112,8 @@ class RunConfig:
     out_dir: str = _help("directory of the runs", "runs")
     name: str | None = _help("run name (default: the start time)", None)
     checkpoint_every: int = _help("save a checkpoint every N steps and at the end (0: no checkpoints)", 0)
-    resume: str | None = _help("checkpoint directory to resume from", None)
+    resume: str | None = _help("checkpoint to resume from: runs/<name>/checkpoints/step_N, or "
+                               "runs/<name>/checkpoints for its latest", None)
     tensorboard: bool = _help("also write TensorBoard events (needs the 'tensorboard' extra)", False)
     progress: bool = _help("show a progress bar on rank 0", True)
 

@@ -27,7 +27,7 @@ from .ema import WeightEMA
 from .metrics import MetricsLog, Summary, format_bytes, memory_bytes, plot_metrics
 from .models import BuiltModel, build_model, lm_loss
 from .schedule import make_scheduler
-from .state import check_data_position, data_position, gather_rng_states, restore_rng_states
+from .state import check_data_position, data_position
 
 
 def check_batch(cfg: Config, world_size: int) -> int:
@@ -115,15 +115,12 @@ class _Job:
     def save(self, run_dir: Path, step: int) -> None:
         state = self.checkpoint_state()
         state["data"] = data_position(step=step, batch_size=self.cfg.train.batch_size)
-        state["rng"] = gather_rng_states(self.engine.world_size)
         self.engine.save(str(run_dir / "checkpoints" / f"step_{step:06d}"), state)
 
     def resume(self, path: str) -> int:
         """Load the checkpoint at `path` into the job; return the step to continue from."""
         rest = self.engine.load(path, self.checkpoint_state())
-        step = check_data_position(rest["data"], batch_size=self.cfg.train.batch_size)
-        restore_rng_states(rest["rng"], rank=self.engine.rank, world_size=self.engine.world_size)
-        return step
+        return check_data_position(rest["data"], batch_size=self.cfg.train.batch_size)
 
 
 def _prepare(cfg: Config, engine: Engine) -> tuple[BuiltModel, int, tuple]:
@@ -132,12 +129,9 @@ def _prepare(cfg: Config, engine: Engine) -> tuple[BuiltModel, int, tuple]:
     corpus = corpus_files(cfg.data.path, cfg.data.pattern)
     if cfg.run.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ValueError("run.tensorboard=true needs the tensorboard package: pip install 'shardtrain[tensorboard]'")
-    if (cfg.run.checkpoint_every or cfg.run.resume) and importlib.util.find_spec("shardtrain.checkpoint") is None:
-        raise ValueError("checkpoints need the module shardtrain.checkpoint, which this build lacks; "
-                         "run with --run.checkpoint_every 0 and without --resume")
     if cfg.run.resume and not Path(cfg.run.resume).exists():
         raise ValueError(f"run.resume={cfg.run.resume!r} does not exist; pass a checkpoint directory "
-                         "(runs/<name>/checkpoints/step_NNNNNN)")
+                         "(runs/<name>/checkpoints/step_NNNNNN, or runs/<name>/checkpoints for the latest)")
     engine.seed_everything(cfg.train.seed)
     built = build_model(cfg.model, init_context=engine.init_module)
     if built.max_seq_len is not None and cfg.data.seq_len > built.max_seq_len:

@@ -85,16 +85,16 @@ def planned_runs(options: BenchOptions) -> list[tuple[RunSpec, int, int]]:
             for engine in options.engines[shift:] + options.engines[:shift]:
                 spec = options.spec(size=size, engine=engine)
                 if repeat == 0 and options.profile_steps:
-                    trace = os.path.join(options.trace_dir, f"trace_{size}_{engine}.json.gz") if options.trace_dir else ""
-                    spec = replace(spec, profile_steps=options.profile_steps, trace_path=trace)
+                    name = f"trace_{size}_{engine}.json.gz"
+                    spec = replace(spec, profile_steps=options.profile_steps,
+                                   trace_path=os.path.join(options.trace_dir, name) if options.trace_dir else "")
                 plan.append((spec, options.nproc, repeat))
-        if options.ideal:
-            plan.append((options.spec(size=size, engine=IDEAL), 1, 0))
     return plan
 
 
 def child_environment(*, device: str, nproc: int) -> dict[str, str]:
-    """The parent's environment, multicast off, shardtrain importable, CPU threads split between ranks."""
+    """The parent's environment, multicast off, shardtrain importable, the CPU cores split between
+    `nproc` ranks (the ideal step passes the engines' rank count: it stands for one of their ranks)."""
     env = dict(os.environ)
     env.update(CHILD_ENV)
     package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -119,7 +119,7 @@ def launch(spec: RunSpec, *, nproc: int, repeat: int, workdir: str, timeout_s: f
            "-m", "shardtrain.bench.worker", "--json-out", out, *spec.to_argv()]
     start = time.monotonic()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, env=child_environment(device=spec.device, nproc=nproc), stdout=log,
+        proc = subprocess.Popen(cmd, env=child_environment(device=spec.device, nproc=spec.shard_world), stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
         try:
             rc = proc.wait(timeout=timeout_s)

@@ -20,6 +20,10 @@ import shardtrain as st
 from tests.models import MODELS, lm_loss, make_batches
 
 FP32_TOL = dict(rtol=1.3e-6, atol=1e-5)
+# Note: on CUDA, cuBLAS picks bf16/fp16 kernels by pointer alignment, and a view into a flat buffer
+# is aligned differently from a standalone tensor, so low-precision GEMMs may round differently
+# there; the CPU runs the emulated casts bit for bit and keeps FP32_TOL.
+LOW_PRECISION_CUDA_TOL = dict(rtol=1e-2, atol=2e-3)
 
 
 @dataclass(frozen=True)
@@ -135,7 +139,7 @@ def run_case(kind: str, case: Case) -> None:
     opt = make_optimizer(model, case.optim)
     reference = Reference(ref_model, case, world)
     per = 2
-    tol = FP32_TOL
+    tol = LOW_PRECISION_CUDA_TOL if case.precision and device.type == "cuda" else FP32_TOL
     for step, batch in enumerate(make_batches(kind, steps=case.steps, global_batch=world * case.micro * per)):
         batch = tuple(t.to(device) for t in batch)
         loss_sum = 0.0

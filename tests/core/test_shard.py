@@ -46,8 +46,8 @@ def test_collectives_per_step(pools):
     for r in pools(2).run(checks.collective_counts):
         units = r["units"]
         for step in r["steps"]:
-            # forward gathers every unit; backward re-gathers all but the root; one reduce per unit
-            assert step == {"gather": 2 * units - 1, "reduce": units}, r
+            # forward gathers every unit, backward gathers each again; one reduce-scatter per unit
+            assert step == {"gather": 2 * units, "reduce": units}, r
 
 
 def test_small_modules_get_no_hooks(pools):

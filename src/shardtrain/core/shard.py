@@ -89,8 +89,9 @@ def shard(
         flat_shard = flatten_and_shard(tensors, layout, device=device, shard_rank=groups.shard_rank,
                                        broadcast_group=broadcast_group)
         behaviour = UnitBehaviour(
-            # Note: the root's backward starts right after its forward; resharding it would only re-gather.
-            reshard_after_forward=strategy.reshard_after_forward and index > 0,
+            # Note: the root too: re-gathering it at the start of backward cost nothing measurable on
+            # 2 x H200 at 1.5B, and holding it would add its whole size to the activation peak.
+            reshard_after_forward=strategy.reshard_after_forward,
             resident=strategy.keeps_params_resident,
             param_dtype=precision.param_dtype or flat_shard.dtype,
             reduce_dtype=precision.reduce_dtype or flat_shard.dtype,

@@ -114,12 +114,10 @@ class ShardUnit:
             params.append(nn.Parameter(self.shard[start:start + numel].view(shape), requires_grad=slot.requires_grad))
         return params
 
-    def _ensure_sharded_grad(self) -> torch.Tensor:
-        if self.sharded_grad is None:
-            # Note: uninitialised on purpose: a fresh gradient is always written whole (overwrite).
-            self.sharded_grad = torch.empty_like(self.shard)
-            self._grad_views = [self.sharded_grad[a:a + n].view(shape) for a, n, shape in self._spans]
-        return self.sharded_grad
+    def _adopt_grad(self, grad: torch.Tensor) -> None:
+        """Make a freshly reduced shard the gradient (no copy when dtypes agree)."""
+        self.sharded_grad = grad if grad.dtype == self.shard.dtype else grad.to(self.shard.dtype)
+        self._grad_views = [self.sharded_grad[a:a + n].view(shape) for a, n, shape in self._spans]
 
     # ------------------------------------------------------------------ unshard / reshard
     def _free_storage(self) -> None:
@@ -211,7 +209,14 @@ class ShardUnit:
         pad = self.layout.padded_numel - self.layout.numel
         if pad:
             parts.append(torch.zeros(pad, dtype=dtype, device=device))
-        # Note: one copy, casting straight into the reduction dtype (no intermediate flat in param dtype).
+        # Note: release the unsharded parameters before allocating the reduction buffers, so the
+        # two never coexist (the root's are the largest of the step).
+        self._views = None
+        if not self.behaviour.resident:
+            self.reshard()
+        else:
+            self.uninstall_views()
+        # One copy, casting straight into the reduction dtype (no intermediate flat in param dtype).
         flat = torch.cat(parts, out=torch.empty(self.layout.padded_numel, dtype=self.behaviour.reduce_dtype,
                                                 device=device))
         if self._accumulated is not None:
@@ -222,11 +227,6 @@ class ShardUnit:
             self._reduce(flat)
         elif self._accumulated is None:
             self._accumulated = flat
-        self._views = None
-        if not self.behaviour.resident:
-            self.reshard()
-        else:
-            self.uninstall_views()
 
     def release_cleared_grads(self) -> None:
         """Free `sharded_grad` once the user cleared every `.grad` (zero_grad(set_to_none=True)).
@@ -238,17 +238,18 @@ class ShardUnit:
             self._grad_views = []
 
     def _reduce(self, flat: torch.Tensor) -> None:
-        allocated = self.sharded_grad is None
-        target = self._ensure_sharded_grad()
         fresh = [p.grad is None for p in self.shard_params]
-        overwrite = allocated or all(fresh)
-        stale_slices = [] if overwrite else [v for v, f in zip(self._grad_views, fresh) if f]
+        overwrite = self.sharded_grad is None or all(fresh)
+        target = self.sharded_grad
+        stale = [] if overwrite else [v for v, f in zip(self._grad_views, fresh) if f]
 
         def accumulate(shard_grad: torch.Tensor) -> None:
+            # Note: a fresh step adopts the reduction's output as the gradient; only accumulation
+            # (no zero_grad between backwards) adds into the existing one.
             if overwrite:
-                target.copy_(shard_grad)
+                self._adopt_grad(shard_grad)
                 return
-            for v in stale_slices:
+            for v in stale:
                 v.zero_()
             target.add_(shard_grad)
 

@@ -85,6 +85,8 @@ def test_read_outcome_prefers_a_result_then_out_of_memory(tmp_path):
     base = RunRecord(spec=run_spec("fsdp2"), nproc=2, repeat=0, status="ok", wall_s=1.0)
     failed = read_outcome(base, out=str(out), rc=1, log_path=str(log), timeout_s=60)
     assert failed.status == "failed" and "boom" in failed.error
+    log.write_text("NCCL watchdog: CUDA error: out of memory\n")
+    assert read_outcome(base, out=str(out), rc=-6, log_path=str(log), timeout_s=60).status == "out of memory"
     assert read_outcome(base, out=str(out), rc=None, log_path=str(log), timeout_s=60).status == "timed out"
     (tmp_path / "run.json.rank1.json").write_text(json.dumps({"status": "failed", "error": "peer"}))
     (tmp_path / "run.json.rank0.json").write_text(json.dumps({"status": "out of memory", "error": "OOM"}))

@@ -19,17 +19,19 @@ from .spec import RunSpec
 
 
 class ShardStep:
-    """Stands in for one rank's optimizer: fused AdamW over a fp32 shard of 1/N of the parameters.
+    """Stands in for one rank's optimizer: fused AdamW over fp32 shards of 1/N of each parameter
+    (one tensor per parameter, as a sharded engine hands them to its optimizer).
 
     `zero_grad` clears the model's resident gradients, as the real optimizer's would.
     """
 
     def __init__(self, model: nn.Module, *, shard_world: int, device: torch.device) -> None:
-        numel = sum(p.numel() for p in model.parameters())
         self.model = model
-        self.master = nn.Parameter(torch.zeros(math.ceil(numel / shard_world), device=device))
-        self.master.grad = torch.zeros_like(self.master)  # its values do not change the work done
-        self.adamw = make_optimizer([self.master])
+        self.shards = [nn.Parameter(torch.zeros(math.ceil(p.numel() / shard_world), device=device))
+                       for p in model.parameters()]
+        for shard in self.shards:
+            shard.grad = torch.zeros_like(shard)  # its values do not change the work done
+        self.adamw = make_optimizer(self.shards)
 
     def step(self) -> None:
         self.adamw.step()

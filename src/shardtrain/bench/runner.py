@@ -133,7 +133,8 @@ def launch(spec: RunSpec, *, nproc: int, repeat: int, workdir: str, timeout_s: f
 
 def read_outcome(record: RunRecord, *, out: str, rc: int | None, log_path: str, timeout_s: float) -> RunRecord:
     """Fill `record` from what the workers left: rank 0's result, else a rank's failure (out of
-    memory first), else a timeout, else the exit code and the end of the log."""
+    memory first), else a timeout, else the exit code and the end of the log (out of memory if
+    the log says so)."""
     if os.path.exists(out):
         with open(out) as f:
             return replace(record, status=OK, result=json.load(f))
@@ -148,7 +149,10 @@ def read_outcome(record: RunRecord, *, out: str, rc: int | None, log_path: str, 
         return replace(record, status=chosen["status"], error=chosen["error"])
     if rc is None:
         return replace(record, status="timed out", error=f"no result after {timeout_s:.0f} s")
-    return replace(record, status="failed", error=f"exit code {rc}; log tail:\n{_tail(log_path)}")
+    tail = _tail(log_path)
+    # A rank can die of an out-of-memory error outside Python (NCCL's watchdog aborts the process).
+    status = OUT_OF_MEMORY if "out of memory" in tail.lower() else "failed"
+    return replace(record, status=status, error=f"exit code {rc}; log tail:\n{tail}")
 
 
 def _stop(proc: subprocess.Popen) -> None:

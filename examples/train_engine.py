@@ -46,7 +46,7 @@ def main() -> None:
 
     root, files = corpus_files(args.data, "**/*.py")
     with engine.rank_zero_first(local=True):  # tokenize once per node; the others read the cache
-        cache = build_cache(root=root, files=files, pattern="**/*.py", val_fraction=0.02, cache_dir=args.cache_dir,
+        cache = build_cache(root=root, files=files, val_fraction=0.02, cache_dir=args.cache_dir,
                             tokenizer=ByteTokenizer(), progress=engine.local_rank == 0)
     micro_batch = args.batch_size // args.grad_accum
     batches = TokenBatches(cache.train, seq_len=args.seq_len, global_batch=micro_batch, rank=engine.rank,

@@ -77,7 +77,7 @@ def _corpus(tmp_path, n=40):
 def test_cache_split_and_reuse(tmp_path):
     root, files = corpus_files(str(_corpus(tmp_path)), "**/*.py")
     assert len(files) == 40 and all(f.suffix == ".py" for f in files)
-    kwargs = dict(root=root, files=files, pattern="**/*.py", val_fraction=0.2, cache_dir=str(tmp_path / "cache"),
+    kwargs = dict(root=root, files=files, val_fraction=0.2, cache_dir=str(tmp_path / "cache"),
                   tokenizer=ByteTokenizer(), progress=False)
     cache = build_cache(**kwargs)
     assert cache.tokens.dtype == np.uint8

@@ -93,7 +93,7 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "shardtrain"
 
 
-def build_cache(*, root: Path, files: list[Path], pattern: str, val_fraction: float, cache_dir: str | None,
+def build_cache(*, root: Path, files: list[Path], val_fraction: float, cache_dir: str | None,
                 tokenizer: ByteTokenizer, progress: bool) -> TokenCache:
     """Tokenize `files` (from `corpus_files`) into `cache_dir` unless an identical cache exists; return it
     memory-mapped.
@@ -109,7 +109,7 @@ def build_cache(*, root: Path, files: list[Path], pattern: str, val_fraction: fl
                          f"file among the {len(files)} files of {str(root)!r}; adjust it or add files")
     order = [i for i in range(len(files)) if not held[i]] + [i for i in range(len(files)) if held[i]]
     stats = [files[i].stat() for i in order]
-    key = hashlib.sha256(json.dumps([CACHE_VERSION, str(root), pattern, val_fraction, tokenizer.vocab_size,
+    key = hashlib.sha256(json.dumps([CACHE_VERSION, str(root), val_fraction, tokenizer.vocab_size,
                                      [(rel[i], s.st_size, s.st_mtime_ns) for i, s in zip(order, stats)]]).encode())
     dtype = token_dtype(tokenizer.vocab_size)
     base = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
@@ -135,13 +135,13 @@ def _write_tokens(target: Path, files: list[Path], *, held: list[bool], tokenize
                                       disable=not progress, leave=False) as bar:
         for f, is_held in zip(files, held):
             data = f.read_bytes()
+            bar.update(len(data))
             if not data.endswith(b"\n"):
                 data += b"\n"
             tokens = tokenizer.encode(data).astype(dtype, copy=False)
             out.write(tokens.tobytes())
             if not is_held:
                 num_train += len(tokens)
-            bar.update(len(data))
     os.replace(tmp, target)
     return num_train
 

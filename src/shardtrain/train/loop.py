@@ -155,7 +155,7 @@ def build_job(cfg: Config, engine: Engine) -> tuple[_Job, str]:
     built, micro_batch, (root, files) = _prepare(cfg, engine)
     tokenizer = ByteTokenizer()
     with engine.rank_zero_first(local=True):
-        cache = build_cache(root=root, files=files, pattern=cfg.data.pattern, val_fraction=cfg.data.val_fraction,
+        cache = build_cache(root=root, files=files, val_fraction=cfg.data.val_fraction,
                             cache_dir=cfg.data.cache_dir, tokenizer=tokenizer,
                             progress=cfg.run.progress and engine.local_rank == 0)
     common = dict(seq_len=cfg.data.seq_len, global_batch=micro_batch, rank=engine.rank,

@@ -60,9 +60,13 @@ def state(model, optimizer, scheduler, **values) -> dict:
 
 
 def gathered_optimizer_state(model, optimizer) -> dict[str, dict[str, torch.Tensor]]:
-    """Full optimizer state by parameter name, assembled from every rank's pieces (every rank gets it)."""
+    """Full optimizer state by parameter name, assembled from the pieces of the first replica's ranks
+    (what a checkpoint holds; hybrid_shard and no_shard replicas should hold the same), on every rank."""
+    runtime = runtime_of(model)
+    replicate = runtime.groups.replicate
+    first_replica = replicate is None or dist.get_rank(replicate) == 0
     mine = {}
-    for unit in runtime_of(model).units:
+    for unit in runtime.units if first_replica else []:
         for slot, param in zip(unit.layout.slots, unit.shard_params):
             if param not in optimizer.state:
                 continue
@@ -190,3 +194,172 @@ def resume_after_crash(run: str, expected: dict) -> None:
     fresh, fresh_optimizer, fresh_scheduler = build(seed=2)
     assert st.load_checkpoint(run, state(fresh, fresh_optimizer, fresh_scheduler)) == {"step": 3}
     assert_same(st.full_state_dict(fresh, rank0_only=False), st.full_state_dict(model, rank0_only=False), "step3")
+
+
+# ------------------------------------------------------------------------------------ full weights
+def save_full_and_forward(directory: str, fmt: str) -> tuple[dict, torch.Tensor]:
+    """Train 2 steps, save in `fmt`; return the full state dict and the logits of a fixed input."""
+    model, optimizer, scheduler = build()
+    train(model, optimizer, scheduler, batches(2, micro=1), micro=1)
+    st.save_checkpoint(directory, state(model, optimizer, scheduler), format=fmt)
+    tokens = torch.arange(32).remainder(256).view(2, 16)
+    with torch.no_grad():
+        logits = model(tokens)
+    return st.full_state_dict(model, rank0_only=False), logits
+
+
+# ------------------------------------------------------------------------------------ bad input
+def expect_error(fn, match: str) -> str:
+    """Run `fn`, which must raise ValueError matching `match` (a regex); return the message."""
+    import pytest
+
+    with pytest.raises(ValueError, match=match) as info:
+        fn()
+    return str(info.value)
+
+
+def load_into(directory: str, model, **kwargs):
+    return lambda: st.load_checkpoint(directory, {"model": model}, **kwargs)
+
+
+def bad_inputs(directory: str) -> list[str]:
+    """Each bad input fails with a ValueError that names the offending value and the remedy."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from tests.models import MODELS, FrozenShared
+    from shardtrain.models.llama import Llama, llama_config
+
+    rank = dist.get_rank()
+    good = f"{directory}/good"
+    model, optimizer, scheduler = build()
+    st.save_checkpoint(good, state(model, optimizer, scheduler))
+    messages = []
+    other = st.shard(FrozenShared(), wrap=MODELS["frozen"][1])
+    messages.append(expect_error(load_into(good, other), r"does not match state\['model'\] \(FrozenShared\): "
+                                 r"missing \[frozen.lin.bias.*unexpected \[embed.weight.*strict=False"))
+    narrower = st.shard(Llama(llama_config("tiny", tie_embeddings=True, n_layers=3, ffn_dim=128)), wrap={Block})
+    messages.append(expect_error(load_into(good, narrower), r"mis-shaped \[layers.0.ffn.w1.weight: checkpoint "
+                                 r"\(176, 64\) vs model \(128, 64\)"))
+    st.load_checkpoint(good, {"model": narrower}, strict=False)  # the matching part loads
+    assert torch.equal(st.full_state_dict(narrower, rank0_only=False)["embed.weight"],
+                       st.full_state_dict(model, rank0_only=False)["embed.weight"])
+    plain = tiny_llama()
+    messages.append(expect_error(lambda: st.load_checkpoint(good, {"model": plain}),
+                                 r"saved 'model' as a sharded module; pass the model after st.shard"))
+    messages.append(expect_error(lambda: st.load_checkpoint(good, {**state(model, optimizer, scheduler), "ema": scheduler}),
+                                 r"has no \[ema\]; it holds \[model, optimizer, scheduler\]"))
+    messages.append(expect_error(lambda: st.load_checkpoint(f"{directory}/nowhere", {}), "does not exist"))
+    Path(directory, "empty").mkdir(exist_ok=True)
+    messages.append(expect_error(lambda: st.load_checkpoint(f"{directory}/empty", {}), "is not a checkpoint"))
+
+    def damaged(name: str, damage) -> str:
+        copy = f"{directory}/{name}"
+        if rank == 0:
+            shutil.copytree(good, copy)
+            damage(Path(copy))
+        dist.barrier()
+        return copy
+
+    def truncate(path: Path) -> None:
+        file = path / "model-00001-of-00002.safetensors"
+        file.write_bytes(file.read_bytes()[:-100])
+
+    def flip(path: Path) -> None:
+        file = path / "model-00001-of-00002.safetensors"
+        data = bytearray(file.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        file.write_bytes(bytes(data))
+
+    def newer(path: Path) -> None:
+        metadata = json.loads((path / "metadata.json").read_text())
+        (path / "metadata.json").write_text(json.dumps({**metadata, "version": 99}))
+
+    # Only rank 1 reads shard 1: rank 0 must fail too, naming rank 1.
+    where = "" if rank == 1 else "rank 1 failed: ValueError: "
+    messages.append(expect_error(load_into(damaged("truncated", truncate), model),
+                                 f"{where}.*model-00001-of-00002.safetensors is truncated or altered"))
+    messages.append(expect_error(load_into(damaged("flipped", flip), model),
+                                 f"{where}.*model-00001-of-00002.safetensors is corrupt: sha256"))
+    messages.append(expect_error(load_into(damaged("newer", newer), model),
+                                 "format version 99, newer than the version 1 this shardtrain reads; upgrade"))
+
+    run = f"{directory}/run"
+    st.save_checkpoint(f"{run}/a", {"model": model})
+    messages.append(expect_error(lambda: st.save_checkpoint(f"{run}/b", {"model": model, "fn": print}),
+                                 r"state\['fn'\] is a builtin_function_or_method"))
+    messages.append(expect_error(lambda: st.save_checkpoint(f"{run}/b", {"model": model, "t": torch.ones(3)}),
+                                 r"state\['t'\] is a tensor of shape \(3,\)"))
+
+    class Opaque:
+        def state_dict(self):
+            return {"fn": Opaque}
+
+        def load_state_dict(self, state):
+            raise AssertionError("not reached")
+
+    messages.append(expect_error(lambda: st.save_checkpoint(f"{run}/b", {"model": model, "o": Opaque()}),
+                                 r"state\['o'\].state_dict\(\)\['fn'\] is a builtins.type; .*weights_only=True"))
+    messages.append(expect_error(lambda: st.save_checkpoint(f"{run}/b", {}, format="zip"), "format='zip'"))
+    messages.append(expect_error(lambda: st.save_checkpoint(f"{run}/b", {}, keep_last=0), "keep_last=0"))
+    assert sorted(p.name for p in Path(run).iterdir() if ".tmp-" not in p.name) == ["a", "latest"]
+    return messages
+
+
+# ------------------------------------------------------------------------------------ commit, values, rng
+def rotate_and_overwrite(directory: str) -> None:
+    """`latest` follows each save, keep_last prunes the oldest, an existing path is replaced, a stale
+    staging directory is removed and unrelated directories are left alone."""
+    from pathlib import Path
+
+    run = Path(directory) / "run"
+    model, optimizer, scheduler = build()
+    if dist.get_rank() == 0:
+        (run / "step9.tmp-0123456789abcdef0123456789abcdef").mkdir(parents=True)  # a crashed save's
+        (run / "notes").mkdir()
+    dist.barrier()
+    for step in range(1, 5):
+        st.save_checkpoint(run / f"step{step}", state(model, optimizer, scheduler, step=step), keep_last=2)
+        assert (run / "latest").read_text().strip() == f"step{step}"
+    assert sorted(p.name for p in run.iterdir()) == ["latest", "notes", "step3", "step4"]
+    train(model, optimizer, scheduler, batches(1, micro=1), micro=1)
+    st.save_checkpoint(run / "step3", state(model, optimizer, scheduler, step=5))  # overwrite an older one
+    assert (run / "latest").read_text().strip() == "step3"
+    assert sorted(p.name for p in run.iterdir()) == ["latest", "notes", "step3", "step4"]
+    assert st.load_checkpoint(run, state(*build(seed=1)))["step"] == 5
+
+
+class RankLocal:
+    """An object whose state differs per rank (like an EMA of this rank's shards)."""
+
+    def __init__(self, value: float) -> None:
+        self.value = torch.tensor([value])
+
+    def state_dict(self):
+        return {"value": self.value, "rank": dist.get_rank()}
+
+    def load_state_dict(self, state) -> None:
+        self.value.copy_(state["value"])
+
+
+def values_objects_and_rng(directory: str) -> None:
+    """Plain values come back with their types; per-rank objects and generator states are restored."""
+    import random
+
+    import numpy as np
+
+    model, optimizer, scheduler = build()
+    values = {"step": 7, "pair": (1, 2.5), "nested": {"tokens": [1, 2], 3: None, "$odd": "x"},
+              "scale": torch.tensor(0.5, dtype=torch.bfloat16), "name": "run-1"}
+    rank = dist.get_rank()
+    st.save_checkpoint(directory, {"model": model, "local": RankLocal(float(rank)), **values})
+    after_save = (random.random(), np.random.rand(), torch.rand(3))
+    random.seed(123), np.random.seed(123), torch.manual_seed(123)
+    local = RankLocal(-1.0)
+    rest = st.load_checkpoint(directory, {"model": model, "local": local})
+    assert rest.keys() == values.keys() and rest["scale"].dtype == torch.bfloat16
+    assert all(rest[k] == v for k, v in values.items() if k != "scale") and torch.equal(rest["scale"], values["scale"])
+    assert local.value.item() == float(rank)
+    again = (random.random(), np.random.rand(), torch.rand(3))
+    assert after_save[:2] == again[:2] and torch.equal(after_save[2], again[2])

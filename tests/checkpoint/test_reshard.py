@@ -6,12 +6,13 @@ import pytest
 from tests.checkpoint.ranks import load_resharded, save_trained
 
 CASES = [
-    # (save world, save strategy, format, load world)
+    # (save world, save strategy, format, load world); hybrid_shard: 2 replicas x 2 shards
     (2, "full_shard", "sharded", 3),
     (3, "full_shard", "sharded", 2),
     (4, "full_shard", "sharded", 1),
     (1, "full_shard", "sharded", 4),
     (2, "no_shard", "sharded", 3),  # replicas: only rank 0 writes
+    (4, "hybrid_shard", "sharded", 2),  # only the first replica writes
     (2, "full_shard", "full", 3),
 ]
 
@@ -20,6 +21,7 @@ CASES = [
                          ids=[f"{n}-{s}-{f}-to-{m}" for n, s, f, m in CASES])
 def test_load_at_another_world_size(pools, tmp_path, save_world, strategy, fmt, load_world):
     directory = str(tmp_path / "ckpt")
-    params, optim_state = pools(save_world).run(save_trained, directory, strategy, fmt)[0]
+    mesh = (2, 2) if strategy == "hybrid_shard" else None
+    params, optim_state = pools(save_world).run(save_trained, directory, strategy, fmt, mesh)[0]
     losses = pools(load_world).run(load_resharded, directory, params, optim_state)
     assert len(losses) == load_world

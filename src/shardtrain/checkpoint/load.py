@@ -22,7 +22,7 @@ from .source import restore_module
 from .tensorfile import CheckpointFiles
 from .values import decode
 
-_KIND_NAMES = {"modules": "a sharded module", "optimizers": "a sharded optimizer", "objects": "an object's state"}
+_KIND_NAMES = {"modules": "a sharded module", "optimizers": "a sharded optimizer", "objects": "a plain object (state_dict)"}
 _KIND_FIXES = {
     "modules": "pass the model after st.shard(...) (or convert the checkpoint with `shardtrain convert`)",
     "optimizers": "pass the optimizer built over the sharded model's parameters, with that model in state",

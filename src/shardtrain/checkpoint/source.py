@@ -65,11 +65,12 @@ def restore_module(module: nn.Module, key: str, source: ModuleSource, *, strict:
     unexpected = sorted(saved.keys() - current.keys())
     mis_shaped = [f"{n}: checkpoint {saved[n]} vs model {current[n]}"
                   for n in sorted(current.keys() & saved.keys()) if saved[n] != current[n]]
-    if strict and (missing or unexpected or mis_shaped):
-        raise ValueError(f"the checkpoint does not match state[{key!r}] ({type(module).__name__}): missing "
-                         f"{short_list(missing)}, unexpected {short_list(unexpected)}, mis-shaped "
-                         f"{short_list(mis_shaped)}; load a checkpoint of this model, or pass strict=False to "
-                         "load the matching part")
+    problems = [f"{what} {short_list(names)}" for what, names in
+                (("missing", missing), ("unexpected", unexpected), ("mis-shaped", mis_shaped)) if names]
+    if strict and problems:
+        raise ValueError(f"the checkpoint does not match state[{key!r}] ({type(module).__name__}): "
+                         f"{', '.join(problems)}; load a checkpoint of this model, or pass strict=False to load "
+                         "the matching part")
     with torch.no_grad():
         for unit in runtime.units:
             for slot, param in zip(unit.layout.slots, unit.shard_params):

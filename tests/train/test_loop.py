@@ -7,7 +7,7 @@ import torch
 
 from shardtrain.engine import Engine
 from shardtrain.train.config import load_config
-from shardtrain.train.loop import build_job, check_batch
+from shardtrain.train.loop import _prepare, build_job, check_batch
 
 
 @pytest.fixture(scope="module")
@@ -81,3 +81,26 @@ def test_batch_rule_names_the_fix():
     with pytest.raises(ValueError, match="use --train.batch_size 8"):
         check_batch(cfg, 2)
     assert check_batch(load_config(None, ["--train.batch_size", "16", "--train.grad_accum", "2"]), 2) == 8
+
+
+def _prepare_error(*overrides: str) -> str:
+    engine = Engine(accelerator="cpu")
+    engine.launch()
+    try:
+        _prepare(load_config(None, list(overrides)), engine)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["--train.batch_size", "1"], "train.batch_size=1 must be a multiple of world size 2 x train.grad_accum 1 = 2; "
+                                  "use --train.batch_size 2"),
+    (["--model.name", "llama-3t"], "model.name='llama-3t' does not build: unknown Llama size '3t'"),
+    (["--model.name", "llama-tiny"], "data.seq_len=256 exceeds the model's maximum sequence length 128"),
+    (["--data.path", "/no/such/corpus"], "data.path='/no/such/corpus' does not exist"),
+    (["--run.resume", "/no/such/ckpt"], "run.resume='/no/such/ckpt' does not exist"),
+])
+def test_user_errors_are_found_on_every_rank_before_any_communication(pools, overrides, message):
+    for error in pools(2).run(_prepare_error, *overrides):
+        assert error.startswith(message)

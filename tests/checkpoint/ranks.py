@@ -363,3 +363,17 @@ def values_objects_and_rng(directory: str) -> None:
     assert local.value.item() == float(rank)
     again = (random.random(), np.random.rand(), torch.rand(3))
     assert after_save[:2] == again[:2] and torch.equal(after_save[2], again[2])
+
+
+# ------------------------------------------------------------------------------------ Hugging Face
+def save_hf_model(directory: str) -> dict:
+    """A tiny transformers Llama (tied embeddings), sharded and saved; returns its full state dict."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = st.shard(LlamaForCausalLM(config), wrap={LlamaDecoderLayer})
+    st.save_checkpoint(directory, {"model": model})
+    return st.full_state_dict(model, rank0_only=False)

@@ -54,3 +54,15 @@ def test_convert_reports_bad_input(pools, tmp_path, capsys):
     pools(2).run(save_full_and_forward, str(tmp_path / "ckpt"), "sharded")
     assert main(["convert", str(tmp_path / "ckpt"), str(tmp_path / "folder")]) == 2
     assert "does not end in .safetensors" in capsys.readouterr().err
+
+
+def test_convert_hf_model_to_a_from_pretrained_folder(pools, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from tests.checkpoint.ranks import save_hf_model
+
+    full = pools(2).run(save_hf_model, str(tmp_path / "ckpt"))[0]
+    assert main(["convert", str(tmp_path / "ckpt"), str(tmp_path / "hf")]) == 0  # config recorded at save
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    for name, value in loaded.state_dict().items():
+        assert torch.equal(value, full[name]), name

@@ -41,7 +41,7 @@ bench --sizes 1.5b --batch 2 --seq 4096 --ac none --ideal --timeout 120 --deadli
       --engines shardtrain,fsdp2,fsdp2-noreshard,shardtrain-zero2,fsdp1,ddp --json "$OUT/bench_1.5b.json"
 
 note "8b: batch 1, seq 4096, activation checkpointing of every Block, profiled"
-bench --sizes 8b --batch 1 --seq 4096 --ac all --ideal --timeout 180 --deadline $((STOP_STARTING_AT - SECONDS)) \
+bench --sizes 8b --batch 1 --seq 4096 --ac all --ideal --timeout 150 --deadline $((STOP_STARTING_AT - SECONDS)) \
       --engines shardtrain,fsdp2,fsdp1 --profile --profile-steps 2 --trace-dir "$OUT" --json "$OUT/bench_8b.json"
 
 note "suite done"

@@ -68,6 +68,7 @@ def test_results_table_layout():
 def test_cpu_table_shows_resident_memory():
     table = results_table(aggregate([record("fsdp2", [100.0], 5.0, device="cpu")], peak_tflops=None))
     assert "peak RSS GiB" in table and "alloc GiB" not in table and "0.5" in table
+    assert "tok/s/rank" in table and "tok/s/GPU" not in table
 
 
 def test_breakdown_table_and_render():

@@ -30,13 +30,14 @@ def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
 
 
 def results_table(rows: list[Row]) -> str:
-    """The main table. Memory columns: allocated/reserved on CUDA, resident set size on the CPU."""
+    """The main table. On CUDA throughput is per GPU and memory is allocated/reserved; on the CPU
+    throughput is per rank and memory is the resident set size."""
     cuda = any(r.spec.device == "cuda" for r in rows)
     loss_step = next((r.loss_step for r in rows if r.loss_step), None)
     memory: list[tuple[str, Callable[[Row], float | None]]] = \
         [("alloc GiB", lambda r: r.allocated_gib), ("reserved GiB", lambda r: r.reserved_gib)] if cuda \
         else [("peak RSS GiB", lambda r: r.rss_gib)]
-    headers = ["size", "engine", "tok/s/GPU", "min", "max", "tok/s all", "MFU",
+    headers = ["size", "engine", "tok/s/GPU" if cuda else "tok/s/rank", "min", "max", "tok/s all", "MFU",
                *(name for name, _ in memory), "vs FSDP2", "step/ideal", f"loss@{loss_step or 'N'}"]
     body = []
     for r in rows:

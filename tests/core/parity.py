@@ -35,6 +35,7 @@ class Case:
     precision: str | None = None
     clip: float | None = None
     steps: int = 10
+    mesh: tuple[int, int] | None = None
 
     @property
     def micro(self) -> int:
@@ -135,7 +136,7 @@ def run_case(kind: str, case: Case) -> None:
     ref_model = factory().to(device)
     model = copy.deepcopy(ref_model)
     st.shard(model, strategy=case.strategy, wrap=wrap_policy(kind), mixed_precision=case.precision,
-             activation_checkpointing=ac_policy(kind) if case.ac else None)
+             activation_checkpointing=ac_policy(kind) if case.ac else None, mesh=case.mesh)
     opt = make_optimizer(model, case.optim)
     reference = Reference(ref_model, case, world)
     per = 2

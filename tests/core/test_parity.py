@@ -38,3 +38,17 @@ def test_parity_mixed_precision(pools, precision):
     cases = [Case(strategy=s, precision=precision, accum=a, ac=ac)
              for s in STRATEGIES for a, ac in [("none", False), ("no_sync", True)]]
     assert pools(2).run(run_cases, "llama", cases) == [len(cases)] * 2
+
+
+@pytest.mark.parametrize("kind", ["llama", "frozen"])
+def test_parity_optimizer_only(pools, kind):
+    cases = [Case(strategy="optimizer_only", optim=o, accum=a, ac=ac, precision=p)
+             for o, a, ac, p in [("sgd", "none", False, None), ("adamw", "no_sync", True, None),
+                                 ("adamw", "no_sync", False, "bf16")]]
+    assert pools(3).run(run_cases, kind, cases) == [len(cases)] * 3
+
+
+def test_parity_hybrid_shard_on_a_two_by_two_mesh(pools):
+    cases = [Case(strategy=s, optim=o, accum=a, mesh=(2, 2))
+             for s in ["hybrid_shard", "hybrid_shard_zero2"] for o, a in [("sgd", "none"), ("adamw", "no_sync")]]
+    assert pools(4).run(run_cases, "llama", cases) == [len(cases)] * 4

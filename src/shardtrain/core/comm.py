@@ -131,13 +131,16 @@ class Groups:
         return out
 
     def _reduce_into(self, out: torch.Tensor, inp: torch.Tensor, *, async_op: bool) -> list:
+        """Issue the reduction; return the works not yet waited on."""
         op = dist.ReduceOp.AVG if self.native_avg else dist.ReduceOp.SUM
         works = []
         if self.shard_world > 1:
             works.append(_reduce_scatter(out, inp, op=op, group=self.shard, async_op=async_op))
         if self.replicate_world > 1:
             if works and async_op:
-                works[0].wait()  # Gloo: the all-reduce needs the reduce-scatter's result
+                # Gloo: the all-reduce needs the reduce-scatter's result. Note: a Gloo work must be
+                # waited once only: a second wait copies its result out again, over the all-reduce's.
+                works.pop().wait()
             works.append(dist.all_reduce(out, op=op, group=self.replicate, async_op=async_op))
         return works
 

@@ -2,6 +2,8 @@
 
 import os
 
+import pytest
+
 import shardtrain
 from shardtrain.bench.runner import BenchOptions, child_environment, planned_runs
 
@@ -41,3 +43,8 @@ def test_children_never_use_nvlink_multicast(monkeypatch):
     assert env["NCCL_NVLS_ENABLE"] == "0"
     assert env["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1" and env["NVSHMEM_DISABLE_NVLS"] == "1"
     assert env["PYTHONPATH"].split(os.pathsep)[0] == os.path.dirname(os.path.dirname(shardtrain.__file__))
+
+
+def test_the_ideal_step_is_not_an_engine():
+    with pytest.raises(ValueError, match="--ideal"):
+        options(engines=("shardtrain", "ideal"))

@@ -40,6 +40,8 @@ SKIPPED = "skipped"
 
 @dataclass(frozen=True, kw_only=True)
 class BenchOptions:
+    """What `shardtrain bench` was asked to run, with the machine-dependent defaults resolved."""
+
     sizes: tuple[str, ...]
     engines: tuple[str, ...]
     batch: int
@@ -62,7 +64,8 @@ class BenchOptions:
 
     def __post_init__(self) -> None:
         for engine in self.engines:
-            resolve_engine(engine)
+            if resolve_engine(engine).single_process:
+                raise ValueError(f"{engine!r} is not an engine to compare; ask for it with --ideal")
         for size in self.sizes:
             llama_config(size)
         if self.repeats < 1 or self.nproc < 1:

@@ -70,7 +70,8 @@ def gathered_optimizer_state(model, optimizer) -> dict[str, dict[str, torch.Tens
         for slot, param in zip(unit.layout.slots, unit.shard_params):
             if param not in optimizer.state:
                 continue
-            start = 0 if unit.layout.shard_world == 1 else unit.layout.local_piece(slot, unit.groups.shard_rank).param_start
+            sharded = unit.layout.shard_world > 1
+            start = unit.layout.local_piece(slot, unit.groups.shard_rank).param_start if sharded else 0
             mine[slot.fqn] = (slot.shape, start, {k: v.detach().clone() for k, v in optimizer.state[param].items()})
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
@@ -248,7 +249,8 @@ def bad_inputs(directory: str) -> list[str]:
     plain = tiny_llama()
     messages.append(expect_error(lambda: st.load_checkpoint(good, {"model": plain}),
                                  r"saved 'model' as a sharded module; pass the model after st.shard"))
-    messages.append(expect_error(lambda: st.load_checkpoint(good, {**state(model, optimizer, scheduler), "ema": scheduler}),
+    with_ema = {**state(model, optimizer, scheduler), "ema": scheduler}
+    messages.append(expect_error(lambda: st.load_checkpoint(good, with_ema),
                                  r"has no \[ema\]; it holds \[model, optimizer, scheduler\]"))
     messages.append(expect_error(lambda: st.load_checkpoint(f"{directory}/nowhere", {}), "does not exist"))
     Path(directory, "empty").mkdir(exist_ok=True)

@@ -18,7 +18,8 @@ TENSORS = {
 
 
 def _write(path):
-    writer = SafetensorsWriter(path, [TensorSpec(name=n, dtype=t.dtype, shape=tuple(t.shape)) for n, t in TENSORS.items()])
+    specs = [TensorSpec(name=n, dtype=t.dtype, shape=tuple(t.shape)) for n, t in TENSORS.items()]
+    writer = SafetensorsWriter(path, specs)
     for name, tensor in TENSORS.items():
         writer.write(name, tensor)
     return writer.close()

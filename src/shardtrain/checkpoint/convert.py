@@ -67,7 +67,8 @@ def _write_weights(source: ShardedSource, record: dict[str, Any], weights: Path)
     units = record["units"]
     specs = [TensorSpec(name=name, dtype=dtype_of(unit["dtype"]), shape=tuple(slot["shape"]))
              for unit in units for slot in unit["slots"] for name in (slot["fqn"], *slot["aliases"])]
-    specs += [TensorSpec(name=n, dtype=dtype_of(b["dtype"]), shape=tuple(b["shape"])) for n, b in record["buffers"].items()]
+    specs += [TensorSpec(name=n, dtype=dtype_of(b["dtype"]), shape=tuple(b["shape"]))
+              for n, b in record["buffers"].items()]
     partial = weights.with_name(f".{weights.name}.partial")
     writer = SafetensorsWriter(partial, specs)
     for u, unit in enumerate(units):

@@ -95,7 +95,7 @@ def _owner(key: str, optimizer: torch.optim.Optimizer, refs: dict[str, dict[int,
         return None
     if None in owners or len(owners) > 1:
         found = sorted(o for o in owners if o is not None)
-        raise ValueError(f"optimizer state[{key!r}] mixes parameters of sharded modules {found} "
-                         f"{'and parameters of no sharded module in state' if None in owners else ''}; "
-                         "checkpoints need one optimizer per sharded model, with that model in state")
+        also = " and parameters of no sharded module in state" if None in owners else ""
+        raise ValueError(f"optimizer state[{key!r}] holds parameters of sharded modules {found}{also}; checkpoints "
+                         "need one optimizer per sharded model, with that model in state")
     return owners.pop()

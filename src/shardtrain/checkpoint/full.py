@@ -6,6 +6,9 @@ model works; safetensors cannot alias two names to one buffer), then the buffers
 while all ranks gather one unit at a time, so rank 0's host memory never holds more than one
 unit. Each sharded optimizer goes the same way into `<key>.safetensors`, as `state.<fqn>.<k>`
 tensors of the parameter's full shape; its scalars and param groups are in metadata.json.
+
+Note: `ops.state_dict.full_state_dict` would hold the whole model on rank 0 before anything is
+written; here each gathered unit (`gather_unit`) is written and freed before the next is gathered.
 """
 
 from __future__ import annotations
@@ -80,7 +83,8 @@ def write_full(entries: Entries, snapshots: dict[str, OptimizerSnapshot], stagin
             records[full_file(key)] = writer.close()
     for key, snap in snapshots.items():
         units = runtime_of(entries.modules[snap.module]).units
-        wanted = [(unit, k, [s for s in unit.layout.slots if snap.has(s.fqn, k)]) for unit in units for k in snap.elementwise]
+        wanted = [(unit, k, [s for s in unit.layout.slots if snap.has(s.fqn, k)])
+                  for unit in units for k in snap.elementwise]
         specs = [TensorSpec(name=full_state_tensor(s.fqn, k), dtype=snap.elementwise[k], shape=s.shape)
                  for _, k, slots in wanted for s in slots]
         writer = _GuardedWriter(staging / full_file(key), specs) if rank == 0 else None

@@ -22,7 +22,8 @@ from .source import restore_module
 from .tensorfile import CheckpointFiles
 from .values import decode
 
-_KIND_NAMES = {"modules": "a sharded module", "optimizers": "a sharded optimizer", "objects": "a plain object (state_dict)"}
+_KIND_NAMES = {"modules": "a sharded module", "optimizers": "a sharded optimizer",
+               "objects": "a plain object (state_dict)"}
 _KIND_FIXES = {
     "modules": "pass the model after st.shard(...) (or convert the checkpoint with `shardtrain convert`)",
     "optimizers": "pass the optimizer built over the sharded model's parameters, with that model in state",
@@ -67,7 +68,8 @@ def load_checkpoint(path: str | os.PathLike, state: dict[str, Any], *, strict: b
 def _check_entries(metadata: dict[str, Any], entries: Entries, *, strict: bool) -> None:
     """Each object of `state` must be saved as the same kind of thing (and, with strict, be saved)."""
     missing = []
-    for kind, wanted in (("modules", entries.modules), ("optimizers", entries.optimizers), ("objects", entries.objects)):
+    kinds = (("modules", entries.modules), ("optimizers", entries.optimizers), ("objects", entries.objects))
+    for kind, wanted in kinds:
         for key in wanted:
             if key in metadata[kind]:
                 continue

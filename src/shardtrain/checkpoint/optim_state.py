@@ -74,7 +74,8 @@ def snapshot(sharded: ShardedOptimizer) -> OptimizerSnapshot:
     elementwise: dict[str, torch.dtype] = {}
     for key in sorted(keys):
         values = [(params[i], s[key]) for i, s in per_param.items() if key in s]
-        if all(isinstance(v, torch.Tensor) and v.shape == p.shape for p, v in values) and any(v.dim() for _, v in values):
+        shaped_like_param = all(isinstance(v, torch.Tensor) and v.shape == p.shape for p, v in values)
+        if shaped_like_param and any(v.dim() for _, v in values):
             dtypes = {v.dtype for _, v in values}
             if len(dtypes) > 1:
                 raise ValueError(f"optimizer state {key!r} mixes dtypes {sorted(map(str, dtypes))} across parameters; "
@@ -107,8 +108,8 @@ def restore_optimizer(sharded: ShardedOptimizer, name: str, record: dict[str, An
     unexpected = sorted(group_of.keys() - set(saved))
     if strict and (missing or unexpected):
         raise ValueError(f"optimizer state[{name!r}] does not match the checkpoint: parameters missing from it "
-                         f"{short_list(missing)}, parameters only in it {short_list(unexpected)}; build the optimizer over the "
-                         "same parameters, or pass strict=False")
+                         f"{short_list(missing)}, parameters only in it {short_list(unexpected)}; build the optimizer "
+                         "over the same parameters, or pass strict=False")
     groups, first = [], 0
     for g, group in enumerate(optimizer.param_groups):
         indices = list(range(first, first + len(group["params"])))

@@ -4,7 +4,8 @@ Both formats describe a module the same way in metadata.json (its units' slots a
 they differ only in where the bytes are: `ShardedSource` reads flat shards cut for the saved world
 size, `FullSource` reads whole tensors. Loading asks for exactly the elements this rank's shard
 holds, `[param_start, param_start + numel)` of each flattened parameter, so any saved world size
-loads at any current one.
+loads at any current one. (`ops.state_dict.load_full_state_dict` would need every full tensor in
+memory on every rank; reading only the rows a rank holds keeps a large model's load at a shard.)
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ def register(subparsers) -> None:
         description="Convert a sharded checkpoint (any world size) into one full safetensors file whose tensors "
                     "load into the plain model with model.load_state_dict(safetensors.torch.load_file(OUT)).",
     )
-    parser.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory, or a directory with a 'latest' pointer")
+    parser.add_argument("checkpoint", metavar="CKPT",
+                        help="checkpoint directory, or a directory with a 'latest' pointer")
     parser.add_argument("out", metavar="OUT", help="OUT.safetensors, or a folder for a Hugging Face model")
     parser.add_argument("--module", default=None, help="state key of the model to convert (default: the only one)")
     parser.add_argument("--hf-config", default=None, metavar="CONFIG",

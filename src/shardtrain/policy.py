@@ -78,7 +78,12 @@ def parse_cpu_offload(value: Any) -> CPUOffload | None:
     if value is True:
         return CPUOffload()
     if isinstance(value, CPUOffload):
-        return value if (value.params or value.optimizer) else None
+        if not value.params and not value.optimizer:
+            return None
+        if not (value.params and value.optimizer):
+            raise ValueError(f"cpu_offload={value!r}: the optimizer steps the shard where it lives, so parameters and "
+                             "optimizer state are offloaded together; use st.CPUOffload(params=True, optimizer=True)")
+        return value
     raise TypeError(f"cpu_offload={value!r}: use True, False or st.CPUOffload(params=..., optimizer=...)")
 
 

@@ -36,6 +36,7 @@ class Case:
     clip: float | None = None
     steps: int = 10
     mesh: tuple[int, int] | None = None
+    offload: bool = False
 
     @property
     def micro(self) -> int:
@@ -136,7 +137,8 @@ def run_case(kind: str, case: Case) -> None:
     ref_model = factory().to(device)
     model = copy.deepcopy(ref_model)
     st.shard(model, strategy=case.strategy, wrap=wrap_policy(kind), mixed_precision=case.precision,
-             activation_checkpointing=ac_policy(kind) if case.ac else None, mesh=case.mesh)
+             activation_checkpointing=ac_policy(kind) if case.ac else None, mesh=case.mesh,
+             cpu_offload=case.offload)
     opt = make_optimizer(model, case.optim)
     reference = Reference(ref_model, case, world)
     per = 2

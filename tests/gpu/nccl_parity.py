@@ -26,6 +26,9 @@ def main() -> None:
              for kind in ["llama", "cnn", "frozen"] for s in strategies
              for o in ["sgd", "adamw_fused"] for a, ac in [("none", False), ("no_sync", True)]]
     cases += [("llama", Case(strategy=s, precision="bf16", accum="plain", clip=0.05)) for s in strategies]
+    cases += [("llama", Case(strategy=s, offload=True, accum=a, clip=0.05, optim="adamw_fused"))
+              for s in ["full_shard", "optimizer_only"] for a in ["none", "no_sync"]]
+    cases += [("llama", Case(strategy="optimizer_only", optim="adamw_fused"))]
     failed = 0
     for kind, case in cases:
         try:
@@ -34,10 +37,30 @@ def main() -> None:
             failed += 1
             print(f"rank {dist.get_rank()} FAILED {kind} {case}:\n{traceback.format_exc()[-1500:]}", flush=True)
             dist.barrier()
+    failed += _offload_keeps_state_on_host()
     if dist.get_rank() == 0:
         print(f"nccl parity: {len(cases) - failed} cases passed, {failed} failed on {dist.get_world_size()} GPUs")
     dist.destroy_process_group()
     sys.exit(1 if failed else 0)
+
+
+def _offload_keeps_state_on_host() -> int:
+    """With cpu_offload the device holds no fp32 shard, gradient or optimizer state after a step."""
+    import shardtrain as st
+    from shardtrain.models.llama import Block
+    from tests.models import lm_loss, make_batches, tiny_llama
+
+    model = st.shard(tiny_llama(), wrap={Block}, mixed_precision="bf16", cpu_offload=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    x, y = (t.cuda() for t in make_batches("llama", steps=1, global_batch=2)[0])
+    lm_loss(model, (x, y)).backward()
+    opt.step()
+    tensors = list(model.parameters()) + [p.grad for p in model.parameters() if p.grad is not None]
+    tensors += [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()]
+    on_device = [t.shape for t in tensors if t.is_cuda]
+    if on_device:
+        print(f"rank {dist.get_rank()} FAILED offload: {len(on_device)} state tensors on the GPU", flush=True)
+    return int(bool(on_device))
 
 
 if __name__ == "__main__":

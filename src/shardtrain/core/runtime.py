@@ -126,6 +126,8 @@ class Runtime:
 
     def _finish_backward(self) -> None:
         self._finish_reduces()
+        if self.groups.cuda and any(u.behaviour.offload for u in self.units):
+            torch.cuda.current_stream().synchronize()  # the host optimizer reads the offloaded gradients
         if self.sync_gradients:
             used = self._agree_on_used()
             for unit, mask in zip(self.units, used):

@@ -51,10 +51,9 @@ def shard(
     require_process_group()
     strategy = parse_strategy(strategy)
     precision = parse_mixed_precision(mixed_precision)
-    offload = parse_cpu_offload(cpu_offload)
-    if offload is not None:
-        raise NotImplementedError("cpu_offload is not available yet in this version of shardtrain")
     device = resolve_device(device)
+    # Note: on a CPU device everything already lives in host memory; offload changes nothing there.
+    offload = parse_cpu_offload(cpu_offload) is not None and device.type == "cuda"
     shard_group, replicate_group = resolve_groups(strategy, process_group=process_group, mesh=mesh)
     groups = Groups(shard=shard_group, replicate=replicate_group, device=device)
 
@@ -88,6 +87,8 @@ def shard(
         )
         flat_shard = flatten_and_shard(tensors, layout, device=device, shard_rank=groups.shard_rank,
                                        broadcast_group=broadcast_group)
+        if offload:
+            flat_shard = flat_shard.cpu().pin_memory()
         behaviour = UnitBehaviour(
             # Note: the root too: re-gathering it at the start of backward cost nothing measurable on
             # 2 x H200 at 1.5B, and holding it would add its whole size to the activation peak.
@@ -95,6 +96,7 @@ def shard(
             resident=strategy.keeps_params_resident,
             param_dtype=precision.param_dtype or flat_shard.dtype,
             reduce_dtype=precision.reduce_dtype or flat_shard.dtype,
+            offload=offload,
         )
         unit = ShardUnit(index=index, name=spec.name, layout=layout, shard=flat_shard,
                          installs=_installs(spec.occurrences), groups=groups, behaviour=behaviour, runtime=runtime)

@@ -37,6 +37,7 @@ class UnitBehaviour:
     resident: bool  # unsharded parameters are never freed (no_shard, optimizer_only)
     param_dtype: torch.dtype
     reduce_dtype: torch.dtype
+    offload: bool = False  # shard, its gradient and the optimizer state live in pinned host memory
 
 
 class _ParamViews(torch.autograd.Function):
@@ -77,7 +78,8 @@ class ShardUnit:
         self.state = UnitState.SHARDED
         self._installs = installs  # (module.__dict__, attribute, slot index)
         self.any_requires_grad = any(s.requires_grad for s in layout.slots)
-        self._anchor = torch.empty(0, device=shard.device, requires_grad=True)
+        self.device = groups.device  # where compute runs; the shard is elsewhere when offloaded
+        self._anchor = torch.empty(0, device=self.device, requires_grad=True)
         self.shard_params = self._make_shard_params()
         self.sharded_grad: torch.Tensor | None = None
         self._grad_views: list[torch.Tensor] = []
@@ -88,15 +90,15 @@ class ShardUnit:
         self.pending_reduce: Pending | None = None
         self._accumulated: torch.Tensor | None = None  # unsharded grads kept under no_sync
         self._gathered_version = -1
-        self.aliased = layout.shard_world == 1 and behaviour.param_dtype == shard.dtype
+        self.aliased = layout.shard_world == 1 and behaviour.param_dtype == shard.dtype and not behaviour.offload
         if self.aliased:
             self._unsharded = shard  # Note: world size 1 without a cast: the shard *is* the parameter set
             self._gather_target = shard
         else:
-            self._unsharded = torch.empty(layout.padded_numel, dtype=behaviour.param_dtype, device=shard.device)
+            self._unsharded = torch.empty(layout.padded_numel, dtype=behaviour.param_dtype, device=self.device)
             # Note: the all-gather writes through a second tensor on the same storage, so the
             # version counter that autograd checks on the saved parameter views does not move.
-            self._gather_target = torch.empty(0, dtype=self._unsharded.dtype, device=shard.device).set_(
+            self._gather_target = torch.empty(0, dtype=self._unsharded.dtype, device=self.device).set_(
                 self._unsharded.untyped_storage(), 0, self._unsharded.shape)
             self._free_storage()
 
@@ -116,7 +118,12 @@ class ShardUnit:
 
     def _adopt_grad(self, grad: torch.Tensor) -> None:
         """Make a freshly reduced shard the gradient (no copy when dtypes agree)."""
-        self.sharded_grad = grad if grad.dtype == self.shard.dtype else grad.to(self.shard.dtype)
+        if self.behaviour.offload:
+            if self.sharded_grad is None:
+                self.sharded_grad = torch.empty(self.shard.shape, dtype=self.shard.dtype, pin_memory=True)
+            self.sharded_grad.copy_(grad, non_blocking=True)  # on the reduce stream; waited on in the final callback
+        else:
+            self.sharded_grad = grad if grad.dtype == self.shard.dtype else grad.to(self.shard.dtype)
         self._grad_views = [self.sharded_grad[a:a + n].view(shape) for a, n, shape in self._spans]
 
     # ------------------------------------------------------------------ unshard / reshard
@@ -144,13 +151,13 @@ class ShardUnit:
         self.state = UnitState.GATHERING
 
     def _gather_input(self) -> torch.Tensor:
-        if self.shard.dtype == self._gather_target.dtype and self.layout.shard_world > 1:
+        if self.shard.dtype == self._gather_target.dtype and self.layout.shard_world > 1 and not self.behaviour.offload:
             return self.shard
         if self.groups.cuda or self.layout.shard_world == 1:
             # In place: cast straight into this rank's slot of the output.
             lo, hi = self.layout.shard_range(self.groups.shard_rank if self.layout.shard_world > 1 else 0)
             slot = self._gather_target[lo:hi]
-            slot.copy_(self.shard)
+            slot.copy_(self.shard, non_blocking=True)  # host-to-device as well when offloaded
             return slot
         return self.shard.to(self._gather_target.dtype)
 
@@ -198,7 +205,7 @@ class ShardUnit:
     # ------------------------------------------------------------------ gradients
     def post_backward(self, grads: tuple[torch.Tensor | None, ...]) -> None:
         """All gradients of this unit are ready: reduce them (or keep them under no_sync), reshard."""
-        dtype, device = self.behaviour.param_dtype, self.shard.device
+        dtype, device = self.behaviour.param_dtype, self.device
         parts = []
         for i, (g, slot) in enumerate(zip(grads, self.layout.slots)):
             if g is None:
@@ -233,6 +240,8 @@ class ShardUnit:
 
         Note: this keeps gradient memory out of the forward's activation peak, as torch FSDP does.
         """
+        if self.behaviour.offload:
+            return  # the pinned host buffer is kept: pinning is slow and host memory is not the limit
         if self.sharded_grad is not None and all(p.grad is None for p in self.shard_params):
             self.sharded_grad = None
             self._grad_views = []
@@ -251,7 +260,7 @@ class ShardUnit:
                 return
             for v in stale:
                 v.zero_()
-            target.add_(shard_grad)
+            target.add_(shard_grad.to(target.device))
 
         pending = self.groups.reduce_gradient(flat, reduce_dtype=self.behaviour.reduce_dtype, accumulate=accumulate)
         self.runtime.track_reduce(self, pending)

@@ -37,6 +37,7 @@ def grad_norm(model: nn.Module, *, norm_type: float = 2.0) -> torch.Tensor:
         local = norms.max() if math.isinf(norm_type) else (norms ** norm_type).sum()
     else:
         local = torch.zeros((), device=device)
+    local = local.to(device)  # offloaded gradients are on the host; the collective runs on the device
     group = runtime.groups.shard
     if group is not None and runtime.groups.shard_world > 1:
         # Note: replicas hold identical shards, so the shard group alone covers every element once.

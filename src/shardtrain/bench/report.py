@@ -81,7 +81,8 @@ def footnotes(rows: list[Row]) -> str:
         lines.append(f"{size}: {r.flops_per_token / 1e9:.2f} GFLOP/token; batch {s.batch} × seq {s.seq} per rank, "
                      f"{r.nproc} ranks, {s.precision}, activation checkpointing {'on' if s.ac else 'off'}, "
                      f"{s.warmup} warm-up + {s.steps} timed steps")
-    lines.append("tok/s/GPU: median/min/max over all timed steps of all repeats; tok/s all = median × ranks; "
+    lines.append("tok/s per GPU (per rank on the CPU): median/min/max over all timed steps of all repeats; "
+                 "tok/s all = median × ranks; "
                  "vs FSDP2 = tok/s ratio; step/ideal = step time over the ideal step's (resident params, "
                  "no collectives, AdamW on 1/N)")
     lines.append("loss@N: training loss at step N, mean over ranks (same weights and data for every engine)")

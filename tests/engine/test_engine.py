@@ -138,7 +138,6 @@ def test_optimizer_of_another_model_is_refused(pools):
     ({"devices": "all"}, "devices='all' is not understood"),
     ({"accelerator": "tpu"}, "accelerator='tpu' is not known"),
     ({"strategy": "zero4"}, "unknown sharding strategy 'zero4'"),
-    ({"precision": "16-mixed"}, "fp16 needs loss scaling"),
     ({"precision": "int8"}, "mixed_precision='int8' is not understood"),
 ])
 def test_bad_engine_arguments(kwargs, expected):
@@ -222,3 +221,35 @@ def test_world_of_one_runs_in_process():
     finally:
         dist.destroy_process_group()  # leave the test process as it was
     assert result == (0, 1, os.getpid())
+
+
+def _fp16_training() -> dict:
+    engine = Engine(accelerator="cpu", precision="16-mixed", wrap={Block})
+    engine.launch()
+    engine.seed_everything(0)
+    with engine.init_module():
+        model = Llama(LLAMA_SIZES["tiny"])
+    model, opt = engine.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    scale0 = engine.grad_scaler.get_scale()
+    losses, skipped = [], []
+    for step in range(6):
+        inputs, targets = _batch(0, engine.rank, rows=2)
+        loss = model.loss(inputs, targets)
+        engine.backward(loss)
+        if step == 2 and engine.rank == 1:
+            next(p.grad for p in model.parameters() if p.grad is not None and p.grad.numel())[0] = float("inf")
+        engine.clip_gradients(model, opt, max_norm=1.0)
+        before = [p.detach().clone() for p in model.parameters()]
+        opt.step()
+        opt.zero_grad()
+        skipped.append(all(torch.equal(a, b) for a, b in zip(before, model.parameters())))
+        losses.append(loss.item())
+    halvings = engine.grad_scaler.get_scale() == scale0 * 0.5 ** sum(skipped)
+    return {"skipped": skipped, "halved_per_skip": halvings, "learned": losses[-1] < losses[0]}
+
+
+def test_fp16_engine_scales_losses_and_skips_overflow_on_every_rank(pools):
+    out = pools(2).run(_fp16_training)
+    assert out[0] == out[1], out  # every rank skips the same steps
+    assert out[0]["skipped"][2] and not all(out[0]["skipped"]), out  # the injected overflow, seen by rank 1 only
+    assert out[0]["halved_per_skip"] and out[0]["learned"], out

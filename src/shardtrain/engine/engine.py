@@ -59,12 +59,9 @@ class Engine:
         if precision == "auto":
             precision = "bf16-mixed" if self._topology.accelerator == "cuda" else "32-true"
         self._mixed_precision = parse_mixed_precision(precision)
-        if self._mixed_precision.param_dtype is torch.float16:
-            raise ValueError(
-                f"precision={precision!r}: fp16 needs loss scaling, which the Engine does not do; "
-                "use precision='bf16-mixed' (same speed, no scaler) or '32-true'"
-            )
         self.precision = precision
+        # fp16 needs dynamic loss scaling; the scaler is made once the device is known (setup).
+        self.grad_scaler = None
         for what, policy in (("wrap", wrap), ("activation_checkpointing", activation_checkpointing)):
             resolve_module_policy(policy, what=what)
         self._shard_kwargs = dict(
@@ -170,19 +167,31 @@ class Engine:
             raise TypeError(f"Engine.setup got unknown settings {sorted(unknown)}; it accepts {sorted(self._shard_kwargs)}")
         names = {id(p): name for name, p in model.named_parameters()}
         shard(model, device=self.device, **{**self._shard_kwargs, **overrides})
+        fp16 = self._mixed_precision.param_dtype is torch.float16
         if optimizer is None:
+            if fp16:
+                raise ValueError("precision='16-mixed' needs the optimizer at setup, so that its step() goes "
+                                 "through the loss scaler: call engine.setup(model, optimizer)")
             return model
         _rebind_optimizer(optimizer, names, dict(model.named_parameters()))
+        if fp16:
+            from ..ops.grad_scaler import GradScaler
+
+            self.grad_scaler = self.grad_scaler or GradScaler(self.device.type)
+            _step_through_scaler(optimizer, self.grad_scaler)
         return model, optimizer
 
     def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
+        """`loss.backward()`, with the loss scaled first under fp16."""
+        (self.grad_scaler.scale(loss) if self.grad_scaler is not None else loss).backward()
 
     def clip_gradients(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, max_norm: float) -> torch.Tensor:
         """Clip the gradients of `model` to a global L2 norm of `max_norm`; return the norm before clipping
         (the same value on every rank). `optimizer` is the one that will step on these gradients."""
         from .. import clip_grad_norm_
 
+        if self.grad_scaler is not None:
+            self.grad_scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
         return clip_grad_norm_(model, max_norm)
 
     def no_backward_sync(self, model: nn.Module, *, enabled: bool = True) -> contextlib.AbstractContextManager:
@@ -273,6 +282,22 @@ def _run_on_rank(engine: Engine, fn: Callable[..., Any], args: tuple) -> Any:
     """Entry point of a spawned rank: join the group, then run the user's function."""
     engine._join()
     return fn(engine, *args)
+
+
+def _step_through_scaler(optimizer: torch.optim.Optimizer, scaler) -> None:
+    """Make `optimizer.step()` skip overflowing steps and update the scale, as Fabric does for fp16."""
+    inner = optimizer.step
+
+    def step(*args: Any, **kwargs: Any):
+        optimizer.step = inner  # Note: the scaler calls optimizer.step() itself
+        try:
+            result = scaler.step(optimizer, *args, **kwargs)
+            scaler.update()
+        finally:
+            optimizer.step = step
+        return result
+
+    optimizer.step = step
 
 
 def _rebind_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], sharded: dict[str, nn.Parameter]) -> None:

@@ -108,6 +108,8 @@ class _Job:
 
     def checkpoint_state(self) -> dict:
         state = {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler}
+        if self.engine.grad_scaler is not None:
+            state["grad_scaler"] = self.engine.grad_scaler
         if self.ema is not None:
             state["ema"] = self.ema
         return state

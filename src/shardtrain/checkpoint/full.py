@@ -18,9 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..core.comm import _all_gather
 from ..core.shard import runtime_of
-from ..core.unit import ShardUnit
 from ..ops.state_dict import gather_unit
 from .entries import Entries
 from .format import full_file, full_state_tensor
@@ -89,7 +87,7 @@ def write_full(entries: Entries, snapshots: dict[str, OptimizerSnapshot], stagin
                  for _, k, slots in wanted for s in slots]
         writer = _GuardedWriter(staging / full_file(key), specs) if rank == 0 else None
         for unit, k, slots in wanted:
-            full = _gather(unit, snap.flat(unit, k))
+            full = gather_unit(unit, snap.flat(unit, k))
             if writer is not None:
                 for s in slots:
                     writer.write(full_state_tensor(s.fqn, k), full[s.offset:s.end])
@@ -98,14 +96,6 @@ def write_full(entries: Entries, snapshots: dict[str, OptimizerSnapshot], stagin
             records[full_file(key)] = writer.close()
     return records
 
-
-def _gather(unit: ShardUnit, flat: torch.Tensor) -> torch.Tensor:
-    """The padded flat `flat` (laid out like `unit`'s shard) from all ranks of the shard group."""
-    if unit.layout.shard_world == 1:
-        return flat
-    full = torch.empty(unit.layout.padded_numel, dtype=flat.dtype, device=flat.device)
-    _all_gather(full, flat, group=unit.groups.shard)
-    return full
 
 
 class FullSource(ModuleSource):

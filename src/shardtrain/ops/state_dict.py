@@ -11,13 +11,15 @@ from ..core.shard import runtime_of
 from ..core.unit import ShardUnit
 
 
-def gather_unit(unit: ShardUnit) -> torch.Tensor:
-    """The unit's full padded flat parameter (all ranks take part), in the shard's dtype."""
-    groups = unit.groups
+def gather_unit(unit: ShardUnit, flat: torch.Tensor | None = None) -> torch.Tensor:
+    """The full padded flat tensor of `flat` (default: the unit's parameter shard), laid out like the
+    unit's shard, from every rank of the shard group (all of them take part)."""
+    flat = unit.shard if flat is None else flat
     if unit.layout.shard_world == 1:
-        return unit.shard
-    full = torch.empty(unit.layout.padded_numel, dtype=unit.shard.dtype, device=unit.shard.device)
-    _all_gather(full, unit.shard, group=groups.shard)
+        return flat
+    # Note: an offloaded shard lives on the host; the collective runs on the compute device.
+    full = torch.empty(unit.layout.padded_numel, dtype=flat.dtype, device=unit.device)
+    _all_gather(full, flat.to(unit.device), group=unit.groups.shard)
     return full
 
 

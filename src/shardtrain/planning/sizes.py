@@ -27,44 +27,35 @@ def _split(text: str) -> tuple[float, str] | None:
     return (float(match.group(1)), match.group(2).lower()) if match else None
 
 
-def parse_count(value: str | int | float, *, what: str = "params") -> int:
-    """Parse a parameter count: 7e9, "7B", "1.5b", "350M", "125k" -> int."""
+def _parse_quantity(value: str | int | float, *, table: dict[str, float], what: str, noun: str,
+                    forms: str, minimum: float) -> float:
+    """`value` (a number, or a number with a suffix of `table`) scaled by its suffix."""
+    example = forms.split(",")[0].split(" or ")[0].strip()
     if isinstance(value, bool):
-        raise ValueError(f"{what}={value!r} is not a parameter count; give a number such as 7e9 or '7B'")
+        raise ValueError(f"{what}={value!r} is not a {noun}; give a number or a string such as {example}")
     if isinstance(value, (int, float)):
         number, suffix = float(value), ""
     else:
         parsed = _split(str(value))
-        if parsed is None or parsed[1] not in _COUNT_SUFFIX:
-            raise ValueError(
-                f"{what}={value!r} is not a parameter count; write a number with an optional "
-                "K / M / B / T suffix, such as '7B', '1.5b' or '350M'"
-            )
+        if parsed is None or parsed[1] not in table:
+            raise ValueError(f"{what}={value!r} is not a {noun}; write it as {forms}")
         number, suffix = parsed
-    count = number * _COUNT_SUFFIX[suffix]
-    if not math.isfinite(count) or count < 1:
-        raise ValueError(f"{what}={value!r} must be a positive parameter count, such as '7B'")
-    return int(round(count))
+    scaled = number * table[suffix]
+    if not math.isfinite(scaled) or scaled < minimum:
+        raise ValueError(f"{what}={value!r} must be a positive {noun}, such as {example}")
+    return scaled
+
+
+def parse_count(value: str | int | float, *, what: str = "params") -> int:
+    """Parse a parameter count: 7e9, "7B", "1.5b", "350M", "125k" -> int."""
+    return int(round(_parse_quantity(value, table=_COUNT_SUFFIX, what=what, noun="parameter count", minimum=1,
+                                     forms="'7B', '1.5b' or '350M' (a number with an optional K / M / B / T suffix)")))
 
 
 def parse_bytes(value: str | int | float, *, what: str = "device_memory") -> int:
     """Parse a memory size: 80 * 2**30, "80GiB", "141GB", "80G" (= GiB), "512MiB" -> int bytes."""
-    if isinstance(value, bool):
-        raise ValueError(f"{what}={value!r} is not a memory size; give bytes or a string such as '80GiB'")
-    if isinstance(value, (int, float)):
-        number, suffix = float(value), ""
-    else:
-        parsed = _split(str(value))
-        if parsed is None or parsed[1] not in _BYTE_SUFFIX:
-            raise ValueError(
-                f"{what}={value!r} is not a memory size; write a number with a unit such as "
-                "'80GiB', '141GB', '80G' (GiB) or '512MiB'"
-            )
-        number, suffix = parsed
-    size = number * _BYTE_SUFFIX[suffix]
-    if not math.isfinite(size) or size <= 0:
-        raise ValueError(f"{what}={value!r} must be a positive memory size, such as '80GiB'")
-    return int(size)
+    return int(_parse_quantity(value, table=_BYTE_SUFFIX, what=what, noun="memory size", minimum=1,
+                               forms="'80GiB', '141GB', '80G' (GiB) or '512MiB'"))
 
 
 def format_count(count: int) -> str:

@@ -306,14 +306,10 @@ def _estimate(inputs: EstimateInputs) -> MemoryEstimate:
     grads = trainable * GRAD_BYTES // n
     optim = int(trainable * inputs.optimizer_bytes / n)
     host = 0
-    offload = inputs.offload
-    if offload and offload.params:  # the host keeps the shards; the step runs there
-        host += stored * MASTER_BYTES // n + grads
-        master = grads = 0
+    if inputs.offload:  # the host keeps shards, gradients and optimizer state; the step runs there
+        host += stored * MASTER_BYTES // n + grads + optim
+        master = grads = optim = 0
         params_alias = False  # the master lives on the host: the device needs its own copy
-    if offload and offload.optimizer:
-        host += optim
-        optim = 0
 
     copy = 0 if params_alias else p
     grad_copy = 0 if grads_alias else p

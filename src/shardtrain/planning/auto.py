@@ -1,0 +1,263 @@
+"""strategy="auto": the fastest configuration predicted to fit, and the reasons for it.
+
+`choose_plan` weighs every combination of strategy (full_shard, shard_grad_op, optimizer_only and
+no_shard by default), activation checkpointing (none, 1 block in k, every block) and split of each
+rank's batch into micro-batch x gradient accumulation that keeps the global batch. It prices each
+with the memory estimator (`candidates`) and the cost model (`speed`), and returns the fastest whose
+device memory stays within the device's memory less a safety margin; equal predicted times go to the
+one that needs less memory, then to the earlier in `strategies`. CPU offload is weighed only when
+nothing fits without it.
+
+Safety margin: 5% of the device's memory on top of the estimator's own reserve (CUDA context, NCCL,
+5% fragmentation), because this engine measured up to 6% above the estimate (8B, batch 1, every
+block checkpointed: 72.04 GiB measured, 67.76 GiB estimated; see planning/estimate.py).
+
+`resolve_auto(model, ...)` is the form `st.shard(strategy="auto")` needs: the caller's loop fixes the
+micro-batch, so only the strategy, checkpointing and offload are chosen, and the answer comes as
+`st.shard` keyword arguments (`AutoChoice.shard_kwargs`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..strategy import Strategy
+from .candidates import Candidate, batch_splits, evaluate, parse_strategies
+from .estimate import MemoryEstimate, estimate_memory, positive_int
+from .explain import explain
+from .sizes import format_gib, parse_bytes
+from .speed import StepTime, step_time
+from .units import matching_paths
+
+DEFAULT_STRATEGIES = ("full_shard", "shard_grad_op", "optimizer_only", "no_shard")
+SAFETY_MARGIN = 0.05
+_SEARCH_STEPS = 10  # remedies when nothing fits: up to 2**10 x the devices, down to seq_len / 2**10
+
+
+@dataclass(frozen=True, kw_only=True)
+class AutoChoice:
+    """The chosen configuration, what it is predicted to need and cost, and why it was chosen."""
+
+    strategy: Strategy
+    checkpoint_every: int  # 0: none, 1: every block, k: blocks 0, k, 2k, ... (as estimate_memory counts)
+    checkpointed_blocks: int
+    cpu_offload: bool
+    micro_batch: int  # sequences per rank per micro-step
+    grad_accum: int
+    seq_len: int
+    world_size: int
+    device_memory: int
+    usable_memory: int  # device_memory less the safety margin
+    predicted_bytes: int  # device memory needed: peak allocated + reserve + no_sync accumulation
+    step_time: StepTime
+    reasons: tuple[str, ...]
+    estimate: MemoryEstimate = field(repr=False)
+
+    @property
+    def relative_step_time(self) -> float:
+        """Predicted step time over the ideal (the step's FLOPs at full efficiency, nothing else)."""
+        return self.step_time.relative
+
+    @property
+    def activation_checkpointing(self) -> bool | int:
+        """As estimate_memory and the train config take it: False, True (every block) or k."""
+        return {0: False, 1: True}.get(self.checkpoint_every, self.checkpoint_every)
+
+    def shard_kwargs(self, model: nn.Module, *, wrap: Any) -> dict[str, Any]:
+        """strategy, activation_checkpointing and cpu_offload for `st.shard(model, wrap=wrap, ...)`."""
+        return {"strategy": self.strategy, "cpu_offload": self.cpu_offload,
+                "activation_checkpointing": checkpoint_policy(model, wrap=wrap, every=self.checkpoint_every)}
+
+    def __str__(self) -> str:
+        offload = ", CPU offload" if self.cpu_offload else ""
+        checkpointing = {0: "none", 1: "every block"}.get(self.checkpoint_every, f"1 block in {self.checkpoint_every}")
+        head = (f"automatic plan: {self.estimate.inputs.label}, activation checkpointing {checkpointing}{offload}, "
+                f"micro-batch {self.micro_batch} x {self.grad_accum} accumulation step{'s' * (self.grad_accum > 1)}, "
+                f"seq {self.seq_len}, "
+                f"{self.world_size} devices: {format_gib(self.predicted_bytes)} GiB of "
+                f"{format_gib(self.device_memory)} GiB, step time {self.relative_step_time:.3f} x the ideal")
+        return "\n".join([head, *(f"- {r}" for r in self.reasons)])
+
+
+def checkpoint_policy(model: nn.Module, *, wrap: Any, every: bool | int) -> Any:
+    """The `activation_checkpointing=` policy for checkpointing 1 in `every` of the modules `wrap` selects.
+
+    0 / False: None; 1 / True: `wrap` itself; k >= 2: the modules wrap selects at positions 0, k, 2k, ...
+    in module order (the blocks estimate_memory counts for checkpoint_every=k).
+    """
+    if isinstance(every, bool):
+        every = int(every)
+    if not isinstance(every, int) or every < 0:
+        raise ValueError(f"activation checkpointing every={every!r}: use 0 / False (none), 1 / True (every block) "
+                         "or k >= 2 (1 block in k)")
+    if every <= 1:
+        return wrap if every else None
+    paths = matching_paths(model, wrap, what="wrap")
+    ordered = [m for path, m in model.named_modules() if path in paths]
+    chosen = {id(m) for m in ordered[::every]}
+
+    def one_block_in_k(module: nn.Module) -> bool:
+        return id(module) in chosen
+
+    return one_block_in_k
+
+
+def _sequences_per_rank(*, world_size: int, seq_len: int, global_batch_tokens: int | None,
+                        micro_batch: int | None, grad_accum: int) -> int:
+    if global_batch_tokens is None:
+        if micro_batch is None:
+            raise ValueError("no batch given: pass global_batch_tokens= (tokens per optimizer step over all devices) "
+                             "or micro_batch= (sequences per device per micro-step) with grad_accum=")
+        return positive_int(micro_batch, "micro_batch") * positive_int(grad_accum, "grad_accum")
+    if micro_batch is not None:
+        raise ValueError(f"global_batch_tokens={global_batch_tokens} and micro_batch={micro_batch} both give the "
+                         "batch; pass one of them")
+    per_rank, rest = divmod(positive_int(global_batch_tokens, "global_batch_tokens"), world_size * seq_len)
+    if rest or not per_rank:
+        unit = world_size * seq_len
+        raise ValueError(f"global_batch_tokens={global_batch_tokens:,} is not a multiple of world_size {world_size} x "
+                         f"seq_len {seq_len} = {unit:,} tokens; use {max(1, per_rank) * unit:,}")
+    return per_rank
+
+
+def _smallest_needed(model: Any, *, world_size: int, seq_len: int, offload: bool, kwargs: dict[str, Any]) -> int:
+    e = estimate_memory(model, world_size=world_size, seq_len=seq_len, strategy="full_shard",
+                        activation_checkpointing=True, cpu_offload=offload, micro_batch=1, **kwargs)
+    return e.total + e.reserve
+
+
+def _nothing_fits(model: Any, candidates: list[Candidate], *, world_size: int, seq_len: int, memory: int,
+                  usable: int, safety_margin: float, offload: bool, kwargs: dict[str, Any]) -> ValueError:
+    """What to change when no candidate fits: more devices, shorter sequences, or bigger devices."""
+    smallest = min(candidates, key=lambda c: c.needed)
+    remedies = []
+    for step in range(1, _SEARCH_STEPS + 1):
+        world = world_size << step
+        if _smallest_needed(model, world_size=world, seq_len=seq_len, offload=offload, kwargs=kwargs) <= usable:
+            remedies.append(f"use at least {world} devices (predicted to fit with full_shard, every block "
+                            f"checkpointed, micro-batch 1{', CPU offload' if offload else ''})")
+            break
+    for step in range(1, _SEARCH_STEPS + 1):
+        seq = seq_len >> step
+        if seq and _smallest_needed(model, world_size=world_size, seq_len=seq, offload=offload,
+                                    kwargs=kwargs) <= usable:
+            remedies.append(f"shorten seq_len to {seq}")
+            break
+    remedies.append(f"use devices with at least {format_gib(smallest.needed / (1 - safety_margin))} GiB")
+    if not offload:
+        remedies.append("allow CPU offload")
+    return ValueError(
+        f"nothing fits in {format_gib(memory)} GiB per device ({format_gib(usable)} GiB usable with the "
+        f"{safety_margin:.0%} safety margin): the smallest configuration weighed, {smallest.describe()}, "
+        f"needs {format_gib(smallest.needed)} GiB. To fit: {'; or '.join(remedies)}"
+    )
+
+
+def choose_plan(
+    model_spec: Any,
+    /,
+    *,
+    world_size: int,
+    device_memory: int | str,
+    seq_len: int,
+    global_batch_tokens: int | None = None,
+    micro_batch: int | None = None,
+    grad_accum: int = 1,
+    precision: Any = "bf16",
+    optimizer: Any = "adamw",
+    strategies: tuple[Any, ...] | list[Any] = DEFAULT_STRATEGIES,
+    split_batch: bool = True,
+    allow_offload: bool = True,
+    safety_margin: float = SAFETY_MARGIN,
+    wrap: Any = None,
+    **shape_hints: Any,
+) -> AutoChoice:
+    """The fastest configuration of `model_spec` predicted to fit on `world_size` devices (module docstring).
+
+    model_spec: anything `st.estimate_memory` takes (a built-in size such as "8b", a parameter count,
+    a LlamaConfig, a Hugging Face config, an nn.Module on any device; `wrap` and shape hints as there).
+    The batch: `global_batch_tokens` (over all devices, per optimizer step), or `micro_batch` sequences
+    per device with `grad_accum`. With `split_batch`, each device's sequences may be regrouped into
+    any micro_batch x grad_accum of the same product; without, the given split is kept.
+    Raises ValueError naming what to change (more devices, shorter sequences, ...) if nothing fits.
+    """
+    world_size = positive_int(world_size, "world_size")
+    seq_len = positive_int(seq_len, "seq_len")
+    memory = parse_bytes(device_memory, what="device_memory")
+    if not 0 <= safety_margin < 1:
+        raise ValueError(f"safety_margin={safety_margin!r} must be a fraction in [0, 1), e.g. 0.05")
+    sequences = _sequences_per_rank(world_size=world_size, seq_len=seq_len, global_batch_tokens=global_batch_tokens,
+                                    micro_batch=micro_batch, grad_accum=grad_accum)
+    if split_batch:
+        splits = batch_splits(sequences)
+    else:
+        splits = [(sequences, 1)] if micro_batch is None else [(micro_batch, grad_accum)]
+    kwargs = dict(precision=precision, optimizer=optimizer, wrap=wrap, **shape_hints)
+    common = dict(world_size=world_size, strategies=parse_strategies(strategies), splits=splits, seq_len=seq_len,
+                  estimate_kwargs=kwargs)
+    usable = int(memory * (1 - safety_margin))
+    candidates = evaluate(model_spec, cpu_offload=False, **common)
+    if allow_offload and all(c.needed > usable for c in candidates):
+        candidates += evaluate(model_spec, cpu_offload=True, **common)
+    fits = [c for c in candidates if c.needed <= usable]
+    if not fits:
+        raise _nothing_fits(model_spec, candidates, world_size=world_size, seq_len=seq_len, memory=memory,
+                            usable=usable, safety_margin=safety_margin, offload=allow_offload, kwargs=kwargs)
+    best = min(fits, key=lambda c: (c.time.total, c.needed))
+    spec = best.estimate.inputs.model
+    baseline = None
+    if spec.shape is not None:
+        baseline = step_time(model=spec, strategy=Strategy.FULL_SHARD, shard_size=world_size,
+                             checkpointed_blocks=spec.shape.n_layers, micro_batch=best.micro_batch,
+                             grad_accum=best.grad_accum, seq_len=seq_len, cpu_offload=False)
+    reasons = explain(best=best, candidates=candidates, memory=memory, usable=usable, safety_margin=safety_margin,
+                      global_tokens=sequences * world_size * seq_len, fixed_batch=len(splits) == 1,
+                      baseline=baseline)
+    return AutoChoice(
+        strategy=best.strategy, checkpoint_every=best.checkpoint_every, checkpointed_blocks=best.checkpointed_blocks,
+        cpu_offload=best.cpu_offload, micro_batch=best.micro_batch, grad_accum=best.grad_accum, seq_len=seq_len,
+        world_size=world_size, device_memory=memory, usable_memory=usable, predicted_bytes=best.needed,
+        step_time=best.time, reasons=reasons, estimate=best.estimate,
+    )
+
+
+def local_device_memory(*, accelerator: str, processes: int) -> tuple[int, str]:
+    """Memory each of `processes` local processes may use, and where the number comes from.
+
+    CUDA: the first visible GPU's total memory. CPU: the host's physical memory split evenly between
+    the processes. Raises ValueError when the accelerator is CUDA and none is visible here.
+    """
+    if accelerator == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("the run targets CUDA devices but none is visible here; give the device memory "
+                             "explicitly (e.g. device_memory='141GB', or --device-memory 141GB)")
+        props = torch.cuda.get_device_properties(0)
+        return props.total_memory, f"the local {props.name}"
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return host // processes, f"host memory / {processes} processes"
+
+
+def resolve_auto(model: nn.Module, *, world_size: int, micro_batch: int, seq_len: int, wrap: Any,
+                 device_memory: int | str | None = None, grad_accum: int = 1, mixed_precision: Any = "bf16",
+                 optimizer: Any = "adamw", allow_offload: bool = True,
+                 safety_margin: float = SAFETY_MARGIN) -> AutoChoice:
+    """strategy="auto" for `st.shard(model, wrap=wrap, ...)`: strategy, checkpointing and offload.
+
+    The micro-batch stays as the caller's loop feeds it (`micro_batch` sequences of `seq_len` tokens
+    per device, `grad_accum` micro-batches per step). `device_memory` defaults to the local GPU's.
+    Apply the answer with `st.shard(model, wrap=wrap, **choice.shard_kwargs(model, wrap=wrap), ...)`.
+    """
+    if wrap is None:
+        raise ValueError("strategy='auto' needs wrap= (e.g. the transformer block class): with the whole model as "
+                         "one unit every strategy gathers all parameters at once and checkpointing has no blocks")
+    if device_memory is None:
+        device_memory, _ = local_device_memory(accelerator="cuda", processes=1)
+    return choose_plan(model, world_size=world_size, device_memory=device_memory, seq_len=seq_len,
+                       micro_batch=micro_batch, grad_accum=grad_accum, precision=mixed_precision,
+                       optimizer=optimizer, split_batch=False, allow_offload=allow_offload,
+                       safety_margin=safety_margin, wrap=wrap)

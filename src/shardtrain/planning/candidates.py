@@ -1,0 +1,110 @@
+"""The configurations the automatic plan weighs: each with its memory bill and predicted step time.
+
+A candidate fixes a strategy, activation checkpointing (none, every k-th block, every block), CPU
+offload, and a split of each rank's batch into micro_batch x grad_accum sequences. Its device memory
+is the estimator's peak plus reserve (`MemoryEstimate.total + reserve`), plus, with gradient
+accumulation, the unsharded gradients `no_sync` keeps between micro-batches: every unit's full flat
+gradient in the reduce dtype (`ShardUnit.post_backward`), held from the first micro-batch's backward to
+the last one's. Counting them on top of the peak is an upper bound (the last backward frees them unit by
+unit while it reduces).
+
+Gradients are assumed released by `zero_grad(set_to_none=True)` between steps (keep_grads=False), as
+the training loop does and as this engine measures since it frees cleared gradients before forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..strategy import Strategy, parse_strategy
+from .activations import checkpointed_blocks
+from .compare import default_shard_size
+from .estimate import MemoryEstimate, estimate_memory
+from .speed import StepTime, step_time
+
+
+@dataclass(frozen=True, kw_only=True)
+class Candidate:
+    """One configuration: what it is, what it needs per device, how long its step is predicted to take."""
+
+    strategy: Strategy
+    checkpoint_every: int  # 0: none, 1: every block, k: blocks 0, k, 2k, ...
+    checkpointed_blocks: int
+    cpu_offload: bool
+    micro_batch: int
+    grad_accum: int
+    estimate: MemoryEstimate
+    accumulation_bytes: int  # unsharded gradients held by no_sync between micro-batches
+    time: StepTime
+
+    @property
+    def needed(self) -> int:
+        """Device memory needed: the peak allocated, the reserve, and the no_sync accumulation."""
+        return self.estimate.total + self.estimate.reserve + self.accumulation_bytes
+
+    @property
+    def checkpointing(self) -> str:
+        layers = self.estimate.inputs.model.shape.n_layers if self.estimate.inputs.model.shape else 0
+        if self.checkpoint_every == 0:
+            return "no activation checkpointing"
+        if self.checkpointed_blocks == layers:
+            return "every block checkpointed"
+        return f"1 block in {self.checkpoint_every} checkpointed ({self.checkpointed_blocks} of {layers})"
+
+    def describe(self) -> str:
+        offload = ", CPU offload" if self.cpu_offload else ""
+        return (f"{self.estimate.inputs.label}, {self.checkpointing}{offload}, "
+                f"micro-batch {self.micro_batch} x {self.grad_accum} accumulation step{'s' * (self.grad_accum > 1)}")
+
+
+def accumulation_bytes(estimate: MemoryEstimate, *, grad_accum: int) -> int:
+    """The unsharded gradients no_sync holds between micro-batches: every trainable parameter in the reduce dtype."""
+    return estimate.inputs.model.trainable_params * estimate.inputs.reduce_bytes if grad_accum > 1 else 0
+
+
+def checkpoint_options(n_layers: int) -> list[tuple[int, int]]:
+    """(every, checkpointed blocks) from none to every block; for each count, the smallest `every`
+    giving it (the most even spread of the checkpointed blocks)."""
+    options = {0: 0}
+    for every in range(n_layers, 0, -1):
+        options[checkpointed_blocks(n_layers, every)] = every
+    return [(every, count) for count, every in sorted(options.items())]
+
+
+def batch_splits(sequences: int) -> list[tuple[int, int]]:
+    """(micro_batch, grad_accum) pairs with micro_batch * grad_accum == sequences, largest micro-batch first."""
+    return [(mb, sequences // mb) for mb in range(sequences, 0, -1) if sequences % mb == 0]
+
+
+def evaluate(model: Any, *, world_size: int, strategies: list[Strategy], splits: list[tuple[int, int]],
+             seq_len: int, cpu_offload: bool, estimate_kwargs: dict[str, Any]) -> list[Candidate]:
+    """Every (strategy, checkpointing, split) candidate with or without offload, in that order."""
+    probe = estimate_memory(model, world_size=world_size, seq_len=seq_len, **estimate_kwargs)
+    spec = probe.inputs.model
+    options = checkpoint_options(spec.shape.n_layers) if spec.shape else [(0, 0)]
+    out = []
+    for strategy in strategies:
+        shard_size = default_shard_size(world_size) if strategy.is_hybrid else None
+        for every, count in options:
+            base = estimate_memory(model, world_size=world_size, strategy=strategy, shard_size=shard_size,
+                                   activation_checkpointing=every or False, cpu_offload=cpu_offload, seq_len=seq_len,
+                                   **estimate_kwargs)
+            for micro_batch, grad_accum in splits:
+                estimate = base.with_micro_batch(micro_batch)
+                out.append(Candidate(
+                    strategy=strategy, checkpoint_every=every, checkpointed_blocks=count, cpu_offload=cpu_offload,
+                    micro_batch=micro_batch, grad_accum=grad_accum, estimate=estimate,
+                    accumulation_bytes=accumulation_bytes(estimate, grad_accum=grad_accum),
+                    time=step_time(model=spec, strategy=strategy, shard_size=estimate.inputs.shard_size,
+                                   checkpointed_blocks=count, micro_batch=micro_batch, grad_accum=grad_accum,
+                                   seq_len=seq_len, cpu_offload=cpu_offload),
+                ))
+    return out
+
+
+def parse_strategies(strategies: Any) -> list[Strategy]:
+    parsed = [parse_strategy(s) for s in strategies]
+    if not parsed:
+        raise ValueError(f"strategies={strategies!r} is empty; name at least one, e.g. ('full_shard',)")
+    return list(dict.fromkeys(parsed))

@@ -1,0 +1,129 @@
+"""Predicted step time of a training configuration: the speed half of the automatic plan.
+
+The unit is a "token-time": the time one rank needs for one token's forward and backward FLOPs at the
+device's achievable matmul rate. One step of `tokens` tokens per rank costs
+
+    compute    tokens * (1 + recompute) / efficiency(tokens per micro-batch)
+    gathers    micro-batches * exposed all-gathers per micro-batch * GATHER_EXPOSED_TOKENS
+    overhead   STEP_OVERHEAD_TOKENS, plus OFFLOAD_TOKENS with CPU offload
+
+and `relative` = total / tokens: 1.0 would be the step's FLOPs at full efficiency, with nothing
+recomputed, no exposed communication and no per-step overhead. Only ratios between configurations
+of the same model, world and batch are meaningful.
+
+FLOPs per token F = 6 * (params - embedding) + 6 * layers * dim * seq, the formula ANCHORS.md and
+`models.llama.flops_per_token` use for MFU (matmuls forward + backward, plus attention).
+
+Recomputation: a checkpointed block runs its forward again in backward, a third of its FLOPs:
+2 * block params + 2 * dim * seq per token.
+
+Efficiency: e(t) = t / (t + EFFICIENCY_TOKENS) for t tokens per micro-batch: 94% at 4,096 tokens,
+97% at 8,192. Larger matrices run closer to the peak rate and each micro-batch pays its own kernel
+launches and loss; the curve is deliberately mild (an assumption, not a measurement).
+
+All-gathers: gathering the parameters moves 2 bytes (bf16) per parameter while compute spends 6 FLOPs
+per parameter per token, so a gather's time relative to the compute of a micro-batch depends on its
+tokens and the hardware, not on the model size. On 2 x H200 (790 TFLOP/s, ~360 GB/s over NVLink) one
+gather of all parameters takes about 14% of the compute of 4,096 tokens, and prefetching hides most of
+it. Assumed: 3% of the compute of 4,096 tokens stays exposed for each gather that shard_grad_op does
+not do (the issue's 2-4%). full_shard and hybrid_shard gather every unit a second time in backward:
+one exposed gather per micro-batch; shard_grad_op, optimizer_only and no_shard: none. Nothing is
+gathered within a shard group of one.
+
+Step overhead: the optimizer step, gradient clipping, and the first all-gather and last
+reduce-scatter that no compute hides. Fitted to ANCHORS.md's torch FSDP2 8B rows (2 x H200, seq 4096,
+full shard; 0.604 s per step at batch 1 with checkpointing, 0.499 s without, 1.028 s at batch 2 with
+checkpointing): one token-time = 78 us (79% of the 790 TFLOP/s peak) and 2,075 token-times per step,
+of which 123 are the exposed backward gather; the batch-2 row is then predicted 0.7% off. Assumed the
+same in token-times for other models. Every configuration of one batch pays it, so it never changes
+which one wins; it keeps the predicted ratios honest (a third less compute is not a third less time).
+
+CPU offload (OFFLOAD_TOKENS): moving the gradient shards to the host and the updated shards back,
+and AdamW on the CPU, every step. Not calibrated: a rough guess of 10x the on-device step overhead.
+The planner considers offload only when nothing fits without it, so this term never decides between
+an on-device configuration and an offloaded one; it only warns that the step will be much slower.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..strategy import Strategy
+from .model_spec import LlamaShape, ModelSpec
+
+REFERENCE_TOKENS = 4096
+EFFICIENCY_TOKENS = 256
+GATHER_EXPOSED_FRACTION = 0.03
+GATHER_EXPOSED_TOKENS = GATHER_EXPOSED_FRACTION * REFERENCE_TOKENS
+STEP_OVERHEAD_TOKENS = 1950
+OFFLOAD_TOKENS = 10 * STEP_OVERHEAD_TOKENS
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepTime:
+    """One step's predicted time in token-times (see the module docstring), itemised."""
+
+    tokens: int  # per rank and step
+    compute: float
+    recompute: float
+    gathers: float
+    overhead: float
+    offload: float
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.recompute + self.gathers + self.overhead + self.offload
+
+    @property
+    def relative(self) -> float:
+        """Total over the ideal (the tokens' FLOPs at full efficiency, nothing else): 1.0 or more."""
+        return self.total / self.tokens
+
+    def describe(self) -> str:
+        parts = [("compute", self.compute), ("recompute", self.recompute), ("exposed all-gathers", self.gathers),
+                 ("step overhead", self.overhead), ("CPU offload", self.offload)]
+        items = ", ".join(f"{name} {value / self.tokens:.3f}" for name, value in parts if value)
+        return f"{self.relative:.3f} x the ideal ({items})"
+
+
+def flops_per_token(shape: LlamaShape, *, seq_len: int) -> float:
+    """Training FLOPs per token: 6 * (params - embedding) + 6 * layers * dim * seq."""
+    return 6 * (shape.num_params - shape.vocab_size * shape.dim) + 6 * shape.n_layers * shape.dim * seq_len
+
+
+def recompute_fraction(shape: LlamaShape, *, seq_len: int, checkpointed_blocks: int) -> float:
+    """Extra FLOPs of recomputing `checkpointed_blocks` blocks' forward, as a fraction of F."""
+    per_block = 2 * shape.block_params + 2 * shape.dim * seq_len
+    return checkpointed_blocks * per_block / flops_per_token(shape, seq_len=seq_len)
+
+
+def efficiency(tokens: int) -> float:
+    """Fraction of the achievable rate a micro-batch of `tokens` tokens reaches: t / (t + 256)."""
+    return tokens / (tokens + EFFICIENCY_TOKENS)
+
+
+def exposed_gathers(strategy: Strategy, *, shard_size: int) -> int:
+    """All-gathers per micro-batch beyond shard_grad_op's: full_shard's second gather in backward."""
+    return int(strategy.reshard_after_forward and shard_size > 1)
+
+
+def step_time(*, model: ModelSpec, strategy: Strategy, shard_size: int, checkpointed_blocks: int,
+              micro_batch: int, grad_accum: int, seq_len: int, cpu_offload: bool) -> StepTime:
+    """Predicted time of one optimizer step (grad_accum micro-batches of micro_batch sequences)."""
+    micro_tokens = micro_batch * seq_len
+    tokens = micro_tokens * grad_accum
+    compute = tokens / efficiency(micro_tokens)
+    recompute = 0.0
+    if checkpointed_blocks:
+        if model.shape is None:
+            raise ValueError(f"checkpointed_blocks={checkpointed_blocks} needs the model's shape to price the "
+                             f"recomputation; {model.name} has none (pass dim= and layers= hints)")
+        recompute = compute * recompute_fraction(model.shape, seq_len=seq_len, checkpointed_blocks=checkpointed_blocks)
+    return StepTime(
+        tokens=tokens,
+        compute=compute,
+        recompute=recompute,
+        gathers=grad_accum * exposed_gathers(strategy, shard_size=shard_size) * GATHER_EXPOSED_TOKENS,
+        overhead=STEP_OVERHEAD_TOKENS,
+        offload=OFFLOAD_TOKENS if cpu_offload else 0.0,
+    )

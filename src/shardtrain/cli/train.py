@@ -9,6 +9,7 @@ by each rank as one line with the fix, and the command exits non-zero.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from ..train.config import ConfigError, describe, load_config
@@ -32,6 +33,17 @@ def split_config_path(tokens: list[str]) -> tuple[str | None, list[str]]:
     return None, tokens
 
 
+def _resolve_auto(cfg):
+    """engine.strategy='auto': the planner's choice, printed once, by the process that trains as rank 0."""
+    from ..engine.devices import launched_externally
+    from ..train.plan import resolve_auto_config
+
+    cfg, choice = resolve_auto_config(cfg)
+    if os.environ.get("RANK", "0") == "0" and (launched_externally() or choice.world_size == 1):
+        print(choice, flush=True)
+    return cfg
+
+
 def run(args: argparse.Namespace) -> int:
     path, overrides = split_config_path(args.overrides)
     if args.resume:
@@ -45,8 +57,11 @@ def run(args: argparse.Namespace) -> int:
     from ..train.loop import run as train
 
     try:
+        if cfg.engine.strategy == "auto":
+            cfg = _resolve_auto(cfg)
         engine = Engine(devices=cfg.engine.devices, accelerator=cfg.engine.accelerator,
-                        strategy=cfg.engine.strategy, precision=cfg.engine.precision)
+                        strategy=cfg.engine.strategy, precision=cfg.engine.precision,
+                        cpu_offload=cfg.engine.cpu_offload)
     except ValueError as exc:
         print(f"shardtrain train: error: {exc}", file=sys.stderr)
         return 2

@@ -46,7 +46,8 @@ class ModelConfig:
                                   "(or give model.kwargs.model_type instead)", None)
     wrap: tuple[str, ...] = _help("module class names that become sharding units "
                                   "(default: Llama's Block, or the HF model's _no_split_modules)", ())
-    activation_checkpointing: bool = _help("recompute the wrapped blocks' activations in backward", False)
+    activation_checkpointing: bool | int = _help("recompute the wrapped blocks' activations in backward: true (every "
+                                                 "block), false, or k (1 block in k)", False)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,7 +104,10 @@ class TrainConfig:
 class EngineConfig:
     devices: int | str = _help("'auto' (every GPU, else 2 CPU processes) or a number of processes", "auto")
     accelerator: str = _help("'auto', 'cuda' or 'cpu'", "auto")
-    strategy: str = _help("full_shard, shard_grad_op, optimizer_only, no_shard or hybrid_shard", "full_shard")
+    strategy: str = _help("full_shard, shard_grad_op, optimizer_only, no_shard, hybrid_shard, or 'auto' (the fastest "
+                          "configuration predicted to fit; it also sets model.activation_checkpointing, "
+                          "engine.cpu_offload and train.grad_accum, keeping train.batch_size)", "full_shard")
+    cpu_offload: bool = _help("keep the fp32 shards, their gradients and the optimizer state in host memory", False)
     precision: str = _help("'auto' (bf16-mixed on GPU, 32-true on CPU), 'bf16-mixed' or '32-true'", "auto")
 
 

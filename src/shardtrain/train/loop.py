@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ..engine import Engine
+from ..planning.auto import checkpoint_policy
 from .config import Config, save_config
 from .data import ByteTokenizer, TokenBatches, build_cache, corpus_files
 from .ema import WeightEMA
@@ -166,7 +167,8 @@ def build_job(cfg: Config, engine: Engine) -> tuple[_Job, str]:
     optimizer = torch.optim.AdamW(param_groups(model, cfg.optim.weight_decay), lr=cfg.optim.lr,
                                   betas=(cfg.optim.beta1, cfg.optim.beta2), fused=engine.device.type == "cuda")
     model, optimizer = engine.setup(model, optimizer, wrap=built.wrap,
-                                    activation_checkpointing=built.wrap if cfg.model.activation_checkpointing else None)
+                                    activation_checkpointing=checkpoint_policy(
+                                        model, wrap=built.wrap, every=cfg.model.activation_checkpointing))
     scheduler = make_scheduler(optimizer, warmup_steps=cfg.optim.warmup_steps, total_steps=cfg.train.steps,
                                min_ratio=cfg.optim.min_lr_ratio)
     job = _Job(cfg=cfg, engine=engine, model=model, optimizer=optimizer, scheduler=scheduler,

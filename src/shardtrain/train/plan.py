@@ -1,0 +1,116 @@
+"""The planner's view of a training config, and `engine.strategy = "auto"` for the main job.
+
+`planned_setup(cfg)` reads what a Config asks of each device (world size, precision, micro-batch,
+sequence length, checkpointing, offload) the way `shardtrain train` resolves it: devices="auto" and
+precision="auto" follow the Engine's rules, the micro-batch follows the loop's `check_batch`. So
+`shardtrain plan` describes the run that `shardtrain train` starts, from the same config.
+
+`resolve_auto_config(cfg)` replaces strategy "auto" by `planning.auto.choose_plan`'s choice, keeping
+the global batch: engine.strategy, model.activation_checkpointing, engine.cpu_offload and
+train.grad_accum change; nothing else does. The returned config is what the run saves as its
+config.yaml, so rerunning that file repeats the choice without planning again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ..engine.devices import launched_externally, resolve_topology
+from ..planning.auto import AutoChoice, choose_plan, local_device_memory
+from .config import Config, ConfigError, EngineConfig
+from .loop import check_batch
+from .models import BuiltModel, build_model
+
+AUTO = "auto"
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlannedSetup:
+    """What one device of the run does, as `shardtrain train` will resolve the config."""
+
+    accelerator: str  # "cuda" | "cpu"
+    world_size: int
+    strategy: str  # may be "auto" (not yet resolved)
+    precision: str  # as the Engine resolves "auto": bf16-mixed on CUDA, 32-true on CPU
+    micro_batch: int  # sequences per device per micro-step
+    grad_accum: int
+    seq_len: int
+    activation_checkpointing: bool | int  # True: every block, k: 1 block in k
+    cpu_offload: bool
+
+
+def _target(engine: EngineConfig) -> tuple[str, int]:
+    """(accelerator, world size) of the run, without starting it."""
+    if engine.devices == AUTO and not launched_externally():
+        try:
+            topology = resolve_topology(accelerator=engine.accelerator, devices=AUTO)
+        except ValueError as exc:
+            raise ConfigError(f"{exc}; to plan for devices elsewhere, give their number: --engine.devices N") from exc
+        return topology.accelerator, topology.num_processes
+    accelerator = engine.accelerator
+    if accelerator == AUTO:
+        accelerator = "cuda" if torch.cuda.is_available() else "cpu"
+    if launched_externally():
+        return accelerator, int(os.environ["WORLD_SIZE"])
+    if isinstance(engine.devices, bool) or not isinstance(engine.devices, int) or engine.devices < 1:
+        raise ConfigError(f"engine.devices={engine.devices!r} is invalid: use 'auto' or a positive number of processes")
+    return accelerator, engine.devices
+
+
+def planned_setup(cfg: Config) -> PlannedSetup:
+    """The per-device setup of `cfg` (see the module docstring); ConfigError for a batch that cannot split."""
+    accelerator, world_size = _target(cfg.engine)
+    precision = cfg.engine.precision
+    if precision == AUTO:
+        precision = "bf16-mixed" if accelerator == "cuda" else "32-true"
+    try:
+        global_micro_batch = check_batch(cfg, world_size)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    return PlannedSetup(
+        accelerator=accelerator, world_size=world_size, strategy=cfg.engine.strategy, precision=precision,
+        micro_batch=global_micro_batch // world_size, grad_accum=cfg.train.grad_accum, seq_len=cfg.data.seq_len,
+        activation_checkpointing=cfg.model.activation_checkpointing, cpu_offload=cfg.engine.cpu_offload,
+    )
+
+
+def build_on_meta(cfg: Config) -> BuiltModel:
+    """The configured model on the meta device: shapes, dtypes and units, no memory, no initialisation."""
+    with torch.device("meta"):
+        return build_model(cfg.model, init_context=lambda empty_init=True: contextlib.nullcontext())
+
+
+def apply_choice(cfg: Config, choice: AutoChoice) -> Config:
+    """`cfg` with the automatic plan's strategy, checkpointing, offload and accumulation."""
+    return dataclasses.replace(
+        cfg,
+        engine=dataclasses.replace(cfg.engine, strategy=choice.strategy.value, cpu_offload=choice.cpu_offload),
+        model=dataclasses.replace(cfg.model, activation_checkpointing=choice.activation_checkpointing),
+        train=dataclasses.replace(cfg.train, grad_accum=choice.grad_accum),
+    )
+
+
+def resolve_auto_config(cfg: Config, *, device_memory: int | None = None,
+                        built: BuiltModel | None = None) -> tuple[Config, AutoChoice]:
+    """Choose the fastest configuration predicted to fit and return the config that runs it, and the choice.
+
+    `device_memory` defaults to the local device's (the GPU's; on the CPU, the host's share per
+    process). `built` reuses a model already built on the meta device. Raises ValueError (or
+    ConfigError) naming what to change when nothing fits or the model has no blocks to plan with.
+    """
+    setup = planned_setup(cfg)
+    built = built or build_on_meta(cfg)
+    if not built.wrap:
+        raise ConfigError(f"engine.strategy='auto' needs the model's block classes, and {cfg.model.name!r} names none; "
+                          "give them with --model.wrap ClassName")
+    if device_memory is None:
+        device_memory, _ = local_device_memory(accelerator=setup.accelerator, processes=setup.world_size)
+    choice = choose_plan(built.module, world_size=setup.world_size, device_memory=device_memory,
+                         seq_len=setup.seq_len, micro_batch=setup.micro_batch, grad_accum=setup.grad_accum,
+                         precision=setup.precision, wrap=built.wrap)
+    return apply_choice(cfg, choice), choice

@@ -44,7 +44,7 @@ def test_parity_mixed_precision(pools, precision):
 def test_parity_optimizer_only(pools, kind):
     cases = [Case(strategy="optimizer_only", optim=o, accum=a, ac=ac, precision=p)
              for o, a, ac, p in [("sgd", "none", False, None), ("adamw", "no_sync", True, None),
-                                 ("adamw", "no_sync", False, "bf16")]]
+                                 ("adamw", "no_sync", False, "bf16"), ("adamw_fused", "plain", False, None)]]
     assert pools(3).run(run_cases, kind, cases) == [len(cases)] * 3
 
 

@@ -26,7 +26,9 @@ def main() -> None:
     cases = [("llama", Case(strategy=s, optim="adamw_fused", accum=a, ac=ac))
              for s in strategies for a, ac in [("none", False), ("no_sync", True)]]
     cases += [(kind, Case(strategy=s, optim="sgd")) for kind in ["cnn", "frozen"] for s in strategies]
-    cases += [("llama", Case(strategy=s, precision="bf16", accum="plain", clip=0.05)) for s in strategies]
+    # Note: no_sync accumulates in the same order as the reference; plain accumulation does not,
+    # and a last-bit difference can flip a bf16 rounding.
+    cases += [("llama", Case(strategy=s, precision="bf16", accum="no_sync", clip=0.05)) for s in strategies]
     cases += [("llama", Case(strategy=s, offload=True, accum="no_sync", clip=0.05, optim="adamw_fused"))
               for s in ["full_shard", "optimizer_only"]]
     cases += [("llama", Case(strategy="optimizer_only", optim="adamw_fused"))]

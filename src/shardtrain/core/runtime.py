@@ -132,6 +132,7 @@ class Runtime:
             used = self._agree_on_used()
             for unit, mask in zip(self.units, used):
                 unit.publish_grads(mask)
+                unit.shard_changed = unit.behaviour.resident  # the optimizer step comes next
         for unit in self.units:
             if unit.state is not UnitState.SHARDED and not unit.behaviour.resident:
                 unit.reshard()

@@ -90,6 +90,9 @@ class ShardUnit:
         self.pending_reduce: Pending | None = None
         self._accumulated: torch.Tensor | None = None  # unsharded grads kept under no_sync
         self._gathered_version = -1
+        # Note: fused optimizers (torch._fused_adamw_) update the shard without bumping its version
+        # counter, so the runtime also marks resident units changed after every synchronising backward.
+        self.shard_changed = False
         self.aliased = layout.shard_world == 1 and behaviour.param_dtype == shard.dtype and not behaviour.offload
         if self.aliased:
             self._unsharded = shard  # Note: world size 1 without a cast: the shard *is* the parameter set
@@ -131,12 +134,13 @@ class ShardUnit:
         self._unsharded.untyped_storage().resize_(0)
 
     def _stale(self) -> bool:
-        return self.shard._version != self._gathered_version
+        return self.shard_changed or self.shard._version != self._gathered_version
 
     def unshard(self) -> None:
         """Issue the all-gather (asynchronously) unless the unsharded parameters are current."""
         if self.state is not UnitState.SHARDED and not (self.behaviour.resident and self._stale()):
             return
+        self.shard_changed = False
         if self.aliased:
             self.state = UnitState.UNSHARDED
             self._gathered_version = self.shard._version

@@ -40,6 +40,7 @@ class Runtime:
         self._next_forward: dict[int, list[ShardUnit]] = {}
         self._next_backward: dict[int, list[ShardUnit]] = {}
         self._last_reduce: Pending | None = None
+        self._deferred: tuple[ShardUnit, torch.Tensor] | None = None
 
     # ------------------------------------------------------------------ hooks
     def register(self, unit: ShardUnit, module: torch.nn.Module) -> None:
@@ -98,6 +99,7 @@ class Runtime:
         self._order_recorded = True
 
     def _pre_backward(self, unit: ShardUnit) -> None:
+        self._issue_deferred()
         if not self._callback_queued:
             self._callback_queued = True
             self.in_backward = True
@@ -110,6 +112,22 @@ class Runtime:
         unit.prepare_views(in_backward=True)
 
     # ------------------------------------------------------------------ gradient reduction
+    def defer_reduce(self, unit: ShardUnit, flat: torch.Tensor) -> None:
+        """Issue `unit`'s reduction at the next hook, once its backward node has returned.
+
+        Note: autograd holds a node's incoming per-parameter gradients until the node returns; issuing
+        the reduce-scatter (and allocating its output) only then keeps them from coexisting, which
+        matters for the root unit at the end of backward, the step's memory peak from 8B up.
+        """
+        self._issue_deferred()
+        self._deferred = (unit, flat)
+
+    def _issue_deferred(self) -> None:
+        if self._deferred is not None:
+            unit, flat = self._deferred
+            self._deferred = None
+            unit.issue_reduce(flat)
+
     def track_reduce(self, unit: ShardUnit, pending: Pending) -> None:
         """Keep at most one reduction in flight beyond the newest (bounds the gradient memory)."""
         if self._last_reduce is not None:
@@ -125,6 +143,7 @@ class Runtime:
         self._last_reduce = None
 
     def _finish_backward(self) -> None:
+        self._issue_deferred()
         self._finish_reduces()
         if self.groups.cuda and any(u.behaviour.offload for u in self.units):
             torch.cuda.current_stream().synchronize()  # the host optimizer reads the offloaded gradients

@@ -235,7 +235,7 @@ class ShardUnit:
             flat = self._accumulated
         if self.runtime.sync_gradients:
             self._accumulated = None
-            self._reduce(flat)
+            self.runtime.defer_reduce(self, flat)
         elif self._accumulated is None:
             self._accumulated = flat
 
@@ -250,7 +250,8 @@ class ShardUnit:
             self.sharded_grad = None
             self._grad_views = []
 
-    def _reduce(self, flat: torch.Tensor) -> None:
+    def issue_reduce(self, flat: torch.Tensor) -> None:
+        """Reduce `flat` (this unit's full gradient) into the sharded gradient, asynchronously."""
         fresh = [p.grad is None for p in self.shard_params]
         overwrite = self.sharded_grad is None or all(fresh)
         target = self.sharded_grad

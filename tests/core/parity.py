@@ -22,8 +22,10 @@ from tests.models import MODELS, lm_loss, make_batches
 FP32_TOL = dict(rtol=1.3e-6, atol=1e-5)
 # Note: on CUDA, cuBLAS picks bf16/fp16 kernels by pointer alignment, and a view into a flat buffer
 # is aligned differently from a standalone tensor, so low-precision GEMMs may round differently
-# there; the CPU runs the emulated casts bit for bit and keeps FP32_TOL.
-LOW_PRECISION_CUDA_TOL = dict(rtol=1e-2, atol=2e-3)
+# there; the CPU runs the emulated casts bit for bit and keeps FP32_TOL. Such a flip can turn the
+# sign of a near-zero gradient, and AdamW then moves that weight by up to its step size (lr 1e-2):
+# atol is half of that.
+LOW_PRECISION_CUDA_TOL = dict(rtol=1e-2, atol=5e-3)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ _EXPORTS = {
     "SizePolicy": "shardtrain.policy",
     "MixedPrecision": "shardtrain.policy",
     "CPUOffload": "shardtrain.policy",
+    "AutoPolicy": "shardtrain.policy",
     "clip_grad_norm_": "shardtrain.ops.grad_norm",
     "no_sync": "shardtrain.ops.no_sync",
     "full_state_dict": "shardtrain.ops.state_dict",

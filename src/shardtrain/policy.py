@@ -48,6 +48,20 @@ class CPUOffload:
     optimizer: bool = True
 
 
+@dataclass(frozen=True, kw_only=True)
+class AutoPolicy:
+    """strategy=st.AutoPolicy(...): let the planner pick strategy, checkpointing and offload.
+
+    `micro_batch` sequences of `seq_len` tokens per device and step, as the training loop feeds them;
+    `device_memory` (bytes or "80GiB") defaults to the local GPU's.
+    """
+
+    micro_batch: int
+    seq_len: int
+    device_memory: int | str | None = None
+    grad_accum: int = 1
+
+
 _PRECISION_NAMES = {
     "bf16": MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
     "bf16-mixed": MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),

@@ -138,3 +138,23 @@ def rmsnorm_is_merged() -> bool:
     """Norms inside a block belong to the block's unit (no hooks on tiny modules)."""
     model = st.shard(tiny_llama(), strategy="full_shard", wrap={Block})
     return all(not m._forward_pre_hooks for m in model.modules() if isinstance(m, RMSNorm))
+
+
+def auto_strategy(device_memory: str) -> dict:
+    """strategy=st.AutoPolicy: the planner picks; the model then trains like any other."""
+    from shardtrain.core.shard import runtime_of
+
+    torch.manual_seed(0)
+    model = st.shard(tiny_llama(), strategy=st.AutoPolicy(micro_batch=2, seq_len=16, device_memory=device_memory),
+                     wrap={Block})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    rank = dist.get_rank()
+    losses = []
+    batch = make_batches("llama", steps=1, global_batch=4)[0]
+    for _ in range(4):  # one batch, memorised: the loss must fall
+        loss = lm_loss(model, tuple(t[2 * rank:2 * rank + 2] for t in batch))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"strategy": runtime_of(model).strategy.value, "losses": losses}

@@ -148,3 +148,21 @@ def _shard_errors() -> dict:
     expect("meta", lambda: st.shard(meta), ValueError, "has no reset_parameters(); pass param_init_fn")
     expect("unsharded", lambda: st.clip_grad_norm_(tiny_llama(), 1.0), ValueError, "is not sharded")
     return cases
+
+
+def test_auto_strategy_chooses_and_trains(pools):
+    out = pools(2).run(checks.auto_strategy, "8GiB")
+    assert out[0]["strategy"] == out[1]["strategy"] in {"full_shard", "shard_grad_op", "optimizer_only", "no_shard"}
+    assert out[0]["losses"][-1] < out[0]["losses"][0]
+
+
+def test_auto_strategy_needs_a_sequence_length(pools):
+    assert "st.AutoPolicy(micro_batch=..., seq_len=...)" in pools(1).run(_auto_without_seq_len)[0]
+
+
+def _auto_without_seq_len() -> str:
+    try:
+        st.shard(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), strategy="auto", wrap={nn.Linear})
+    except ValueError as e:
+        return str(e)
+    return "no error"

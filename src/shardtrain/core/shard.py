@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..planning.units import Occurrence, UnitSpec, matching_paths, partition
-from ..policy import parse_cpu_offload, parse_mixed_precision
+from ..policy import AutoPolicy, parse_cpu_offload, parse_mixed_precision
 from ..strategy import Strategy, parse_strategy
 from .comm import Groups
 from .flat import build_layout
@@ -49,6 +49,9 @@ def shard(
     if hasattr(model, RUNTIME_ATTR):
         raise ValueError(f"{type(model).__name__} is already sharded; call st.shard once per model")
     require_process_group()
+    if isinstance(strategy, AutoPolicy) or (isinstance(strategy, str) and strategy.strip().lower() == "auto"):
+        strategy, activation_checkpointing, cpu_offload = _resolve_auto(
+            model, strategy, wrap=wrap, mixed_precision=mixed_precision, process_group=process_group)
     strategy = parse_strategy(strategy)
     precision = parse_mixed_precision(mixed_precision)
     device = resolve_device(device)
@@ -105,6 +108,25 @@ def shard(
     _place_buffers(model, device, precision.buffer_dtype, broadcast_group)
     setattr(model, RUNTIME_ATTR, runtime)
     return model
+
+
+def _resolve_auto(model: nn.Module, policy: Any, *, wrap: Any, mixed_precision: Any, process_group):
+    """strategy="auto": the planner's fastest configuration predicted to fit (planning/auto.py)."""
+    from ..planning.auto import resolve_auto
+
+    if not isinstance(policy, AutoPolicy):
+        seq_len = getattr(getattr(model, "cfg", None), "max_seq_len", None)
+        if seq_len is None:
+            raise ValueError("strategy='auto' cannot tell the sequence length of this model; pass "
+                             "strategy=st.AutoPolicy(micro_batch=..., seq_len=...) instead")
+        policy = AutoPolicy(micro_batch=1, seq_len=seq_len)
+    choice = resolve_auto(model, world_size=dist.get_world_size(process_group), micro_batch=policy.micro_batch,
+                          seq_len=policy.seq_len, grad_accum=policy.grad_accum, wrap=wrap,
+                          device_memory=policy.device_memory, mixed_precision=mixed_precision or "fp32")
+    if dist.get_rank() == 0:
+        print(choice, flush=True)
+    chosen = choice.shard_kwargs(model, wrap=wrap)
+    return chosen["strategy"], chosen["activation_checkpointing"], chosen["cpu_offload"]
 
 
 def _scope_modules(spec: UnitSpec, unit_modules: set[int]) -> list[nn.Module]:

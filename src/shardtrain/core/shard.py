@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..planning.units import Occurrence, UnitSpec, matching_paths, partition
-from ..policy import AutoPolicy, parse_cpu_offload, parse_mixed_precision
+from ..policy import AutoPolicy, is_auto, parse_cpu_offload, parse_mixed_precision
 from ..strategy import Strategy, parse_strategy
 from .comm import Groups
 from .flat import build_layout
@@ -49,7 +49,7 @@ def shard(
     if hasattr(model, RUNTIME_ATTR):
         raise ValueError(f"{type(model).__name__} is already sharded; call st.shard once per model")
     require_process_group()
-    if isinstance(strategy, AutoPolicy) or (isinstance(strategy, str) and strategy.strip().lower() == "auto"):
+    if is_auto(strategy):
         strategy, activation_checkpointing, cpu_offload = _resolve_auto(
             model, strategy, wrap=wrap, mixed_precision=mixed_precision, process_group=process_group)
     strategy = parse_strategy(strategy)

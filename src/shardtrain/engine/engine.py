@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..policy import AutoPolicy, parse_cpu_offload, parse_mixed_precision, resolve_module_policy
+from ..policy import is_auto, parse_cpu_offload, parse_mixed_precision, resolve_module_policy
 from ..strategy import parse_strategy
 from . import launch as _launch
 from .devices import RankInfo, Topology, join_process_group, launched_externally, rank_info_from_env, resolve_topology
@@ -56,8 +56,7 @@ class Engine:
         self._devices = devices
         self._topology: Topology = resolve_topology(accelerator=accelerator, devices=devices)
         # "auto" / st.AutoPolicy is resolved by st.shard at setup, when the model is known.
-        auto = isinstance(strategy, AutoPolicy) or (isinstance(strategy, str) and strategy.strip().lower() == "auto")
-        self._strategy = strategy if auto else parse_strategy(strategy)
+        self._strategy = strategy if is_auto(strategy) else parse_strategy(strategy)
         if precision == "auto":
             precision = "bf16-mixed" if self._topology.accelerator == "cuda" else "32-true"
         self._mixed_precision = parse_mixed_precision(precision)

@@ -85,9 +85,6 @@ class FlatLayout:
         pad = self.padded_numel - self.numel
         return sizes + [pad] if pad else sizes
 
-    def with_shard_world(self, shard_world: int) -> "FlatLayout":
-        return FlatLayout(slots=self.slots, shard_world=shard_world)
-
 
 def build_layout(named: list[tuple[str, torch.Tensor, tuple[str, ...]]], shard_world: int) -> FlatLayout:
     """Lay out `(fqn, param, aliases)` back to back in the order given."""

@@ -21,6 +21,7 @@ _EXPORTS = {
     "clip_grad_norm_": "shardtrain.ops.grad_norm",
     "no_sync": "shardtrain.ops.no_sync",
     "full_state_dict": "shardtrain.ops.state_dict",
+    "load_full_state_dict": "shardtrain.ops.state_dict",
     "plan": "shardtrain.planning.plan",
     "Plan": "shardtrain.planning.plan",
     "estimate_memory": "shardtrain.planning.estimate",

@@ -158,3 +158,22 @@ def auto_strategy(device_memory: str) -> dict:
         opt.zero_grad()
         losses.append(loss.item())
     return {"strategy": runtime_of(model).strategy.value, "losses": losses}
+
+
+def load_full_state_dict_roundtrip() -> dict:
+    """Plain weights (e.g. a pretrained model) load into a sharded model; mismatches are named."""
+    torch.manual_seed(1)
+    plain = tiny_llama()
+    torch.manual_seed(2)
+    model = st.shard(tiny_llama(), strategy="full_shard", wrap={Block})
+    st.load_full_state_dict(model, plain.state_dict())
+    full = st.full_state_dict(model, rank0_only=False)
+    equal = all(torch.equal(full[k], v) for k, v in plain.state_dict().items())
+    bad = dict(plain.state_dict())
+    bad["norm.weight"] = torch.ones(3)
+    try:
+        st.load_full_state_dict(model, bad)
+        message = "no error"
+    except ValueError as e:
+        message = str(e)
+    return {"equal": equal, "mis_shaped_named": "norm.weight: checkpoint (3,) vs model (64,)" in message}

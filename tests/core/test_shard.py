@@ -42,6 +42,11 @@ def test_full_state_dict_loads_into_plain_model(pools):
     assert rank1 == {"empty": True}
 
 
+def test_load_full_state_dict_into_a_sharded_model(pools):
+    for r in pools(2).run(checks.load_full_state_dict_roundtrip):
+        assert r == {"equal": True, "mis_shaped_named": True}, r
+
+
 def test_unused_frozen_and_eval(pools):
     for r in pools(2).run(checks.unused_and_eval_behaviour):
         assert all(r.values()), r

@@ -21,8 +21,9 @@ from .unit import ShardUnit, UnitState
 
 
 class Runtime:
-    def __init__(self, *, strategy: Strategy, groups: Groups, forward_prefetch: bool, backward_prefetch: bool, prefetch_depth: int,
-                 cast_inputs_to: torch.dtype | None, control_group: dist.ProcessGroup | None) -> None:
+    def __init__(self, *, strategy: Strategy, groups: Groups, forward_prefetch: bool, backward_prefetch: bool,
+                 prefetch_depth: int, cast_inputs_to: torch.dtype | None,
+                 control_group: dist.ProcessGroup | None) -> None:
         self.strategy = strategy
         self.groups = groups
         self.units: list[ShardUnit] = []
@@ -46,7 +47,7 @@ class Runtime:
     def register(self, unit: ShardUnit, module: torch.nn.Module) -> None:
         self.units.append(unit)
         module.register_forward_pre_hook(lambda m, a, k: self._pre_forward(unit, a, k), with_kwargs=True, prepend=True)
-        module.register_forward_hook(lambda m, a, o: self._post_forward(unit, o), always_call=False)
+        module.register_forward_hook(lambda m, a, o: self._post_forward(unit, o))
 
     def _pre_forward(self, unit: ShardUnit, args, kwargs):
         if unit.index == 0 and not self.in_backward:

@@ -2,6 +2,7 @@
 
 import json
 
+from shardtrain.bench.registry import resolve_engine
 from shardtrain.bench.report import breakdown_table, render, results_table
 from shardtrain.bench.results import RunRecord, aggregate
 from shardtrain.bench.runner import read_outcome
@@ -14,7 +15,7 @@ def run_spec(engine, device="cuda"):
 
 
 def record(engine, step_ms, loss, *, device="cuda", breakdown=None, nproc=2):
-    result = {"label": engine, "world": nproc, "step_ms": step_ms, "losses": [11.9, loss],
+    result = {"label": resolve_engine(engine).label, "world": nproc, "step_ms": step_ms, "losses": [11.9, loss],
               "memory_gib": {"allocated": 33.14, "reserved": 36.0, "rss": 3.0} if device == "cuda"
               else {"allocated": None, "reserved": None, "rss": 0.51},
               "breakdown": breakdown, "trace": None}

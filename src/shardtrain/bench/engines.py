@@ -31,6 +31,7 @@ class Prepared:
     model: nn.Module
     optimizer: Any  # a torch optimizer, or anything with step() and zero_grad(set_to_none=...)
     autocast_dtype: torch.dtype | None = None
+    label: str | None = None  # replaces the engine's label when the build decided something (auto)
 
 
 def compute_dtype(spec: RunSpec) -> torch.dtype | None:
@@ -56,19 +57,35 @@ def checkpoint_blocks(model: Llama) -> None:
 
 
 def build_shardtrain(spec: RunSpec, device: torch.device, *, strategy: str) -> Prepared:
-    import shardtrain as st
+    named = build_meta_model(spec.model_config())
+    model = _shard(named, spec, device, strategy=strategy, activation_checkpointing={Block} if spec.ac else None)
+    return Prepared(model=model, optimizer=make_optimizer(model.parameters()))
+
+
+def build_shardtrain_auto(spec: RunSpec, device: torch.device) -> Prepared:
+    """strategy="auto" for this run's micro-batch: the planner picks strategy, checkpointing and offload
+    (so `--ac` does not apply); the row's label names what it picked."""
+    from ..planning.auto import local_device_memory, resolve_auto
 
     named = build_meta_model(spec.model_config())
-    model = st.shard(
-        named.model,
-        strategy=strategy,
-        wrap={Block},
-        mixed_precision="bf16" if compute_dtype(spec) else None,
-        activation_checkpointing={Block} if spec.ac else None,
-        device=device,
-        param_init_fn=named.param_init_fn(seed=spec.seed, device=device, allocate=False),
-    )
-    return Prepared(model=model, optimizer=make_optimizer(model.parameters()))
+    precision = "bf16" if compute_dtype(spec) else "fp32"
+    memory, _ = local_device_memory(accelerator=device.type, processes=1 if device.type == "cuda" else dist.get_world_size())
+    choice = resolve_auto(named.model, world_size=dist.get_world_size(), micro_batch=spec.batch, seq_len=spec.seq,
+                          wrap={Block}, device_memory=memory, mixed_precision=precision)
+    model = _shard(named, spec, device, **choice.shard_kwargs(named.model, wrap={Block}))
+    checkpointing = {0: "no ckpt", 1: "ckpt every block"}.get(choice.checkpoint_every,
+                                                              f"ckpt 1 block in {choice.checkpoint_every}")
+    offload = ", offload" if choice.cpu_offload else ""
+    return Prepared(model=model, optimizer=make_optimizer(model.parameters()),
+                    label=f"shardtrain auto ({choice.strategy.value}, {checkpointing}{offload})")
+
+
+def _shard(named, spec: RunSpec, device: torch.device, **options: Any) -> nn.Module:
+    import shardtrain as st
+
+    return st.shard(named.model, wrap={Block}, mixed_precision="bf16" if compute_dtype(spec) else None,
+                    device=device, param_init_fn=named.param_init_fn(seed=spec.seed, device=device, allocate=False),
+                    **options)
 
 
 def build_fsdp2(spec: RunSpec, device: torch.device, *, reshard_after_forward: bool) -> Prepared:

@@ -1,7 +1,8 @@
 """Engine names accepted by `shardtrain bench --engines`, and what each one builds.
 
 `shardtrain` is full_shard; `shardtrain-<strategy>` takes any strategy name of `st.shard`
-(`shardtrain-zero2` = shard_grad_op, `shardtrain-no_shard`, ...). `ideal` is not an engine but the
+(`shardtrain-zero2` = shard_grad_op, `shardtrain-no_shard`, ...); `shardtrain-auto` lets the planner
+choose strategy, checkpointing and offload for the run's micro-batch. `ideal` is not an engine but the
 reference step of `ideal.py`, run in one process.
 """
 
@@ -14,7 +15,7 @@ from typing import Callable
 import torch
 
 from ..strategy import parse_strategy
-from .engines import Prepared, build_ddp, build_fsdp1, build_fsdp2, build_shardtrain
+from .engines import Prepared, build_ddp, build_fsdp1, build_fsdp2, build_shardtrain, build_shardtrain_auto
 from .ideal import build_ideal
 from .spec import RunSpec
 
@@ -38,6 +39,7 @@ _FIXED = {
                               build=functools.partial(build_fsdp2, reshard_after_forward=False)),
     "fsdp1": Engine(name="fsdp1", label="torch FSDP1 (FULL_SHARD)", build=build_fsdp1),
     "ddp": Engine(name="ddp", label="DDP", build=build_ddp),
+    "shardtrain-auto": Engine(name="shardtrain-auto", label="shardtrain auto", build=build_shardtrain_auto),
     IDEAL: Engine(name=IDEAL, label="ideal step (1 GPU, no collectives)", build=build_ideal, single_process=True),
 }
 

@@ -97,6 +97,7 @@ def _row(records: list[RunRecord], *, peak_tflops: float | None) -> Row:
     if not good:
         return Row(status=bad[0].status, error=bad[0].error, **base)
     results = [r.result for r in good]
+    base["label"] = results[0].get("label", base["label"])  # what the run decided (shardtrain-auto)
     per_step = [t for res in results for t in tokens_per_second(tokens_per_step=spec.tokens_per_rank_step,
                                                                  step_ms=res["step_ms"])]
     stats = Stats.of(per_step)

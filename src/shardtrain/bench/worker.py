@@ -89,7 +89,7 @@ def measure(spec: RunSpec, device: torch.device) -> dict:
     return {
         "status": "ok",
         "engine": engine.name,
-        "label": engine.label,
+        "label": prepared.label or engine.label,
         "spec": asdict(spec),
         "world": world,
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",

@@ -42,10 +42,31 @@ class MixedPrecision:
 
 @dataclass(frozen=True, kw_only=True)
 class CPUOffload:
-    """Keep fp32 shards, their gradients and the optimizer state in host memory."""
+    """Keep fp32 shards, their gradients and the optimizer state in host memory.
+
+    `fraction` < 1 is partial offload: whole units are offloaded in plan order (the root first) until
+    at least that share of the parameters lives on the host; the other units stay on the device, so a
+    model that almost fits pays the host optimizer's time only for what does not.
+    """
 
     params: bool = True
     optimizer: bool = True
+    fraction: float = 1.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.fraction, bool) or not isinstance(self.fraction, (int, float)) \
+                or not 0.0 < self.fraction <= 1.0:
+            raise ValueError(f"CPUOffload(fraction={self.fraction!r}): the share of parameters to offload must be in "
+                             "(0, 1]; use cpu_offload=False to offload nothing")
+
+    def select(self, unit_sizes: Iterable[int]) -> list[bool]:
+        """Which units (in plan order, by parameter count) this policy offloads."""
+        sizes = list(unit_sizes)
+        target, offloaded, chosen = self.fraction * sum(sizes), 0, []
+        for size in sizes:
+            chosen.append(offloaded < target)
+            offloaded += size if chosen[-1] else 0
+        return chosen
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,6 +117,8 @@ def parse_cpu_offload(value: Any) -> CPUOffload | None:
         return None
     if value is True:
         return CPUOffload()
+    if isinstance(value, float):  # cpu_offload=0.5: partial offload of that share of the parameters
+        return CPUOffload(fraction=value)
     if isinstance(value, CPUOffload):
         if not value.params and not value.optimizer:
             return None
@@ -103,7 +126,8 @@ def parse_cpu_offload(value: Any) -> CPUOffload | None:
             raise ValueError(f"cpu_offload={value!r}: the optimizer steps the shard where it lives, so parameters and "
                              "optimizer state are offloaded together; use st.CPUOffload(params=True, optimizer=True)")
         return value
-    raise TypeError(f"cpu_offload={value!r}: use True, False or st.CPUOffload(params=..., optimizer=...)")
+    raise TypeError(f"cpu_offload={value!r}: use True, False, a share of the parameters such as 0.5, or "
+                    "st.CPUOffload(params=..., optimizer=..., fraction=...)")
 
 
 def describe_policy(policy: Any) -> str:

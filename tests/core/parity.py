@@ -38,7 +38,7 @@ class Case:
     clip: float | None = None
     steps: int = 10
     mesh: tuple[int, int] | None = None
-    offload: bool = False
+    offload: bool | float = False  # a float: partial offload of that share of the parameters
 
     @property
     def micro(self) -> int:
@@ -140,7 +140,7 @@ def run_case(kind: str, case: Case) -> None:
     model = copy.deepcopy(ref_model)
     st.shard(model, strategy=case.strategy, wrap=wrap_policy(kind), mixed_precision=case.precision,
              activation_checkpointing=ac_policy(kind) if case.ac else None, mesh=case.mesh,
-             cpu_offload=case.offload)
+             cpu_offload=st.CPUOffload(fraction=case.offload) if isinstance(case.offload, float) else case.offload)
     opt = make_optimizer(model, case.optim)
     reference = Reference(ref_model, case, world)
     per = 2

@@ -31,6 +31,7 @@ def main() -> None:
     cases += [("llama", Case(strategy=s, precision="bf16", accum="no_sync", clip=0.05)) for s in strategies]
     cases += [("llama", Case(strategy=s, offload=True, accum="no_sync", clip=0.05, optim="adamw_fused"))
               for s in ["full_shard", "optimizer_only"]]
+    cases += [("llama", Case(strategy="full_shard", offload=0.5, accum="no_sync", clip=0.05, optim="adamw_fused"))]
     cases += [("llama", Case(strategy="optimizer_only", optim="adamw_fused"))]
     failed = 0
     for kind, case in cases:
@@ -41,6 +42,7 @@ def main() -> None:
             print(f"rank {dist.get_rank()} FAILED {kind} {case}:\n{traceback.format_exc()[-1500:]}", flush=True)
             dist.barrier()
     failed += _offload_keeps_state_on_host()
+    failed += _partial_offload_splits_units()
     if dist.get_rank() == 0:
         print(f"nccl parity: {len(cases) - failed} cases passed, {failed} failed on {dist.get_world_size()} GPUs")
     dist.destroy_process_group()
@@ -64,6 +66,24 @@ def _offload_keeps_state_on_host() -> int:
     if on_device:
         print(f"rank {dist.get_rank()} FAILED offload: {len(on_device)} state tensors on the GPU", flush=True)
     return int(bool(on_device))
+
+
+def _partial_offload_splits_units() -> int:
+    """CPUOffload(fraction=0.5): the units CPUOffload.select names live on the host, the rest on the GPU."""
+    import shardtrain as st
+    from shardtrain.core.shard import runtime_of
+    from shardtrain.models.llama import Block
+    from tests.models import tiny_llama
+
+    policy = st.CPUOffload(fraction=0.5)
+    model = st.shard(tiny_llama(), wrap={Block}, mixed_precision="bf16", cpu_offload=policy)
+    units = runtime_of(model).units
+    expected = policy.select(u.layout.numel for u in units)
+    placed = [not u.shard.is_cuda for u in units]
+    if placed != expected or all(placed) or not any(placed):
+        print(f"rank {dist.get_rank()} FAILED partial offload: on host {placed}, expected {expected}", flush=True)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

@@ -106,6 +106,18 @@ def test_offload_moves_states_to_host():
     assert off.parameters == off.gradients == off.optimizer_state == 0
     assert off.host == P8 * 16 // 4
     assert off.total < base.total
+    # Partial offload: whole units in plan order (root first) until at least the share is on the host.
+    half = st.estimate_memory("8b", world_size=4, cpu_offload=st.CPUOffload(fraction=0.5))
+    spec = half.inputs.model
+    sizes = [spec.root_params, *spec.unit_params]
+    on_host = spec.root_params + sum(spec.unit_params[:14])  # root 1.05B + 14 blocks of 218M >= 4.015B
+    assert st.CPUOffload(fraction=0.5).select(sizes) == [True] * 15 + [False] * 18
+    assert on_host >= P8 / 2 > on_host - spec.unit_params[0]
+    assert half.host == pytest.approx(off.host * on_host / P8, rel=1e-6)
+    # What stays on the device: the other units' fp32 shards (4 B) and Adam moments (8 B) per parameter / 4.
+    assert half.parameters == pytest.approx(off.host * (P8 - on_host) / P8 / 4, rel=1e-6)
+    assert half.optimizer_state == pytest.approx(2 * half.parameters, rel=1e-6)
+    assert off.total < half.total < base.total
     # The engine offloads parameters and optimizer state together; the estimator says so too.
     with pytest.raises(ValueError, match="offloaded together"):
         st.estimate_memory("8b", world_size=4, cpu_offload=st.CPUOffload(params=False, optimizer=True))

@@ -20,6 +20,7 @@ from types import SimpleNamespace
 from ..models.llama import LLAMA_SIZES
 from ..planning.compare import DEFAULT_STRATEGIES, compare_strategies
 from ..planning.sizes import GiB, format_gib, parse_bytes
+from ..policy import CPUOffload
 
 FALLBACK_DEVICE_MEMORY = 80 * GiB
 PRECISIONS = ("bf16", "fp16", "fp32")
@@ -54,7 +55,9 @@ def register(subparsers) -> None:
     parser.add_argument("--batch", type=int, default=1, help="micro-batch per device (default 1)")
     parser.add_argument("--ac", type=_checkpointing, default=False, metavar="none|all|k",
                         help="activation checkpointing: none, all blocks, or every k-th block")
-    parser.add_argument("--offload", action="store_true", help="CPU offload of parameters, gradients, optimizer")
+    parser.add_argument("--offload", nargs="?", const=1.0, default=None, type=float, metavar="FRACTION",
+                        help="CPU offload of parameters, gradients and optimizer state; with FRACTION (e.g. 0.5) of "
+                             "the units holding that share of the parameters (partial offload)")
     parser.add_argument("--device-memory", help="e.g. 80GiB, 141GB (default: the local GPU's, else 80 GiB)")
     parser.add_argument("--precision", choices=PRECISIONS, default="bf16", help="param dtype (reduce in fp32)")
     parser.add_argument("--optimizer", default="adamw", help="adamw, adam, sgd, or state bytes per parameter")
@@ -97,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
         comparison = compare_strategies(
             _model(args), params=args.params, world_size=args.gpus, strategies=strategies,
             shard_size=args.shard_size, device_memory=memory, precision=args.precision,
-            activation_checkpointing=args.ac, cpu_offload=args.offload, micro_batch=args.batch,
+            activation_checkpointing=args.ac, cpu_offload=_offload(args.offload), micro_batch=args.batch,
             seq_len=args.seq, optimizer=optimizer, keep_grads=args.keep_grads, **hints,
         )
     except ValueError as exc:
@@ -107,3 +110,8 @@ def run(args: argparse.Namespace) -> int:
     print(estimates[0] if len(estimates) == 1 else comparison)
     print(f"device memory: {format_gib(memory)} GiB ({source})")
     return 0
+
+
+def _offload(fraction: float | None) -> CPUOffload | bool:
+    """--offload [FRACTION]: nothing, everything, or the units holding FRACTION of the parameters."""
+    return False if fraction is None else CPUOffload(fraction=fraction)

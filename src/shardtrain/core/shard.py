@@ -56,11 +56,12 @@ def shard(
     precision = parse_mixed_precision(mixed_precision)
     device = resolve_device(device)
     # Note: on a CPU device everything already lives in host memory; offload changes nothing there.
-    offload = parse_cpu_offload(cpu_offload) is not None and device.type == "cuda"
+    offload_policy = parse_cpu_offload(cpu_offload) if device.type == "cuda" else None
     shard_group, replicate_group = resolve_groups(strategy, process_group=process_group, mesh=mesh)
     groups = Groups(shard=shard_group, replicate=replicate_group, device=device)
 
     plan = partition(model, wrap)
+    offloaded = offload_policy.select(spec.numel for spec in plan.units) if offload_policy else [False] * len(plan.units)
     ac_paths = matching_paths(model, activation_checkpointing, what="activation_checkpointing") \
         if activation_checkpointing is not None else set()
     modules = dict(model.named_modules())
@@ -90,8 +91,9 @@ def shard(
         )
         flat_shard = flatten_and_shard(tensors, layout, device=device, shard_rank=groups.shard_rank,
                                        broadcast_group=broadcast_group)
-        if offload:
-            flat_shard = flat_shard.cpu().pin_memory()
+        offload = offloaded[index]
+        if offload:  # straight into pinned memory: an unpinned host copy would stay in the process's heap
+            flat_shard = torch.empty(flat_shard.shape, dtype=flat_shard.dtype, pin_memory=True).copy_(flat_shard)
         behaviour = UnitBehaviour(
             # Note: the root too: re-gathering it at the start of backward cost nothing measurable on
             # 2 x H200 at 1.5B, and holding it would add its whole size to the activation peak.

@@ -26,18 +26,30 @@ def _local_grads(model: nn.Module) -> list[torch.Tensor]:
     return grads
 
 
+def _by_device(tensors: list[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:
+    groups: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.device, []).append(t)
+    return groups
+
+
+def _powered_total(norms: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """max of the norms (inf-norm), else the sum of their `norm_type` powers (one device)."""
+    stacked = torch.stack([n.float() for n in norms])
+    return stacked.max() if math.isinf(norm_type) else (stacked ** norm_type).sum()
+
+
 def grad_norm(model: nn.Module, *, norm_type: float = 2.0) -> torch.Tensor:
     """Global `norm_type` norm of all gradients (fp32), the same value on every rank."""
     runtime = runtime_of(model)
     grads = _local_grads(model)
     device = runtime.groups.device
     norm_type = float(norm_type)
-    if grads:
-        norms = torch.stack([n.float() for n in torch._foreach_norm(grads, norm_type)])
-        local = norms.max() if math.isinf(norm_type) else (norms ** norm_type).sum()
-    else:
-        local = torch.zeros((), device=device)
-    local = local.to(device)  # offloaded gradients are on the host; the collective runs on the device
+    # Note: with (partial) offload some gradients are on the host; each device's norms are combined
+    # where they live, then on the device, where the collective runs.
+    partial = torch.stack([_powered_total(torch._foreach_norm(on_one, norm_type), norm_type).to(device)
+                           for on_one in _by_device(grads).values()] or [torch.zeros((), device=device)])
+    local = partial.max() if math.isinf(norm_type) else partial.sum()
     group = runtime.groups.shard
     if group is not None and runtime.groups.shard_world > 1:
         # Note: replicas hold identical shards, so the shard group alone covers every element once.
@@ -55,7 +67,6 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0, *
         raise RuntimeError(f"clip_grad_norm_: the total gradient norm is {total.item()}; "
                            "pass error_if_nonfinite=False to skip this check")
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    grads = _local_grads(model)
-    if grads:
-        torch._foreach_mul_(grads, coef.to(grads[0].device))
+    for where, on_one in _by_device(_local_grads(model)).items():
+        torch._foreach_mul_(on_one, coef.to(where))
     return total

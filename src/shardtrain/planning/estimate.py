@@ -307,9 +307,12 @@ def _estimate(inputs: EstimateInputs) -> MemoryEstimate:
     optim = int(trainable * inputs.optimizer_bytes / n)
     host = 0
     if inputs.offload:  # the host keeps shards, gradients and optimizer state; the step runs there
-        host += stored * MASTER_BYTES // n + grads + optim
-        master = grads = optim = 0
-        params_alias = False  # the master lives on the host: the device needs its own copy
+        sizes = (m.root_params, *m.unit_params)  # plan order, as CPUOffload.select walks it
+        share = sum(size for size, on in zip(sizes, inputs.offload.select(sizes)) if on) / max(1, sum(sizes))
+        moved = [int(share * b) for b in (stored * MASTER_BYTES // n, grads, optim)]
+        host += sum(moved)
+        master, grads, optim = (b - off for b, off in zip((stored * MASTER_BYTES // n, grads, optim), moved))
+        params_alias = False  # the (offloaded) master lives on the host: the device needs its own copy
 
     copy = 0 if params_alias else p
     grad_copy = 0 if grads_alias else p

@@ -33,7 +33,8 @@ def describe_setup(inputs: "EstimateInputs") -> str:
     offload = ""
     if inputs.offload:
         moved = [w for w, on in (("params+grads", inputs.offload.params), ("optimizer", inputs.offload.optimizer)) if on]
-        offload = f", CPU offload of {' and '.join(moved)}"
+        share = "" if inputs.offload.fraction == 1 else f" (units holding >= {inputs.offload.fraction:.0%} of the parameters)"
+        offload = f", CPU offload of {' and '.join(moved)}{share}"
     return (
         f"{model.name}: {format_count(model.num_params)} parameters{shape}\n"
         f"{inputs.world_size} ranks, {_dtype(mp.param_dtype)} params / {_dtype(mp.reduce_dtype)} reduce, "

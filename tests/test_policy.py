@@ -1,0 +1,29 @@
+"""Policies: CPUOffload's unit selection and its bad inputs."""
+
+import pytest
+
+import shardtrain as st
+
+
+def test_partial_offload_selects_whole_units_in_plan_order():
+    sizes = [40, 10, 10, 10, 10, 20]  # 100 parameters; the root (40) comes first
+    assert st.CPUOffload().select(sizes) == [True] * 6
+    assert st.CPUOffload(fraction=0.5).select(sizes) == [True, True, False, False, False, False]
+    assert st.CPUOffload(fraction=0.51).select(sizes) == [True, True, True, False, False, False]
+    assert st.CPUOffload(fraction=0.01).select(sizes) == [True] + [False] * 5
+
+
+@pytest.mark.parametrize("fraction", [0, 0.0, -0.5, 1.5, True, "half"])
+def test_offload_fraction_must_be_a_share(fraction):
+    with pytest.raises(ValueError, match=r"fraction=.*\(0, 1\].*cpu_offload=False"):
+        st.CPUOffload(fraction=fraction)
+
+
+def test_cpu_offload_forms():
+    from shardtrain.policy import parse_cpu_offload
+
+    assert parse_cpu_offload(False) is None and parse_cpu_offload(None) is None
+    assert parse_cpu_offload(True) == st.CPUOffload()
+    assert parse_cpu_offload(0.25) == st.CPUOffload(fraction=0.25)
+    with pytest.raises(TypeError, match=r"cpu_offload='yes'.*fraction"):
+        parse_cpu_offload("yes")

@@ -27,3 +27,15 @@ def test_cpu_offload_forms():
     assert parse_cpu_offload(0.25) == st.CPUOffload(fraction=0.25)
     with pytest.raises(TypeError, match=r"cpu_offload='yes'.*fraction"):
         parse_cpu_offload("yes")
+
+
+def test_offload_host_threads(monkeypatch):
+    assert st.CPUOffload(threads=3).host_threads() == 3
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(32)))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert st.CPUOffload().host_threads() == 16
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "64")
+    assert st.CPUOffload().host_threads() == 1
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match="threads="):
+            st.CPUOffload(threads=bad)

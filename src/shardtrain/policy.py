@@ -6,6 +6,7 @@ policy (set of classes, `SizePolicy`, callable, None) into one predicate.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -52,12 +53,26 @@ class CPUOffload:
     params: bool = True
     optimizer: bool = True
     fraction: float = 1.0
+    # Host threads for the optimizer step on the offloaded shards (torch's intra-op threads). None: this
+    # process's share of the machine's cores; torchrun otherwise leaves every process one thread.
+    threads: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.fraction, bool) or not isinstance(self.fraction, (int, float)) \
                 or not 0.0 < self.fraction <= 1.0:
             raise ValueError(f"CPUOffload(fraction={self.fraction!r}): the share of parameters to offload must be in "
                              "(0, 1]; use cpu_offload=False to offload nothing")
+        if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(self.threads, int)
+                                         or self.threads < 1):
+            raise ValueError(f"CPUOffload(threads={self.threads!r}): give a positive number of host threads, or None "
+                             "for this process's share of the cores")
+
+    def host_threads(self) -> int:
+        """`threads`, or the cores this process may use divided by the processes on this machine."""
+        if self.threads is not None:
+            return self.threads
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
     def select(self, unit_sizes: Iterable[int]) -> list[bool]:
         """Which units (in plan order, by parameter count) this policy offloads."""

@@ -57,6 +57,10 @@ def shard(
     device = resolve_device(device)
     # Note: on a CPU device everything already lives in host memory; offload changes nothing there.
     offload_policy = parse_cpu_offload(cpu_offload) if device.type == "cuda" else None
+    if offload_policy and (offload_policy.threads or torch.get_num_threads() < offload_policy.host_threads()):
+        # Note: the optimizer steps the offloaded shards with torch's intra-op threads; one thread
+        # per process (torchrun's default) made the host AdamW most of the step at 8B.
+        torch.set_num_threads(offload_policy.host_threads())
     shard_group, replicate_group = resolve_groups(strategy, process_group=process_group, mesh=mesh)
     groups = Groups(shard=shard_group, replicate=replicate_group, device=device)
 

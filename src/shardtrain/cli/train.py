@@ -38,10 +38,37 @@ def _resolve_auto(cfg):
     from ..engine.devices import launched_externally
     from ..train.plan import resolve_auto_config
 
-    cfg, choice = resolve_auto_config(cfg)
+    planned, choice = resolve_auto_config(cfg)
+    if cfg.engine.auto_trials:
+        return _confirm_by_trials(cfg, choice)
     if os.environ.get("RANK", "0") == "0" and (launched_externally() or choice.world_size == 1):
         print(choice, flush=True)
-    return cfg
+    return planned
+
+
+def _confirm_by_trials(cfg, choice):
+    """engine.auto_trials: time the best predicted configurations, train with the fastest measured.
+
+    Note: the launching process runs the trials and hands the winner's rank in the prediction to the
+    ranks it starts (they re-run this command and plan identically) through TRIAL_CHOICE_ENV.
+    """
+    from ..engine.devices import launched_externally
+    from ..train.plan import apply_choice
+    from ..train.trials import TRIAL_CHOICE_ENV, fastest, run_trials
+
+    candidates = choice.alternatives()[:cfg.engine.auto_trials]
+    if launched_externally():
+        if TRIAL_CHOICE_ENV not in os.environ:
+            raise ValueError("engine.auto_trials needs `shardtrain train` to start its own processes (each trial runs "
+                             "in fresh ones); run it without torchrun, or set --engine.auto_trials 0")
+        return apply_choice(cfg, candidates[int(os.environ[TRIAL_CHOICE_ENV])])
+    print(choice, flush=True)
+    print(f"timing {len(candidates)} configuration(s) for a few steps each:", flush=True)
+    trials = run_trials(cfg, candidates)
+    best = fastest(trials)
+    print(f"training with the fastest measured: {best.describe()}", flush=True)
+    os.environ[TRIAL_CHOICE_ENV] = str(next(i for i, t in enumerate(trials) if t is best))
+    return apply_choice(cfg, best.choice)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -20,7 +20,7 @@ micro-batch, so only the strategy, checkpointing and offload are chosen, and the
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -36,6 +36,7 @@ from .units import matching_paths
 
 DEFAULT_STRATEGIES = ("full_shard", "shard_grad_op", "optimizer_only", "no_shard")
 SAFETY_MARGIN = 0.05
+RUNNERS_UP = 4  # fitting configurations kept after the best, for timed trials
 _SEARCH_STEPS = 10  # remedies when nothing fits: up to 2**10 x the devices, down to seq_len / 2**10
 
 
@@ -57,6 +58,16 @@ class AutoChoice:
     step_time: StepTime
     reasons: tuple[str, ...]
     estimate: MemoryEstimate = field(repr=False)
+    runners_up: tuple[Candidate, ...] = field(default=(), repr=False)  # next fastest that fit, in order
+
+    def alternatives(self) -> list["AutoChoice"]:
+        """This choice, then each runner-up as a choice of its own (what timed trials compare)."""
+        return [self] + [replace(
+            self, strategy=c.strategy, checkpoint_every=c.checkpoint_every, checkpointed_blocks=c.checkpointed_blocks,
+            cpu_offload=c.cpu_offload, micro_batch=c.micro_batch, grad_accum=c.grad_accum, predicted_bytes=c.needed,
+            step_time=c.time, estimate=c.estimate, runners_up=(),
+            reasons=(f"runner-up {rank} of the prediction: step time {c.time.relative:.3f} x the ideal",),
+        ) for rank, c in enumerate(self.runners_up, start=1)]
 
     @property
     def relative_step_time(self) -> float:
@@ -208,7 +219,8 @@ def choose_plan(
     if not fits:
         raise _nothing_fits(model_spec, candidates, world_size=world_size, seq_len=seq_len, memory=memory,
                             usable=usable, safety_margin=safety_margin, offload=allow_offload, kwargs=kwargs)
-    best = min(fits, key=lambda c: (c.time.total, c.needed))
+    ranked = sorted(fits, key=lambda c: (c.time.total, c.needed))  # stable: ties keep the strategies' order
+    best = ranked[0]
     spec = best.estimate.inputs.model
     baseline = None
     if spec.shape is not None:
@@ -222,7 +234,7 @@ def choose_plan(
         strategy=best.strategy, checkpoint_every=best.checkpoint_every, checkpointed_blocks=best.checkpointed_blocks,
         cpu_offload=best.cpu_offload, micro_batch=best.micro_batch, grad_accum=best.grad_accum, seq_len=seq_len,
         world_size=world_size, device_memory=memory, usable_memory=usable, predicted_bytes=best.needed,
-        step_time=best.time, reasons=reasons, estimate=best.estimate,
+        step_time=best.time, reasons=reasons, estimate=best.estimate, runners_up=tuple(ranked[1:RUNNERS_UP + 1]),
     )
 
 

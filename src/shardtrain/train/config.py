@@ -109,6 +109,11 @@ class EngineConfig:
                           "engine.cpu_offload and train.grad_accum, keeping train.batch_size)", "full_shard")
     cpu_offload: bool = _help("keep the fp32 shards, their gradients and the optimizer state in host memory", False)
     precision: str = _help("'auto' (bf16-mixed on GPU, 32-true on CPU), 'bf16-mixed' or '32-true'", "auto")
+    auto_trials: int = _help("with strategy 'auto': train this many of the best predicted configurations for a few "
+                             "steps each, in fresh processes, and keep the fastest measured (0: trust the prediction)", 0)
+
+    def __post_init__(self) -> None:
+        _require(self.auto_trials >= 0, "engine.auto_trials", self.auto_trials, "use 0 (no trials) or more")
 
 
 @dataclass(frozen=True, kw_only=True)

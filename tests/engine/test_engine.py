@@ -245,11 +245,21 @@ def _fp16_training() -> dict:
         skipped.append(all(torch.equal(a, b) for a, b in zip(before, model.parameters())))
         losses.append(loss.item())
     halvings = engine.grad_scaler.get_scale() == scale0 * 0.5 ** sum(skipped)
-    return {"skipped": skipped, "halved_per_skip": halvings, "learned": losses[-1] < losses[0]}
+    # The scaler's state (scale, growth tracker) goes through a checkpoint and comes back.
+    import tempfile
+
+    from shardtrain.ops.grad_scaler import GradScaler
+
+    path = engine.broadcast(tempfile.mkdtemp() + "/ckpt")
+    engine.save(path, {"model": model, "optimizer": opt, "grad_scaler": engine.grad_scaler})
+    fresh = GradScaler("cpu", init_scale=1.0)
+    engine.load(path, {"model": model, "optimizer": opt, "grad_scaler": fresh})
+    restored = fresh.state_dict() == engine.grad_scaler.state_dict() and fresh.get_scale() != 1.0
+    return {"skipped": skipped, "halved_per_skip": halvings, "learned": losses[-1] < losses[0], "restored": restored}
 
 
 def test_fp16_engine_scales_losses_and_skips_overflow_on_every_rank(pools):
     out = pools(2).run(_fp16_training)
     assert out[0] == out[1], out  # every rank skips the same steps
     assert out[0]["skipped"][2] and not all(out[0]["skipped"]), out  # the injected overflow, seen by rank 1 only
-    assert out[0]["halved_per_skip"] and out[0]["learned"], out
+    assert out[0]["halved_per_skip"] and out[0]["learned"] and out[0]["restored"], out

@@ -83,7 +83,7 @@ def test_strategy_auto_resolves_the_train_config_and_keeps_the_global_batch(caps
     cfg = load_config(None, [*EIGHT_B, "--engine.strategy", "auto", "--train.batch_size", "16"])
     assert planned_setup(cfg).micro_batch == 8
     resolved, choice = resolve_auto_config(cfg, device_memory=int(141e9))
-    assert resolved.engine.strategy == choice.strategy.value and resolved.engine.cpu_offload is choice.cpu_offload
+    assert resolved.engine.strategy == choice.strategy.value and resolved.engine.cpu_offload == choice.cpu_offload
     assert resolved.model.activation_checkpointing == choice.activation_checkpointing
     assert resolved.train.grad_accum == choice.grad_accum and choice.micro_batch * choice.grad_accum == 8
     assert resolved.train.batch_size == 16 and resolved.data == cfg.data and resolved.optim == cfg.optim

@@ -28,7 +28,7 @@ import sys
 
 from ..planning.audit import audit_precision
 from ..planning.auto import local_device_memory
-from ..planning.candidates import accumulation_bytes
+from ..planning.candidates import accumulation_bytes, offload_label
 from ..planning.compare import default_shard_size
 from ..planning.estimate import estimate_memory
 from ..planning.plan import plan
@@ -67,7 +67,7 @@ def _device_memory(args: argparse.Namespace, setup: PlannedSetup) -> tuple[int |
 def _header(description: str, setup: PlannedSetup) -> str:
     checkpointing = {False: "none", True: "every block"}.get(setup.activation_checkpointing,
                                                             f"1 block in {setup.activation_checkpointing}")
-    offload = ", CPU offload" if setup.cpu_offload else ""
+    offload = offload_label(float(setup.cpu_offload))
     return (f"shardtrain plan: {description}\n{setup.world_size} x {setup.accelerator}, {setup.strategy}, "
             f"{setup.precision}, micro-batch {setup.micro_batch} x {setup.grad_accum} accumulation "
             f"step{'s' * (setup.grad_accum > 1)}, seq "

@@ -6,7 +6,8 @@ rank's batch into micro-batch x gradient accumulation that keeps the global batc
 with the memory estimator (`candidates`) and the cost model (`speed`), and returns the fastest whose
 device memory stays within the device's memory less a safety margin; equal predicted times go to the
 one that needs less memory, then to the earlier in `strategies`. CPU offload is weighed only when
-nothing fits without it.
+nothing fits without it, of a quarter, half, three quarters or all of the model (whole units); its
+host step is priced per offloaded parameter, so the smallest share that fits usually wins.
 
 Safety margin: 5% of the device's memory on top of the estimator's own reserve (CUDA context, NCCL,
 5% fragmentation), because this engine measured up to 6% above the estimate (8B, batch 1, every
@@ -27,7 +28,8 @@ import torch
 from torch import nn
 
 from ..strategy import Strategy
-from .candidates import Candidate, batch_splits, evaluate, parse_strategies
+from ..policy import CPUOffload
+from .candidates import Candidate, batch_splits, evaluate, offload_label, parse_strategies
 from .estimate import MemoryEstimate, estimate_memory, positive_int
 from .explain import explain
 from .sizes import format_gib, parse_bytes
@@ -37,6 +39,7 @@ from .units import matching_paths
 DEFAULT_STRATEGIES = ("full_shard", "shard_grad_op", "optimizer_only", "no_shard")
 SAFETY_MARGIN = 0.05
 RUNNERS_UP = 4  # fitting configurations kept after the best, for timed trials
+OFFLOAD_FRACTIONS = (0.25, 0.5, 0.75, 1.0)  # shares of the model weighed for CPU offload (whole units)
 _SEARCH_STEPS = 10  # remedies when nothing fits: up to 2**10 x the devices, down to seq_len / 2**10
 
 
@@ -47,7 +50,7 @@ class AutoChoice:
     strategy: Strategy
     checkpoint_every: int  # 0: none, 1: every block, k: blocks 0, k, 2k, ... (as estimate_memory counts)
     checkpointed_blocks: int
-    cpu_offload: bool
+    cpu_offload: float  # the share of the parameters offloaded to the host (whole units); 0.0: none
     micro_batch: int  # sequences per rank per micro-step
     grad_accum: int
     seq_len: int
@@ -81,11 +84,12 @@ class AutoChoice:
 
     def shard_kwargs(self, model: nn.Module, *, wrap: Any) -> dict[str, Any]:
         """strategy, activation_checkpointing and cpu_offload for `st.shard(model, wrap=wrap, ...)`."""
-        return {"strategy": self.strategy, "cpu_offload": self.cpu_offload,
+        offload = CPUOffload(fraction=self.cpu_offload) if 0 < self.cpu_offload < 1 else bool(self.cpu_offload)
+        return {"strategy": self.strategy, "cpu_offload": offload,
                 "activation_checkpointing": checkpoint_policy(model, wrap=wrap, every=self.checkpoint_every)}
 
     def __str__(self) -> str:
-        offload = ", CPU offload" if self.cpu_offload else ""
+        offload = offload_label(self.cpu_offload)
         checkpointing = {0: "none", 1: "every block"}.get(self.checkpoint_every, f"1 block in {self.checkpoint_every}")
         head = (f"automatic plan: {self.estimate.inputs.label}, activation checkpointing {checkpointing}{offload}, "
                 f"micro-batch {self.micro_batch} x {self.grad_accum} accumulation step{'s' * (self.grad_accum > 1)}, "
@@ -212,9 +216,10 @@ def choose_plan(
     common = dict(world_size=world_size, strategies=parse_strategies(strategies), splits=splits, seq_len=seq_len,
                   estimate_kwargs=kwargs)
     usable = int(memory * (1 - safety_margin))
-    candidates = evaluate(model_spec, cpu_offload=False, **common)
+    candidates = evaluate(model_spec, cpu_offload=0.0, **common)
     if allow_offload and all(c.needed > usable for c in candidates):
-        candidates += evaluate(model_spec, cpu_offload=True, **common)
+        for fraction in OFFLOAD_FRACTIONS:
+            candidates += evaluate(model_spec, cpu_offload=fraction, **common)
     fits = [c for c in candidates if c.needed <= usable]
     if not fits:
         raise _nothing_fits(model_spec, candidates, world_size=world_size, seq_len=seq_len, memory=memory,
@@ -226,7 +231,7 @@ def choose_plan(
     if spec.shape is not None:
         baseline = step_time(model=spec, strategy=Strategy.FULL_SHARD, shard_size=world_size,
                              checkpointed_blocks=spec.shape.n_layers, micro_batch=best.micro_batch,
-                             grad_accum=best.grad_accum, seq_len=seq_len, cpu_offload=False)
+                             grad_accum=best.grad_accum, seq_len=seq_len)
     reasons = explain(best=best, candidates=candidates, memory=memory, usable=usable, safety_margin=safety_margin,
                       global_tokens=sequences * world_size * seq_len, fixed_batch=len(splits) == 1,
                       baseline=baseline)

@@ -1,7 +1,7 @@
 """The configurations the automatic plan weighs: each with its memory bill and predicted step time.
 
-A candidate fixes a strategy, activation checkpointing (none, every k-th block, every block), CPU
-offload, and a split of each rank's batch into micro_batch x grad_accum sequences. Its device memory
+A candidate fixes a strategy, activation checkpointing (none, every k-th block, every block), the share
+of the model CPU offload moves to the host, and a split of each rank's batch into micro_batch x grad_accum sequences. Its device memory
 is the estimator's peak plus reserve (`MemoryEstimate.total + reserve`), plus, with gradient
 accumulation, the unsharded gradients `no_sync` keeps between micro-batches: every unit's full flat
 gradient in the reduce dtype (`ShardUnit.post_backward`), held from the first micro-batch's backward to
@@ -17,10 +17,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..policy import CPUOffload
 from ..strategy import Strategy, parse_strategy
 from .activations import checkpointed_blocks
 from .compare import default_shard_size
-from .estimate import MemoryEstimate, estimate_memory
+from .estimate import MemoryEstimate, estimate_memory, offloaded_share
 from .speed import StepTime, step_time
 
 
@@ -31,7 +32,7 @@ class Candidate:
     strategy: Strategy
     checkpoint_every: int  # 0: none, 1: every block, k: blocks 0, k, 2k, ...
     checkpointed_blocks: int
-    cpu_offload: bool
+    cpu_offload: float  # the share of the parameters offloaded (whole units); 0.0: none
     micro_batch: int
     grad_accum: int
     estimate: MemoryEstimate
@@ -53,9 +54,15 @@ class Candidate:
         return f"1 block in {self.checkpoint_every} checkpointed ({self.checkpointed_blocks} of {layers})"
 
     def describe(self) -> str:
-        offload = ", CPU offload" if self.cpu_offload else ""
-        return (f"{self.estimate.inputs.label}, {self.checkpointing}{offload}, "
+        return (f"{self.estimate.inputs.label}, {self.checkpointing}{offload_label(self.cpu_offload)}, "
                 f"micro-batch {self.micro_batch} x {self.grad_accum} accumulation step{'s' * (self.grad_accum > 1)}")
+
+
+def offload_label(fraction: float) -> str:
+    """", CPU offload" (everything), ", CPU offload of 50%" (partial), or "" (none)."""
+    if not fraction:
+        return ""
+    return ", CPU offload" if fraction == 1 else f", CPU offload of {fraction:.0%}"
 
 
 def accumulation_bytes(estimate: MemoryEstimate, *, grad_accum: int) -> int:
@@ -78,17 +85,18 @@ def batch_splits(sequences: int) -> list[tuple[int, int]]:
 
 
 def evaluate(model: Any, *, world_size: int, strategies: list[Strategy], splits: list[tuple[int, int]],
-             seq_len: int, cpu_offload: bool, estimate_kwargs: dict[str, Any]) -> list[Candidate]:
-    """Every (strategy, checkpointing, split) candidate with or without offload, in that order."""
+             seq_len: int, cpu_offload: float, estimate_kwargs: dict[str, Any]) -> list[Candidate]:
+    """Every (strategy, checkpointing, split) candidate with the given share offloaded (0.0: none)."""
     probe = estimate_memory(model, world_size=world_size, seq_len=seq_len, **estimate_kwargs)
     spec = probe.inputs.model
+    policy = CPUOffload(fraction=cpu_offload) if cpu_offload else None
     options = checkpoint_options(spec.shape.n_layers) if spec.shape else [(0, 0)]
     out = []
     for strategy in strategies:
         shard_size = default_shard_size(world_size) if strategy.is_hybrid else None
         for every, count in options:
             base = estimate_memory(model, world_size=world_size, strategy=strategy, shard_size=shard_size,
-                                   activation_checkpointing=every or False, cpu_offload=cpu_offload, seq_len=seq_len,
+                                   activation_checkpointing=every or False, cpu_offload=policy or False, seq_len=seq_len,
                                    **estimate_kwargs)
             for micro_batch, grad_accum in splits:
                 estimate = base.with_micro_batch(micro_batch)
@@ -98,7 +106,8 @@ def evaluate(model: Any, *, world_size: int, strategies: list[Strategy], splits:
                     accumulation_bytes=accumulation_bytes(estimate, grad_accum=grad_accum),
                     time=step_time(model=spec, strategy=strategy, shard_size=estimate.inputs.shard_size,
                                    checkpointed_blocks=count, micro_batch=micro_batch, grad_accum=grad_accum,
-                                   seq_len=seq_len, cpu_offload=cpu_offload),
+                                   seq_len=seq_len, offloaded_params=offloaded_share(spec, policy) * spec.num_params
+                                   / estimate.inputs.shard_size),
                 ))
     return out
 

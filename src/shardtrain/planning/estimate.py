@@ -293,6 +293,14 @@ def _activations(inputs: EstimateInputs) -> ActivationBill:
     )
 
 
+def offloaded_share(model: ModelSpec, offload: CPUOffload | None) -> float:
+    """The share of the parameters `offload` moves to the host (whole units, in plan order)."""
+    if offload is None:
+        return 0.0
+    sizes = (model.root_params, *model.unit_params)  # plan order, as CPUOffload.select walks it
+    return sum(size for size, on in zip(sizes, offload.select(sizes)) if on) / max(1, sum(sizes))
+
+
 def _estimate(inputs: EstimateInputs) -> MemoryEstimate:
     m, s, p, r = inputs.model, inputs.strategy, inputs.param_bytes, inputs.reduce_bytes
     n = inputs.shard_size
@@ -307,8 +315,7 @@ def _estimate(inputs: EstimateInputs) -> MemoryEstimate:
     optim = int(trainable * inputs.optimizer_bytes / n)
     host = 0
     if inputs.offload:  # the host keeps shards, gradients and optimizer state; the step runs there
-        sizes = (m.root_params, *m.unit_params)  # plan order, as CPUOffload.select walks it
-        share = sum(size for size, on in zip(sizes, inputs.offload.select(sizes)) if on) / max(1, sum(sizes))
+        share = offloaded_share(m, inputs.offload)
         moved = [int(share * b) for b in (stored * MASTER_BYTES // n, grads, optim)]
         host += sum(moved)
         master, grads, optim = (b - off for b, off in zip((stored * MASTER_BYTES // n, grads, optim), moved))

@@ -88,9 +88,11 @@ def _offload(best: Candidate, candidates: list[Candidate]) -> str:
         return "CPU offload: not needed (weighed only when nothing fits on the device)"
     on_device = [c for c in candidates if not c.cpu_offload]
     smallest = min(on_device, key=lambda c: c.needed)
-    return (f"CPU offload: chosen because nothing fits on the device without it (the smallest on-device "
-            f"configuration, {smallest.describe()}, needs {_gib(smallest.needed)}); it keeps "
-            f"{_gib(best.estimate.host)} per process in host memory and the step is predicted much slower")
+    share = "all units" if best.cpu_offload == 1 else f"the units holding {best.cpu_offload:.0%} of the parameters"
+    return (f"CPU offload of {share}: chosen because nothing fits on the device without it (the smallest "
+            f"on-device configuration, {smallest.describe()}, needs {_gib(smallest.needed)}); it keeps "
+            f"{_gib(best.estimate.host)} per process in host memory, and the host step adds "
+            f"{best.time.offload / best.time.tokens:.2f} x the ideal step time")
 
 
 def _baseline(best: Candidate, baseline: StepTime | None) -> list[str]:

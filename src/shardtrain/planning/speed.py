@@ -5,7 +5,7 @@ device's achievable matmul rate. One step of `tokens` tokens per rank costs
 
     compute    tokens * (1 + recompute) / efficiency(tokens per micro-batch)
     gathers    micro-batches * exposed all-gathers per micro-batch * GATHER_EXPOSED_TOKENS
-    overhead   STEP_OVERHEAD_TOKENS, plus OFFLOAD_TOKENS with CPU offload
+    overhead   STEP_OVERHEAD_TOKENS, plus the host step over the offloaded parameters with CPU offload
 
 and `relative` = total / tokens: 1.0 would be the step's FLOPs at full efficiency, with nothing
 recomputed, no exposed communication and no per-step overhead. Only ratios between configurations
@@ -38,10 +38,13 @@ of which 123 are the exposed backward gather; the batch-2 row is then predicted 
 same in token-times for other models. Every configuration of one batch pays it, so it never changes
 which one wins; it keeps the predicted ratios honest (a third less compute is not a third less time).
 
-CPU offload (OFFLOAD_TOKENS): moving the gradient shards to the host and the updated shards back,
-and AdamW on the CPU, every step. Not calibrated: a rough guess of 10x the on-device step overhead.
-The planner considers offload only when nothing fits without it, so this term never decides between
-an on-device configuration and an offloaded one; it only warns that the step will be much slower.
+CPU offload (HOST_SECONDS_PER_PARAM): the host AdamW over the offloaded parameters of a rank, plus
+moving their gradients to the host and the shards back, grows with the parameters offloaded, not with
+the tokens. Measured on 2 x H200 with 16 host threads per process (BENCHMARKS.md, 8.0B, batch 1,
+every block checkpointed): full offload added 1.83 s to the step for 4.0B parameters per rank, half
+offload 0.82 s for 2.1B, so 0.45 ns per offloaded parameter; converted to token-times with the same
+78 us per 48 GFLOP token as above (ACHIEVED_FLOPS). The planner weighs offload only when nothing fits
+without it; the term then picks the smallest share of the model that must leave the device.
 """
 
 from __future__ import annotations
@@ -56,7 +59,8 @@ EFFICIENCY_TOKENS = 256
 GATHER_EXPOSED_FRACTION = 0.03
 GATHER_EXPOSED_TOKENS = GATHER_EXPOSED_FRACTION * REFERENCE_TOKENS
 STEP_OVERHEAD_TOKENS = 1950
-OFFLOAD_TOKENS = 10 * STEP_OVERHEAD_TOKENS
+HOST_SECONDS_PER_PARAM = 0.45e-9
+ACHIEVED_FLOPS = 0.79 * 790e12  # one token-time is a token's training FLOPs at this rate
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,9 +111,18 @@ def exposed_gathers(strategy: Strategy, *, shard_size: int) -> int:
     return int(strategy.reshard_after_forward and shard_size > 1)
 
 
+def offload_tokens(model: ModelSpec, *, offloaded_params: float, seq_len: int) -> float:
+    """The host step over `offloaded_params` parameters of one rank, in token-times of `model`."""
+    if not offloaded_params:
+        return 0.0
+    per_token = flops_per_token(model.shape, seq_len=seq_len) if model.shape else 6 * model.num_params
+    return offloaded_params * HOST_SECONDS_PER_PARAM / (per_token / ACHIEVED_FLOPS)
+
+
 def step_time(*, model: ModelSpec, strategy: Strategy, shard_size: int, checkpointed_blocks: int,
-              micro_batch: int, grad_accum: int, seq_len: int, cpu_offload: bool) -> StepTime:
-    """Predicted time of one optimizer step (grad_accum micro-batches of micro_batch sequences)."""
+              micro_batch: int, grad_accum: int, seq_len: int, offloaded_params: float = 0.0) -> StepTime:
+    """Predicted time of one optimizer step (grad_accum micro-batches of micro_batch sequences);
+    `offloaded_params`: the parameters of one rank whose shards CPU offload keeps on the host."""
     micro_tokens = micro_batch * seq_len
     tokens = micro_tokens * grad_accum
     compute = tokens / efficiency(micro_tokens)
@@ -125,5 +138,5 @@ def step_time(*, model: ModelSpec, strategy: Strategy, shard_size: int, checkpoi
         recompute=recompute,
         gathers=grad_accum * exposed_gathers(strategy, shard_size=shard_size) * GATHER_EXPOSED_TOKENS,
         overhead=STEP_OVERHEAD_TOKENS,
-        offload=OFFLOAD_TOKENS if cpu_offload else 0.0,
+        offload=offload_tokens(model, offloaded_params=offloaded_params, seq_len=seq_len),
     )

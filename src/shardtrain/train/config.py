@@ -107,13 +107,17 @@ class EngineConfig:
     strategy: str = _help("full_shard, shard_grad_op, optimizer_only, no_shard, hybrid_shard, or 'auto' (the fastest "
                           "configuration predicted to fit; it also sets model.activation_checkpointing, "
                           "engine.cpu_offload and train.grad_accum, keeping train.batch_size)", "full_shard")
-    cpu_offload: bool = _help("keep the fp32 shards, their gradients and the optimizer state in host memory", False)
+    cpu_offload: bool | float = _help("keep the fp32 shards, their gradients and the optimizer state in host memory: "
+                                      "true (every unit), or a share such as 0.5 (the units holding half the "
+                                      "parameters)", False)
     precision: str = _help("'auto' (bf16-mixed on GPU, 32-true on CPU), 'bf16-mixed' or '32-true'", "auto")
     auto_trials: int = _help("with strategy 'auto': train this many of the best predicted configurations for a few "
                              "steps each, in fresh processes, and keep the fastest measured (0: trust the prediction)", 0)
 
     def __post_init__(self) -> None:
         _require(self.auto_trials >= 0, "engine.auto_trials", self.auto_trials, "use 0 (no trials) or more")
+        _require(isinstance(self.cpu_offload, bool) or 0 < self.cpu_offload <= 1, "engine.cpu_offload",
+                 self.cpu_offload, "use true, false, or a share of the parameters in (0, 1]")
 
 
 @dataclass(frozen=True, kw_only=True)

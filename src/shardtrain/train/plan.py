@@ -41,7 +41,7 @@ class PlannedSetup:
     grad_accum: int
     seq_len: int
     activation_checkpointing: bool | int  # True: every block, k: 1 block in k
-    cpu_offload: bool
+    cpu_offload: bool | float  # a float: the share of the parameters offloaded
 
 
 def _target(engine: EngineConfig) -> tuple[str, int]:
@@ -89,7 +89,8 @@ def apply_choice(cfg: Config, choice: AutoChoice) -> Config:
     """`cfg` with the automatic plan's strategy, checkpointing, offload and accumulation."""
     return dataclasses.replace(
         cfg,
-        engine=dataclasses.replace(cfg.engine, strategy=choice.strategy.value, cpu_offload=choice.cpu_offload),
+        engine=dataclasses.replace(cfg.engine, strategy=choice.strategy.value,
+                                   cpu_offload=choice.cpu_offload if 0 < choice.cpu_offload < 1 else bool(choice.cpu_offload)),
         model=dataclasses.replace(cfg.model, activation_checkpointing=choice.activation_checkpointing),
         train=dataclasses.replace(cfg.train, grad_accum=choice.grad_accum),
     )

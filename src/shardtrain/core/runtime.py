@@ -10,6 +10,8 @@ queued on the autograd engine finishes all reductions and publishes the sharded 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 from torch.autograd.graph import register_multi_grad_hook
@@ -19,12 +21,16 @@ from ..strategy import Strategy
 from .comm import Groups, Pending
 from .unit import ShardUnit, UnitState
 
+if TYPE_CHECKING:
+    from .pinned import PinnedBuffers
+
 
 class Runtime:
     def __init__(self, *, strategy: Strategy, groups: Groups, forward_prefetch: bool, backward_prefetch: bool,
                  prefetch_depth: int, cast_inputs_to: torch.dtype | None,
-                 control_group: dist.ProcessGroup | None) -> None:
+                 control_group: dist.ProcessGroup | None, pinned: PinnedBuffers | None = None) -> None:
         self.strategy = strategy
+        self.pinned = pinned  # host buffers of the offloaded units (None: nothing offloaded)
         self.groups = groups
         self.units: list[ShardUnit] = []
         self.forward_prefetch = forward_prefetch

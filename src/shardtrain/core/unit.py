@@ -123,7 +123,7 @@ class ShardUnit:
         """Make a freshly reduced shard the gradient (no copy when dtypes agree)."""
         if self.behaviour.offload:
             if self.sharded_grad is None:
-                self.sharded_grad = torch.empty(self.shard.shape, dtype=self.shard.dtype, pin_memory=True)
+                self.sharded_grad = self.runtime.pinned.empty(self.shard.shape, self.shard.dtype)
             self.sharded_grad.copy_(grad, non_blocking=True)  # on the reduce stream; waited on in the final callback
         else:
             self.sharded_grad = grad if grad.dtype == self.shard.dtype else grad.to(self.shard.dtype)

@@ -107,6 +107,17 @@ class Groups:
         if self.data_parallel_world == 1:
             accumulate(flat_grad.to(reduce_dtype))
             return Pending()
+        if self.narrow_wire(flat_grad, reduce_dtype):
+            received, work = self._exchange(flat_grad, async_op=True)
+
+            def finish_exchange() -> None:  # the exchange has landed: sum here, then across replicas
+                out = self._sum_received(received, reduce_dtype)
+                for w in self._reduce_into(out, out, async_op=True, replicas_only=True):
+                    w.wait()
+                self._finish_average(out, summed=True)
+                accumulate(out)
+
+            return Pending(work=work, keep=[flat_grad, received], then=finish_exchange)
         inp = flat_grad.to(reduce_dtype)
         out = self._shard_output(inp)
         works = self._reduce_into(out, inp, async_op=True)
@@ -119,22 +130,48 @@ class Groups:
 
         return Pending(work=works[0], keep=[inp], then=finish)
 
+    def narrow_wire(self, flat_grad: torch.Tensor, reduce_dtype: torch.dtype) -> bool:
+        """Whether `flat_grad` travels in its own narrower dtype and is summed in `reduce_dtype` on arrival.
+
+        Note: a bf16 gradient widened to fp32 is exact, so exchanging the bf16 values and adding them in
+        fp32 gives the fp32 reduction at half the bytes (bit-identical to it on two ranks, where the sum
+        is one addition); accumulated gradients are wider than bf16 and take the fp32 reduce-scatter.
+        """
+        return self.shard_world > 1 and flat_grad.element_size() < reduce_dtype.itemsize
+
+    def _exchange(self, flat_grad: torch.Tensor, *, async_op: bool):
+        """All-to-all: rank r receives every rank's r-th chunk of `flat_grad` (as raw bytes)."""
+        received = torch.empty_like(flat_grad)
+        work = dist.all_to_all_single(received.view(torch.uint8), flat_grad.view(torch.uint8), group=self.shard,
+                                      async_op=async_op)
+        return received, work
+
+    def _sum_received(self, received: torch.Tensor, reduce_dtype: torch.dtype) -> torch.Tensor:
+        return received.view(self.shard_world, -1).sum(dim=0, dtype=reduce_dtype)
+
     def _shard_output(self, inp: torch.Tensor) -> torch.Tensor:
         return torch.empty(inp.numel() // self.shard_world, dtype=inp.dtype, device=inp.device) \
             if self.shard_world > 1 else inp
 
     def _reduce(self, flat_grad: torch.Tensor, reduce_dtype: torch.dtype) -> torch.Tensor:
+        if self.narrow_wire(flat_grad, reduce_dtype):
+            out = self._sum_received(self._exchange(flat_grad, async_op=False)[0], reduce_dtype)
+            self._reduce_into(out, out, async_op=False, replicas_only=True)
+            self._finish_average(out, summed=True)
+            return out
         inp = flat_grad.to(reduce_dtype)
         out = self._shard_output(inp)
         self._reduce_into(out, inp, async_op=False)
         self._finish_average(out)
         return out
 
-    def _reduce_into(self, out: torch.Tensor, inp: torch.Tensor, *, async_op: bool) -> list:
-        """Issue the reduction; return the works not yet waited on."""
-        op = dist.ReduceOp.AVG if self.native_avg else dist.ReduceOp.SUM
+    def _reduce_into(self, out: torch.Tensor, inp: torch.Tensor, *, async_op: bool,
+                     replicas_only: bool = False) -> list:
+        """Issue the reduction (only the replicas' all-reduce when the shard group was summed already);
+        return the works not yet waited on."""
+        op = dist.ReduceOp.AVG if self.native_avg and not replicas_only else dist.ReduceOp.SUM
         works = []
-        if self.shard_world > 1:
+        if self.shard_world > 1 and not replicas_only:
             works.append(_reduce_scatter(out, inp, op=op, group=self.shard, async_op=async_op))
         if self.replicate_world > 1:
             if works and async_op:
@@ -144,8 +181,9 @@ class Groups:
             works.append(dist.all_reduce(out, op=op, group=self.replicate, async_op=async_op))
         return works
 
-    def _finish_average(self, out: torch.Tensor) -> None:
-        if not self.native_avg and self.data_parallel_world > 1:
+    def _finish_average(self, out: torch.Tensor, *, summed: bool = False) -> None:
+        """Divide by the ranks unless NCCL's AVG did (`summed`: this rank added the shard group up)."""
+        if (summed or not self.native_avg) and self.data_parallel_world > 1:
             out.div_(self.data_parallel_world)
 
     def _finish_cuda(self, stream: torch.cuda.Stream, keep: list[torch.Tensor] | None = None) -> Pending:

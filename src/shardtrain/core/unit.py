@@ -227,9 +227,12 @@ class ShardUnit:
             self.reshard()
         else:
             self.uninstall_views()
-        # One copy, casting straight into the reduction dtype (no intermediate flat in param dtype).
-        flat = torch.cat(parts, out=torch.empty(self.layout.padded_numel, dtype=self.behaviour.reduce_dtype,
-                                                device=device))
+        # One copy into the flat gradient: in the reduction dtype when it accumulates over micro-batches,
+        # else in the parameters' dtype, which the reduction widens exactly on arrival (Groups.narrow_wire).
+        narrow = (self._accumulated is None and self.runtime.sync_gradients and self.layout.shard_world > 1
+                  and dtype.itemsize < self.behaviour.reduce_dtype.itemsize)
+        flat = torch.cat(parts, out=torch.empty(self.layout.padded_numel, device=device,
+                                                dtype=dtype if narrow else self.behaviour.reduce_dtype))
         if self._accumulated is not None:
             self._accumulated += flat
             flat = self._accumulated

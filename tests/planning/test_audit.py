@@ -39,14 +39,16 @@ def test_dtypes_per_unit_for_each_precision(precision, compute, reduce):
     assert any("stay as built" in n for n in audit.notes) == (compute != "fp32")
 
 
+NARROW = ("gradients exchanged in bf16 (all-to-all) and summed in fp32 on arrival (a reduce-scatter in fp32 when "
+          "accumulated under no_sync)")
+
+
 @pytest.mark.parametrize("strategy, communication, resident", [
-    ("full_shard", "all-gather (bf16) in forward and again in backward; reduce-scatter of gradients in fp32", False),
-    ("shard_grad_op", "all-gather (bf16) in forward only (kept through backward); reduce-scatter of gradients in fp32",
-     False),
-    ("optimizer_only", "reduce-scatter of gradients in fp32; all-gather (bf16) of the updated shards after the step",
-     True),
+    ("full_shard", f"all-gather (bf16) in forward and again in backward; {NARROW}", False),
+    ("shard_grad_op", f"all-gather (bf16) in forward only (kept through backward); {NARROW}", False),
+    ("optimizer_only", f"{NARROW}; all-gather (bf16) of the updated shards after the step", True),
     ("no_shard", "all-reduce of gradients in fp32; no all-gather", True),
-    ("hybrid_shard", "all-gather (bf16) in forward and again in backward; reduce-scatter of gradients in fp32; "
+    ("hybrid_shard", f"all-gather (bf16) in forward and again in backward; {NARROW}; "
                      "all-reduce of the shards across replica groups", False),
     ("SHARD_GRAD_OP", "all-gather (bf16) in forward only", False),
 ])
@@ -83,6 +85,11 @@ def test_frozen_units_have_no_gradients_or_optimizer_state_and_offload_lives_on_
     assert frozen.cells() == ("fp32", "fp32", "-", "-", "-", "-", "-")
     assert next(u for u in audit.units if u.name == "body.shared").grad is F32
     assert audit.cpu_offload and audit.placement.startswith("host (CPU offload)")
+    half = audit_precision(_meta_llama(), wrap={Block}, cpu_offload=st.CPUOffload(fraction=0.5))
+    assert half.offloaded_units == tuple(u.name or "<root>" for u, on in zip(
+        half.units, st.CPUOffload(fraction=0.5).select(u.params for u in half.units)) if on)
+    assert 0 < len(half.offloaded_units) < len(half.units)
+    assert half.placement.startswith(f"host (CPU offload) for {len(half.offloaded_units)} of {len(half.units)} units")
 
 
 def test_a_model_built_in_bf16_has_no_fp32_master_and_mixed_dtypes_are_refused():
@@ -110,9 +117,12 @@ def _observed_dtypes(strategy: str, precision) -> dict:
     hooks = [m.register_forward_pre_hook(seen) for m in model.modules() if isinstance(m, nn.Linear)]
     original = Groups.reduce_gradient
 
-    def record(self, flat_grad, **kwargs):
-        reduce.append(flat_grad.dtype)
-        return original(self, flat_grad, **kwargs)
+    def record(self, flat_grad, *, accumulate, **kwargs):
+        def reduced(shard_grad):  # the dtype the ranks' gradients were summed in
+            reduce.append(shard_grad.dtype)
+            accumulate(shard_grad)
+
+        return original(self, flat_grad, accumulate=reduced, **kwargs)
 
     Groups.reduce_gradient = record
     try:

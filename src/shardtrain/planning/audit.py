@@ -76,6 +76,7 @@ class PrecisionAudit:
     cpu_offload: bool
     units: tuple[UnitPrecision, ...]
     notes: tuple[str, ...]
+    offloaded_units: tuple[str, ...] = ()  # names of the units CPU offload puts on the host
 
     @property
     def communication(self) -> str:
@@ -85,16 +86,26 @@ class PrecisionAudit:
         s = self.strategy
         if s is Strategy.NO_SHARD:
             return f"all-reduce of gradients in {reduce}; no all-gather"
+        trained = [u for u in self.units if u.reduce is not None]
+        if trained and trained[0].compute.itemsize < trained[0].reduce.itemsize:  # Groups.narrow_wire
+            reduction = (f"gradients exchanged in {gather} (all-to-all) and summed in {reduce} on arrival "
+                         f"(a reduce-scatter in {reduce} when accumulated under no_sync)")
+        else:
+            reduction = f"reduce-scatter of gradients in {reduce}"
         if s is Strategy.OPTIMIZER_ONLY:
-            return (f"reduce-scatter of gradients in {reduce}; all-gather ({gather}) of the updated shards "
-                    "after the step")
+            return f"{reduction}; all-gather ({gather}) of the updated shards after the step"
         gathers = "forward and again in backward" if s.reshard_after_forward else "forward only (kept through backward)"
         across = "; all-reduce of the shards across replica groups" if s.is_hybrid else ""
-        return f"all-gather ({gather}) in {gathers}; reduce-scatter of gradients in {reduce}{across}"
+        return f"all-gather ({gather}) in {gathers}; {reduction}{across}"
 
     @property
     def placement(self) -> str:
         """Where the stored shard, its gradient and the optimizer state live."""
+        if self.offloaded_units and len(self.offloaded_units) < len(self.units):
+            names = ", ".join(self.offloaded_units)
+            return (f"host (CPU offload) for {len(self.offloaded_units)} of {len(self.units)} units ({names}): "
+                    "stored shard, its gradient and the optimizer state; device: the other units' state, "
+                    "and unsharded copies")
         if self.cpu_offload:
             return "host (CPU offload): stored shard, its gradient and the optimizer state; device: unsharded copies"
         if self.strategy.keeps_params_resident:
@@ -178,8 +189,9 @@ def audit_precision(model: nn.Module, *, wrap: Any = None, strategy: Any = "full
     """
     strategy = parse_strategy(strategy)
     precision = parse_mixed_precision(mixed_precision)
-    offload = parse_cpu_offload(cpu_offload) is not None
+    offload_policy = parse_cpu_offload(cpu_offload)
     parts = partition(model, wrap)
+    on_host = offload_policy.select(spec.numel for spec in parts.units) if offload_policy else []
     buffers = _buffers_by_unit(model, {spec.name for spec in parts.units}, precision.buffer_dtype)
     units = []
     for spec in parts.units:
@@ -195,5 +207,7 @@ def audit_precision(model: nn.Module, *, wrap: Any = None, strategy: Any = "full
             buffers=tuple(buffers[spec.name]),
         ))
     units = tuple(units)
-    return PrecisionAudit(model=type(model).__name__, strategy=strategy, precision=precision, cpu_offload=offload,
-                          units=units, notes=tuple(_notes(units, precision)) + parts.notes)
+    return PrecisionAudit(model=type(model).__name__, strategy=strategy, precision=precision,
+                          cpu_offload=offload_policy is not None, units=units,
+                          notes=tuple(_notes(units, precision)) + parts.notes,
+                          offloaded_units=tuple(u.name or "<root>" for u, on in zip(units, on_host) if on))

@@ -94,8 +94,10 @@ class Groups:
                         accumulate: Callable[[torch.Tensor], None]) -> Pending:
         """Average `flat_grad` over all data-parallel ranks, keep this rank's shard, pass it to `accumulate`.
 
-        Inside a shard group the gradient is reduce-scattered; across replicas (hybrid) the shard is
-        then all-reduced. `accumulate(shard_grad)` gets the averaged shard in `reduce_dtype`.
+        Inside a shard group the gradient is reduce-scattered, or, when it is narrower than
+        `reduce_dtype`, exchanged as it is and summed here in `reduce_dtype` (`narrow_wire`); across
+        replicas (hybrid) the shard is then all-reduced. `accumulate(shard_grad)` gets the averaged
+        shard in `reduce_dtype`.
         """
         if self.cuda:
             stream = self.reduce_stream

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -114,9 +115,37 @@ def join_process_group(topology: Topology, info: RankInfo, *, timeout: timedelta
     else:
         dist.init_process_group(topology.backend, rank=info.rank, world_size=info.world_size, **kwargs)
     atexit.register(_destroy_process_group)
+    _watch_uncaught_exceptions()
     return device
 
 
+_EXIT_BARRIER_TIMEOUT = timedelta(seconds=60)
+_uncaught: list[BaseException] = []  # set when this rank dies of an exception: no exit barrier then
+
+
+def _watch_uncaught_exceptions() -> None:
+    previous = sys.excepthook
+
+    def hook(kind, value, traceback) -> None:
+        _uncaught.append(value)
+        previous(kind, value, traceback)
+
+    sys.excepthook = hook
+
+
 def _destroy_process_group() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    """At exit: a Gloo rank first waits for its peers, then every rank tears the groups down.
+
+    Note: a Gloo rank whose peer closes its connections before this rank starts its own teardown can
+    abort at exit ("terminate called without an active exception"); the barrier makes the ranks tear
+    down together. It is skipped when this rank dies of an exception (the launcher stops the others),
+    and bounded by a timeout in case a peer is gone.
+    """
+    if not dist.is_initialized():
+        return
+    if not _uncaught and dist.get_world_size() > 1 and dist.get_backend() == "gloo":
+        try:
+            dist.monitored_barrier(timeout=_EXIT_BARRIER_TIMEOUT)
+        except RuntimeError:
+            pass  # a peer is gone: nothing left to wait for
+    dist.destroy_process_group()

@@ -81,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"shardtrain train: error: {exc}", file=sys.stderr)
         return 2
     from ..engine import Engine
+    from ..engine.devices import mark_failed
     from ..train.loop import run as train
 
     try:
@@ -97,8 +98,10 @@ def run(args: argparse.Namespace) -> int:
         summary = train(cfg, engine)
     except ValueError as exc:
         print(f"shardtrain train: error on rank {engine.rank}: {exc}", file=sys.stderr, flush=True)
+        mark_failed(exc)
         return 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
+        mark_failed(exc)
         return 130
     if engine.rank == 0:
         from rich.console import Console

@@ -119,15 +119,20 @@ def join_process_group(topology: Topology, info: RankInfo, *, timeout: timedelta
     return device
 
 
-_EXIT_BARRIER_TIMEOUT = timedelta(seconds=60)
-_uncaught: list[BaseException] = []  # set when this rank dies of an exception: no exit barrier then
+_EXIT_BARRIER_TIMEOUT = timedelta(seconds=30)
+_failures: list[BaseException | str] = []  # this rank failed: no exit barrier then
+
+
+def mark_failed(reason: BaseException | str) -> None:
+    """Record that this rank is exiting because of a failure, so it does not wait for its peers at exit."""
+    _failures.append(reason)
 
 
 def _watch_uncaught_exceptions() -> None:
     previous = sys.excepthook
 
     def hook(kind, value, traceback) -> None:
-        _uncaught.append(value)
+        mark_failed(value)
         previous(kind, value, traceback)
 
     sys.excepthook = hook
@@ -138,14 +143,15 @@ def _destroy_process_group() -> None:
 
     Note: a Gloo rank whose peer closes its connections before this rank starts its own teardown can
     abort at exit ("terminate called without an active exception"); the barrier makes the ranks tear
-    down together. It is skipped when this rank dies of an exception (the launcher stops the others),
-    and bounded by a timeout in case a peer is gone.
+    down together. It is skipped when this rank failed (an uncaught exception, a failing spawned
+    function, or `mark_failed`: the launcher stops the others), and bounded by a timeout; when it
+    times out the groups are left to the interpreter, since a peer may be stuck in a collective.
     """
     if not dist.is_initialized():
         return
-    if not _uncaught and dist.get_world_size() > 1 and dist.get_backend() == "gloo":
+    if not _failures and dist.get_world_size() > 1 and dist.get_backend() == "gloo":
         try:
             dist.monitored_barrier(timeout=_EXIT_BARRIER_TIMEOUT)
         except RuntimeError:
-            pass  # a peer is gone: nothing left to wait for
+            return
     dist.destroy_process_group()

@@ -23,7 +23,8 @@ from torch import nn
 from ..policy import is_auto, parse_cpu_offload, parse_mixed_precision, resolve_module_policy
 from ..strategy import parse_strategy
 from . import launch as _launch
-from .devices import RankInfo, Topology, join_process_group, launched_externally, rank_info_from_env, resolve_topology
+from .devices import (RankInfo, Topology, join_process_group, launched_externally, mark_failed, rank_info_from_env,
+                      resolve_topology)
 
 
 class Engine:
@@ -282,7 +283,11 @@ class Engine:
 def _run_on_rank(engine: Engine, fn: Callable[..., Any], args: tuple) -> Any:
     """Entry point of a spawned rank: join the group, then run the user's function."""
     engine._join()
-    return fn(engine, *args)
+    try:
+        return fn(engine, *args)
+    except BaseException as exc:  # the launcher reports it; this rank must not wait for its peers at exit
+        mark_failed(exc)
+        raise
 
 
 def _step_through_scaler(optimizer: torch.optim.Optimizer, scaler) -> None:

@@ -196,3 +196,13 @@ def test_the_choice_applies_through_st_shard(pools):
             assert out["checkpointed"] == expected
             assert out["strategy"] in ("shard_grad_op", "optimizer_only", "no_shard")
             assert out["norm"] == pytest.approx(out["ref_norm"], rel=1e-5)
+
+
+def test_offload_must_fit_the_host_memory_too():
+    kwargs = dict(world_size=2, device_memory="141GB", seq_len=SEQ, micro_batch=1)
+    roomy = choose_plan("30b", host_memory="125GiB", **kwargs)
+    assert roomy.cpu_offload == 0.5 and roomy.estimate.host <= 125 * 2**30 * 0.95
+    # Half the model needs ~111 GiB per process on the host; a quarter does not fit the device.
+    with pytest.raises(ValueError, match=r"more host memory per process \(offloading more of the model needs more "
+                                         r"than the 95\.00 GiB usable here\)"):
+        choose_plan("30b", host_memory="100GiB", **kwargs)

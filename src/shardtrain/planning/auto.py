@@ -147,10 +147,14 @@ def _smallest_needed(model: Any, *, world_size: int, seq_len: int, offload: bool
 
 
 def _nothing_fits(model: Any, candidates: list[Candidate], *, world_size: int, seq_len: int, memory: int,
-                  usable: int, safety_margin: float, offload: bool, kwargs: dict[str, Any]) -> ValueError:
+                  usable: int, safety_margin: float, offload: bool, kwargs: dict[str, Any],
+                  host_usable: int | None = None) -> ValueError:
     """What to change when no candidate fits: more devices, shorter sequences, or bigger devices."""
     smallest = min(candidates, key=lambda c: c.needed)
     remedies = []
+    if host_usable is not None:
+        remedies.append(f"more host memory per process (offloading more of the model needs more than the "
+                        f"{format_gib(host_usable)} GiB usable here)")
     for step in range(1, _SEARCH_STEPS + 1):
         world = world_size << step
         if _smallest_needed(model, world_size=world, seq_len=seq_len, offload=offload, kwargs=kwargs) <= usable:
@@ -189,6 +193,7 @@ def choose_plan(
     split_batch: bool = True,
     allow_offload: bool = True,
     safety_margin: float = SAFETY_MARGIN,
+    host_memory: int | str | None = None,
     wrap: Any = None,
     **shape_hints: Any,
 ) -> AutoChoice:
@@ -198,7 +203,8 @@ def choose_plan(
     a LlamaConfig, a Hugging Face config, an nn.Module on any device; `wrap` and shape hints as there).
     The batch: `global_batch_tokens` (over all devices, per optimizer step), or `micro_batch` sequences
     per device with `grad_accum`. With `split_batch`, each device's sequences may be regrouped into
-    any micro_batch x grad_accum of the same product; without, the given split is kept.
+    any micro_batch x grad_accum of the same product; without, the given split is kept. `host_memory`
+    (per process) bounds what CPU offload may put on the host (None: not checked).
     Raises ValueError naming what to change (more devices, shorter sequences, ...) if nothing fits.
     """
     world_size = positive_int(world_size, "world_size")
@@ -216,14 +222,19 @@ def choose_plan(
     common = dict(world_size=world_size, strategies=parse_strategies(strategies), splits=splits, seq_len=seq_len,
                   estimate_kwargs=kwargs)
     usable = int(memory * (1 - safety_margin))
+    host_usable = None if host_memory is None else int(parse_bytes(host_memory, what="host_memory") * (1 - safety_margin))
     candidates = evaluate(model_spec, cpu_offload=0.0, **common)
+    too_big_for_host = []  # offloaded configurations whose host share does not fit the host
     if allow_offload and all(c.needed > usable for c in candidates):
         for fraction in OFFLOAD_FRACTIONS:
-            candidates += evaluate(model_spec, cpu_offload=fraction, **common)
+            for c in evaluate(model_spec, cpu_offload=fraction, **common):
+                fits_host = host_usable is None or c.estimate.host <= host_usable
+                (candidates if fits_host else too_big_for_host).append(c)
     fits = [c for c in candidates if c.needed <= usable]
     if not fits:
         raise _nothing_fits(model_spec, candidates, world_size=world_size, seq_len=seq_len, memory=memory,
-                            usable=usable, safety_margin=safety_margin, offload=allow_offload, kwargs=kwargs)
+                            usable=usable, safety_margin=safety_margin, offload=allow_offload, kwargs=kwargs,
+                            host_usable=host_usable if too_big_for_host else None)
     ranked = sorted(fits, key=lambda c: (c.time.total, c.needed))  # stable: ties keep the strategies' order
     best = ranked[0]
     spec = best.estimate.inputs.model
@@ -272,9 +283,16 @@ def resolve_auto(model: nn.Module, *, world_size: int, micro_batch: int, seq_len
     if wrap is None:
         raise ValueError("strategy='auto' needs wrap= (e.g. the transformer block class): with the whole model as "
                          "one unit every strategy gathers all parameters at once and checkpointing has no blocks")
-    if device_memory is None:
+    host_memory = None
+    if device_memory is None:  # planning for this machine: its GPUs and its host memory
         device_memory, _ = local_device_memory(accelerator="cuda", processes=1)
+        host_memory, _ = local_device_memory(accelerator="cpu", processes=local_processes(world_size))
     return choose_plan(model, world_size=world_size, device_memory=device_memory, seq_len=seq_len,
                        micro_batch=micro_batch, grad_accum=grad_accum, precision=mixed_precision,
                        optimizer=optimizer, split_batch=False, allow_offload=allow_offload,
-                       safety_margin=safety_margin, wrap=wrap)
+                       safety_margin=safety_margin, host_memory=host_memory, wrap=wrap)
+
+
+def local_processes(world_size: int) -> int:
+    """The processes sharing this machine's host memory: the launcher's LOCAL_WORLD_SIZE, else the world."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))

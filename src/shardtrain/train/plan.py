@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..engine.devices import launched_externally, resolve_topology
-from ..planning.auto import AutoChoice, choose_plan, local_device_memory
+from ..planning.auto import AutoChoice, choose_plan, local_device_memory, local_processes
 from .config import Config, ConfigError, EngineConfig
 from .loop import check_batch
 from .models import BuiltModel, build_model
@@ -109,9 +109,11 @@ def resolve_auto_config(cfg: Config, *, device_memory: int | None = None,
     if not built.wrap:
         raise ConfigError(f"engine.strategy='auto' needs the model's block classes, and {cfg.model.name!r} names none; "
                           "give them with --model.wrap ClassName")
-    if device_memory is None:
+    host_memory = None
+    if device_memory is None:  # planning for this machine: its devices and its host memory
         device_memory, _ = local_device_memory(accelerator=setup.accelerator, processes=setup.world_size)
+        host_memory, _ = local_device_memory(accelerator="cpu", processes=local_processes(setup.world_size))
     choice = choose_plan(built.module, world_size=setup.world_size, device_memory=device_memory,
                          seq_len=setup.seq_len, micro_batch=setup.micro_batch, grad_accum=setup.grad_accum,
-                         precision=setup.precision, wrap=built.wrap)
+                         precision=setup.precision, host_memory=host_memory, wrap=built.wrap)
     return apply_choice(cfg, choice), choice

@@ -15,9 +15,9 @@ from .comm import Groups
 from .flat import build_layout
 from .groups import control_group, require_process_group, resolve_device, resolve_groups
 from .materialize import Materializer, current_tensors, flatten_and_shard
+from .pinned import PinnedBuffers
 from .recompute import apply_activation_checkpointing
 from .runtime import Runtime
-from .pinned import PinnedBuffers
 from .unit import ShardUnit, UnitBehaviour
 
 RUNTIME_ATTR = "_shardtrain_runtime"

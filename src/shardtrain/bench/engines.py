@@ -66,6 +66,7 @@ def build_shardtrain_auto(spec: RunSpec, device: torch.device) -> Prepared:
     """strategy="auto" for this run's micro-batch: the planner picks strategy, checkpointing and offload
     (so `--ac` does not apply); the row's label names what it picked."""
     from ..planning.auto import local_device_memory, resolve_auto
+    from ..planning.report import checkpointing_label
 
     named = build_meta_model(spec.model_config())
     precision = "bf16" if compute_dtype(spec) else "fp32"
@@ -73,8 +74,7 @@ def build_shardtrain_auto(spec: RunSpec, device: torch.device) -> Prepared:
     choice = resolve_auto(named.model, world_size=dist.get_world_size(), micro_batch=spec.batch, seq_len=spec.seq,
                           wrap={Block}, device_memory=memory, mixed_precision=precision)
     model = _shard(named, spec, device, **choice.shard_kwargs(named.model, wrap={Block}))
-    checkpointing = {0: "no ckpt", 1: "ckpt every block"}.get(choice.checkpoint_every,
-                                                              f"ckpt 1 block in {choice.checkpoint_every}")
+    checkpointing = f"ckpt {checkpointing_label(choice.checkpoint_every)}"
     offload = ", offload" if choice.cpu_offload else ""
     return Prepared(model=model, optimizer=make_optimizer(model.parameters()),
                     label=f"shardtrain auto ({choice.strategy.value}, {checkpointing}{offload})")

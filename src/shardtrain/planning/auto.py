@@ -27,11 +27,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..strategy import Strategy
 from ..policy import CPUOffload
+from ..strategy import Strategy
 from .candidates import Candidate, batch_splits, evaluate, offload_label, parse_strategies
 from .estimate import MemoryEstimate, estimate_memory, positive_int
 from .explain import explain
+from .report import checkpointing_label
 from .sizes import format_gib, parse_bytes
 from .speed import StepTime, step_time
 from .units import matching_paths
@@ -90,7 +91,7 @@ class AutoChoice:
 
     def __str__(self) -> str:
         offload = offload_label(self.cpu_offload)
-        checkpointing = {0: "none", 1: "every block"}.get(self.checkpoint_every, f"1 block in {self.checkpoint_every}")
+        checkpointing = checkpointing_label(self.checkpoint_every)
         head = (f"automatic plan: {self.estimate.inputs.label}, activation checkpointing {checkpointing}{offload}, "
                 f"micro-batch {self.micro_batch} x {self.grad_accum} accumulation step{'s' * (self.grad_accum > 1)}, "
                 f"seq {self.seq_len}, "

@@ -21,7 +21,8 @@ def _dtype(dtype: torch.dtype | None) -> str:
     return _DTYPE_NAMES.get(dtype or torch.float32, str(dtype))
 
 
-def _checkpointing(every: int) -> str:
+def checkpointing_label(every: int) -> str:
+    """"none", "every block" or "1 block in k" for activation checkpointing of 1 block in `every`."""
     return {0: "none", 1: "every block"}.get(every, f"1 block in {every}")
 
 
@@ -39,7 +40,7 @@ def describe_setup(inputs: "EstimateInputs") -> str:
         f"{model.name}: {format_count(model.num_params)} parameters{shape}\n"
         f"{inputs.world_size} ranks, {_dtype(mp.param_dtype)} params / {_dtype(mp.reduce_dtype)} reduce, "
         f"{inputs.optimizer}, micro-batch {inputs.micro_batch} x seq {inputs.seq_len}, "
-        f"activation checkpointing: {_checkpointing(inputs.checkpoint_every)}{offload}"
+        f"activation checkpointing: {checkpointing_label(inputs.checkpoint_every)}{offload}"
     )
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..planning.auto import AutoChoice
+from ..planning.report import checkpointing_label
 from .config import Config, save_config
 
 TRIAL_STEPS = 4  # 1 untimed + 3 timed
@@ -35,15 +36,11 @@ class Trial:
     error: str | None = None
 
     def describe(self) -> str:
-        what = (f"{self.choice.strategy.value}, checkpointing {_checkpointing(self.choice)}"
+        what = (f"{self.choice.strategy.value}, checkpointing {checkpointing_label(self.choice.checkpoint_every)}"
                 f"{', CPU offload' if self.choice.cpu_offload else ''}, micro-batch {self.choice.micro_batch} x "
                 f"{self.choice.grad_accum}")
         result = f"{self.tokens_per_s:,.0f} tok/s" if self.tokens_per_s is not None else f"failed: {self.error}"
         return f"{what}: predicted {self.choice.relative_step_time:.3f} x the ideal, measured {result}"
-
-
-def _checkpointing(choice: AutoChoice) -> str:
-    return {0: "none", 1: "every block"}.get(choice.checkpoint_every, f"1 block in {choice.checkpoint_every}")
 
 
 def trial_config(cfg: Config, choice: AutoChoice, *, out_dir: Path, name: str) -> Config:

@@ -112,11 +112,11 @@ class Groups:
         if self.narrow_wire(flat_grad, reduce_dtype):
             received, work = self._exchange(flat_grad, async_op=True)
 
-            def finish_exchange() -> None:  # the exchange has landed: sum here, then across replicas
-                out = self._sum_received(received, reduce_dtype)
+            def finish_exchange() -> None:  # the exchange has landed: average here, then across replicas
+                out = self._average_received(received, reduce_dtype)
                 for w in self._reduce_into(out, out, async_op=True, replicas_only=True):
                     w.wait()
-                self._finish_average(out, summed=True)
+                self._finish_average(out, over_replicas=True)
                 accumulate(out)
 
             return Pending(work=work, keep=[flat_grad, received], then=finish_exchange)
@@ -148,8 +148,13 @@ class Groups:
                                       async_op=async_op)
         return received, work
 
-    def _sum_received(self, received: torch.Tensor, reduce_dtype: torch.dtype) -> torch.Tensor:
-        return received.view(self.shard_world, -1).sum(dim=0, dtype=reduce_dtype)
+    def _average_received(self, received: torch.Tensor, reduce_dtype: torch.dtype) -> torch.Tensor:
+        """The shard group's mean of the received chunks, widened to `reduce_dtype`.
+
+        Note: one kernel (the sum and the scaling by 1/N fused): on CUDA it runs beside the compute
+        kernels, and a separate division pass over the fp32 shard cost as much SM time as the sum.
+        """
+        return received.view(self.shard_world, -1).mean(dim=0, dtype=reduce_dtype)
 
     def _shard_output(self, inp: torch.Tensor) -> torch.Tensor:
         return torch.empty(inp.numel() // self.shard_world, dtype=inp.dtype, device=inp.device) \
@@ -157,9 +162,9 @@ class Groups:
 
     def _reduce(self, flat_grad: torch.Tensor, reduce_dtype: torch.dtype) -> torch.Tensor:
         if self.narrow_wire(flat_grad, reduce_dtype):
-            out = self._sum_received(self._exchange(flat_grad, async_op=False)[0], reduce_dtype)
+            out = self._average_received(self._exchange(flat_grad, async_op=False)[0], reduce_dtype)
             self._reduce_into(out, out, async_op=False, replicas_only=True)
-            self._finish_average(out, summed=True)
+            self._finish_average(out, over_replicas=True)
             return out
         inp = flat_grad.to(reduce_dtype)
         out = self._shard_output(inp)
@@ -183,9 +188,15 @@ class Groups:
             works.append(dist.all_reduce(out, op=op, group=self.replicate, async_op=async_op))
         return works
 
-    def _finish_average(self, out: torch.Tensor, *, summed: bool = False) -> None:
-        """Divide by the ranks unless NCCL's AVG did (`summed`: this rank added the shard group up)."""
-        if (summed or not self.native_avg) and self.data_parallel_world > 1:
+    def _finish_average(self, out: torch.Tensor, *, over_replicas: bool = False) -> None:
+        """Divide the summed gradient by the ranks it was summed over, unless NCCL's AVG did.
+
+        `over_replicas`: the shard group was averaged on arrival, only the replicas' sum is left.
+        """
+        if over_replicas:
+            if self.replicate_world > 1:
+                out.div_(self.replicate_world)
+        elif not self.native_avg and self.data_parallel_world > 1:
             out.div_(self.data_parallel_world)
 
     def _finish_cuda(self, stream: torch.cuda.Stream, keep: list[torch.Tensor] | None = None) -> Pending:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..models.llama import Block, Llama
+from ..models.llama import SHARD_UNITS, Block, Llama
 from .model import build_meta_model
 from .spec import RunSpec
 
@@ -72,8 +72,8 @@ def build_shardtrain_auto(spec: RunSpec, device: torch.device) -> Prepared:
     precision = "bf16" if compute_dtype(spec) else "fp32"
     memory, _ = local_device_memory(accelerator=device.type, processes=1 if device.type == "cuda" else dist.get_world_size())
     choice = resolve_auto(named.model, world_size=dist.get_world_size(), micro_batch=spec.batch, seq_len=spec.seq,
-                          wrap={Block}, device_memory=memory, mixed_precision=precision)
-    model = _shard(named, spec, device, **choice.shard_kwargs(named.model, wrap={Block}))
+                          wrap=SHARD_UNITS, device_memory=memory, mixed_precision=precision)
+    model = _shard(named, spec, device, **choice.shard_kwargs(named.model, wrap=SHARD_UNITS))
     checkpointing = f"ckpt {checkpointing_label(choice.checkpoint_every)}"
     offload = ", offload" if choice.cpu_offload else ""
     return Prepared(model=model, optimizer=make_optimizer(model.parameters()),
@@ -83,12 +83,15 @@ def build_shardtrain_auto(spec: RunSpec, device: torch.device) -> Prepared:
 def _shard(named, spec: RunSpec, device: torch.device, **options: Any) -> nn.Module:
     import shardtrain as st
 
-    return st.shard(named.model, wrap={Block}, mixed_precision="bf16" if compute_dtype(spec) else None,
+    return st.shard(named.model, wrap=SHARD_UNITS, mixed_precision="bf16" if compute_dtype(spec) else None,
                     device=device, param_init_fn=named.param_init_fn(seed=spec.seed, device=device, allocate=False),
                     **options)
 
 
-def build_fsdp2(spec: RunSpec, device: torch.device, *, reshard_after_forward: bool) -> Prepared:
+def build_fsdp2(spec: RunSpec, device: torch.device, *, reshard_after_forward: bool,
+                split_root: bool = False) -> Prepared:
+    """FSDP2 as the issue sets it: `fully_shard` per Block and on the root; `split_root` also gives the
+    embedding and the output head their own units, as shardtrain's plan does (torchtitan's recipe)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -99,8 +102,9 @@ def build_fsdp2(spec: RunSpec, device: torch.device, *, reshard_after_forward: b
     dtype = compute_dtype(spec)
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype else MixedPrecisionPolicy()
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    units = [model.embed, *model.layers, model.head] if split_root else list(model.layers)
+    for unit in units:
+        fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     model.to_empty(device=device)
     named.init_all_(seed=spec.seed, device=device)

@@ -37,6 +37,8 @@ _FIXED = {
                     build=functools.partial(build_fsdp2, reshard_after_forward=True)),
     "fsdp2-noreshard": Engine(name="fsdp2-noreshard", label="torch FSDP2 (reshard_after_forward=False)",
                               build=functools.partial(build_fsdp2, reshard_after_forward=False)),
+    "fsdp2-split": Engine(name="fsdp2-split", label="torch FSDP2 (embedding, head apart)",
+                          build=functools.partial(build_fsdp2, reshard_after_forward=True, split_root=True)),
     "fsdp1": Engine(name="fsdp1", label="torch FSDP1 (FULL_SHARD)", build=build_fsdp1),
     "ddp": Engine(name="ddp", label="DDP", build=build_ddp),
     "shardtrain-auto": Engine(name="shardtrain-auto", label="shardtrain auto", build=build_shardtrain_auto),

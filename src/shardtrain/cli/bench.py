@@ -26,7 +26,8 @@ def register(subparsers) -> None:
     add("--sizes", help="comma-separated built-in Llama sizes (default: 1.5b,8b on CUDA, 2m on the CPU)")
     add("--engines", default=",".join(DEFAULT_ENGINES),
         help="comma-separated: shardtrain, shardtrain-<strategy> (e.g. shardtrain-zero2), shardtrain-auto (the "
-             "planner picks strategy, checkpointing and offload; --ac does not apply), fsdp2, fsdp2-noreshard, "
+             "planner picks strategy, checkpointing and offload; --ac does not apply), fsdp2, fsdp2-noreshard, fsdp2-split "
+             "(embedding and head as units of their own, as shardtrain wraps them), "
              "fsdp1, ddp (default: %(default)s)")
     add("--batch", type=int, default=2, help="sequences per rank per step (default: %(default)s)")
     add("--seq", type=int, help="tokens per sequence (default: the size's max_seq_len, 4096 for 1.5b and 8b)")

@@ -146,6 +146,18 @@ class Block(nn.Module):
         return x + self.ffn(self.ffn_norm(x))
 
 
+class OutputHead(nn.Linear):
+    """The projection to the vocabulary: an nn.Linear with a class of its own, so that a wrap policy
+    can make it a unit without making every Linear one."""
+
+
+# One sharding unit per Block, and the embedding and the output head apart from the root: each is as
+# large as several blocks (at 8B: 525M parameters against 218M), so the step starts by gathering the
+# embedding alone and the head's gradient is reduced while the blocks' backward runs (torchtitan
+# wraps Llama the same way).
+SHARD_UNITS = frozenset({Block, Embedding, OutputHead})
+
+
 class Llama(nn.Module):
     """Returns logits of shape (batch, seq, vocab); `loss(tokens, targets)` gives mean cross-entropy."""
 
@@ -155,7 +167,7 @@ class Llama(nn.Module):
         self.embed = Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.head = OutputHead(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
         cos, sin = rotary_tables(cfg, device=self.embed.weight.device)

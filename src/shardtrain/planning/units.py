@@ -139,4 +139,7 @@ def partition(root: nn.Module, wrap) -> Partition:
             notes.append(f"tied parameter ({names}) spans several units; it is kept in unit '{owner or '<root>'}'")
         specs[owner].params.append(params[pid])
         specs[owner].occurrences.append(occ)
-    return Partition(units=tuple(specs.values()), notes=tuple(notes))
+    # A matched module left without parameters (its weight tied into an ancestor's unit) gets no unit:
+    # there is nothing to gather, and its ancestor's unit is gathered whenever it runs.
+    units = tuple(spec for spec in specs.values() if spec.params or not spec.name)
+    return Partition(units=units, notes=tuple(notes))

@@ -1,7 +1,8 @@
 """Collectives for one unit: async all-gather and reduce-scatter on CPU (Gloo) and CUDA (NCCL).
 
 On CUDA each kind of collective runs on its own high-priority stream, ordered against the compute
-stream with events, so the CPU never blocks. On CPU the Gloo work handle runs in Gloo's threads
+stream with events, so the CPU never blocks. The elementwise work around them (the cast into the
+all-gather input, the fp32 average of received gradients) runs on normal-priority side streams. On CPU the Gloo work handle runs in Gloo's threads
 and `wait()` joins it. Both are hidden behind `Pending`, whose `wait()` makes the results usable on
 the compute stream (CUDA) or on the host (CPU).
 """
@@ -9,6 +10,7 @@ the compute stream (CUDA) or on the host (CPU).
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -63,6 +65,12 @@ class Groups:
             high = torch.cuda.Stream.priority_range()[1]
             self.gather_stream = torch.cuda.Stream(device=device, priority=high)
             self.reduce_stream = torch.cuda.Stream(device=device, priority=high)
+            # Note: a high-priority elementwise kernel takes every SM it can as soon as it is ready, so the
+            # compute stream's next kernel waits for all of it (at 8B ~0.4 ms per unit for the fp32
+            # average); at the compute stream's priority it waits its turn. Communication stays high.
+            side = high if os.environ.get("SHARDTRAIN_SIDE_PRIORITY") == "high" else 0
+            self.cast_stream = torch.cuda.Stream(device=device, priority=side)
+            self.average_stream = torch.cuda.Stream(device=device, priority=side)
 
     @property
     def data_parallel_world(self) -> int:
@@ -70,9 +78,9 @@ class Groups:
 
     # ------------------------------------------------------------------ all-gather
     def gather_context(self):
-        """Where all-gather inputs are prepared and outputs allocated (the gather stream on CUDA)."""
+        """Where all-gather inputs are prepared and outputs allocated (the cast stream on CUDA)."""
         if self.cuda:
-            stream = self.gather_stream
+            stream = self.cast_stream
             stream.wait_stream(torch.cuda.current_stream())
             return torch.cuda.stream(stream)
         return contextlib.nullcontext()
@@ -82,9 +90,11 @@ class Groups:
         if self.shard_world == 1:
             if out.data_ptr() != inp.data_ptr():
                 out.copy_(inp)
-            return self._finish_cuda(self.gather_stream) if self.cuda else Pending()
+            return self._finish_cuda(self.cast_stream) if self.cuda else Pending()
         if self.cuda:
-            _all_gather(out, inp, group=self.shard)
+            self.gather_stream.wait_stream(self.cast_stream)
+            with torch.cuda.stream(self.gather_stream):
+                _all_gather(out, inp, group=self.shard)
             return self._finish_cuda(self.gather_stream, keep=[inp])
         work = _all_gather(out, inp, group=self.shard, async_op=True)
         return Pending(work=work, keep=[inp])
@@ -100,24 +110,25 @@ class Groups:
         shard in `reduce_dtype`.
         """
         if self.cuda:
-            stream = self.reduce_stream
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                shard = self._reduce(flat_grad, reduce_dtype)
-                accumulate(shard)
-            return self._finish_cuda(stream, keep=[flat_grad])
+            self.reduce_stream.wait_stream(torch.cuda.current_stream())
+            if self.narrow_wire(flat_grad, reduce_dtype):
+                with torch.cuda.stream(self.reduce_stream):
+                    received, _ = self._exchange(flat_grad, async_op=False)
+                self.average_stream.wait_stream(self.reduce_stream)
+                with torch.cuda.stream(self.average_stream):
+                    accumulate(self._average_exchanged(received, reduce_dtype))
+                return self._finish_cuda(self.average_stream, keep=[flat_grad, received])
+            with torch.cuda.stream(self.reduce_stream):
+                accumulate(self._reduce_scatter_average(flat_grad, reduce_dtype))
+            return self._finish_cuda(self.reduce_stream, keep=[flat_grad])
         if self.data_parallel_world == 1:
             accumulate(flat_grad.to(reduce_dtype))
             return Pending()
         if self.narrow_wire(flat_grad, reduce_dtype):
             received, work = self._exchange(flat_grad, async_op=True)
 
-            def finish_exchange() -> None:  # the exchange has landed: average here, then across replicas
-                out = self._average_received(received, reduce_dtype)
-                for w in self._reduce_into(out, out, async_op=True, replicas_only=True):
-                    w.wait()
-                self._finish_average(out, over_replicas=True)
-                accumulate(out)
+            def finish_exchange() -> None:  # the exchange has landed
+                accumulate(self._average_exchanged(received, reduce_dtype))
 
             return Pending(work=work, keep=[flat_grad, received], then=finish_exchange)
         inp = flat_grad.to(reduce_dtype)
@@ -160,12 +171,14 @@ class Groups:
         return torch.empty(inp.numel() // self.shard_world, dtype=inp.dtype, device=inp.device) \
             if self.shard_world > 1 else inp
 
-    def _reduce(self, flat_grad: torch.Tensor, reduce_dtype: torch.dtype) -> torch.Tensor:
-        if self.narrow_wire(flat_grad, reduce_dtype):
-            out = self._average_received(self._exchange(flat_grad, async_op=False)[0], reduce_dtype)
-            self._reduce_into(out, out, async_op=False, replicas_only=True)
-            self._finish_average(out, over_replicas=True)
-            return out
+    def _average_exchanged(self, received: torch.Tensor, reduce_dtype: torch.dtype) -> torch.Tensor:
+        """Average what the exchange delivered over the shard group here, then across replicas."""
+        out = self._average_received(received, reduce_dtype)
+        self._reduce_into(out, out, async_op=False, replicas_only=True)
+        self._finish_average(out, over_replicas=True)
+        return out
+
+    def _reduce_scatter_average(self, flat_grad: torch.Tensor, reduce_dtype: torch.dtype) -> torch.Tensor:
         inp = flat_grad.to(reduce_dtype)
         out = self._shard_output(inp)
         self._reduce_into(out, inp, async_op=False)

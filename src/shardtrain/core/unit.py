@@ -229,10 +229,13 @@ class ShardUnit:
             self.uninstall_views()
         # One copy into the flat gradient: in the reduction dtype when it accumulates over micro-batches,
         # else in the parameters' dtype, which the reduction widens exactly on arrival (Groups.narrow_wire).
-        narrow = (self._accumulated is None and self.runtime.sync_gradients and self.layout.shard_world > 1
-                  and dtype.itemsize < self.behaviour.reduce_dtype.itemsize)
-        flat = torch.cat(parts, out=torch.empty(self.layout.padded_numel, device=device,
-                                                dtype=dtype if narrow else self.behaviour.reduce_dtype))
+        read_only = self._accumulated is None and self.runtime.sync_gradients
+        narrow = read_only and self.layout.shard_world > 1 and dtype.itemsize < self.behaviour.reduce_dtype.itemsize
+        flat_dtype = dtype if narrow else self.behaviour.reduce_dtype
+        if read_only and len(parts) == 1 and parts[0].dtype == flat_dtype:
+            flat = parts[0]  # one parameter, no padding (the embedding): reduced as autograd made it, uncopied
+        else:
+            flat = torch.cat(parts, out=torch.empty(self.layout.padded_numel, device=device, dtype=flat_dtype))
         if self._accumulated is not None:
             self._accumulated += flat
             flat = self._accumulated

@@ -55,17 +55,9 @@ def test_unused_frozen_and_eval(pools):
 def test_collectives_per_step(pools):
     for r in pools(2).run(checks.collective_counts):
         units = r["units"]
-        # Forward gathers every unit, backward gathers each again, except the units the backward
-        # starts with: they stay gathered from forward into backward. The first step learns which
-        # (those still running when the last one started: the root, then also the last block).
-        sharded = {name: "sharded" for name in r["after_forward"][0]}
-        held_first, held = {"<root>": "unsharded"}, {"<root>": "unsharded", "layers.2": "unsharded"}
-        assert r["after_forward"][0] == {**sharded, **held_first}, r
-        assert r["steps"][0] == {"gather": 2 * units - 1, "reduce": units}, r
-        for step, states in zip(r["steps"][1:], r["after_forward"][1:]):
-            assert states == {**sharded, **held}, r
-            assert step == {"gather": 2 * units - len(held), "reduce": units}, r  # one reduce-scatter per unit
-        assert set(r["after_backward"].values()) == {"sharded"}, r
+        for step in r["steps"]:
+            # forward gathers every unit, backward gathers each again; one reduce-scatter per unit
+            assert step == {"gather": 2 * units, "reduce": units}, r
 
 
 def test_small_modules_get_no_hooks(pools):

@@ -2,8 +2,7 @@
 
 Forward: the pre-forward hook unshards the unit (waiting for a prefetched all-gather), installs
 its parameter views and prefetches the next unit in the order recorded during the first forward;
-the post-forward hook reshards (full_shard; not the units the backward starts with) and registers
-the pre-backward hook on the outputs.
+the post-forward hook reshards (full_shard) and registers the pre-backward hook on the outputs.
 Backward: the pre-backward hook unshards again and prefetches the unit whose backward comes next;
 each unit's post-backward (the backward of its view function) reduces its gradient; a callback
 queued on the autograd engine finishes all reductions and publishes the sharded gradients.
@@ -44,8 +43,6 @@ class Runtime:
         self._callback_queued = False
         self._forward_order: list[ShardUnit] = []
         self._post_forward_order: list[ShardUnit] = []
-        self._finished_since_last_start: list[ShardUnit] = []  # post-forwards after the latest pre-forward
-        self._held_after_forward: set[int] = set()
         self._order_recorded = False
         self._next_forward: dict[int, list[ShardUnit]] = {}
         self._next_backward: dict[int, list[ShardUnit]] = {}
@@ -67,7 +64,6 @@ class Runtime:
                 self._forward_order, self._post_forward_order = [], []
             if unit not in self._forward_order:
                 self._forward_order.append(unit)
-            self._finished_since_last_start = []
         unit.unshard()
         if self._order_recorded and self.forward_prefetch and not self.in_backward:
             for nxt in self._next_forward.get(unit.index, ()):
@@ -84,7 +80,6 @@ class Runtime:
         if not self._order_recorded:
             if unit not in self._post_forward_order:
                 self._post_forward_order.append(unit)
-            self._finished_since_last_start.append(unit)
             if unit.index == 0:
                 self._freeze_order()
         tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -96,7 +91,7 @@ class Runtime:
             else:
                 unit.uninstall_views()
             return output
-        if unit.behaviour.reshard_after_forward and unit.index not in self._held_after_forward:
+        if unit.behaviour.reshard_after_forward:
             unit.reshard()
         elif unit.behaviour.resident:
             unit.uninstall_views()
@@ -108,9 +103,6 @@ class Runtime:
         depth = self.prefetch_depth
         self._next_forward = {u.index: fwd[i + 1:i + 1 + depth] for i, u in enumerate(fwd)}
         self._next_backward = {u.index: bwd[i + 1:i + 1 + depth] for i, u in enumerate(bwd)}
-        # Note: the units still running when the last one started (the output head, the root) are the
-        # first the backward needs: resharding them would only re-gather them at once, exposed.
-        self._held_after_forward = {u.index for u in self._finished_since_last_start}
         self._order_recorded = True
 
     def _pre_backward(self, unit: ShardUnit) -> None:

@@ -2,8 +2,10 @@
 
 Every adapter starts from the same meta-device Llama (`model.build_meta_model`), initialises it by
 name (`model.NamedModel`), uses the same precision (bf16 compute with fp32 master weights and fp32
-gradient reduction, or fp32 throughout), one wrap unit per Block plus the root, the same activation
-checkpointing of every Block when asked, and fused AdamW at lr 1e-4. Only the engine differs.
+gradient reduction, or fp32 throughout), the same activation checkpointing of every Block when asked,
+and fused AdamW at lr 1e-4. Units: shardtrain gets a unit per Block, the embedding and the output
+head (`models.llama.SHARD_UNITS`); FSDP2 as the issue sets it (per Block and
+the root, or `fsdp2-split` for shardtrain's units); FSDP1 per Block.
 """
 
 from __future__ import annotations

@@ -86,6 +86,8 @@ def footnotes(rows: list[Row]) -> str:
                  "vs FSDP2 = tok/s ratio; step/ideal = step time over the ideal step's (resident params, "
                  "no collectives, AdamW on 1/N)")
     lines.append("loss@N: training loss at step N, mean over ranks (same weights and data for every engine)")
+    lines.append("units: shardtrain one per Block, the embedding and the output head, plus the root; torch FSDP2 "
+                 "fully_shard per Block and on the root (fsdp2-split: as shardtrain)")
     lines += [f"{r.size} {r.label}: {r.error}" for r in rows if r.error]
     lines += [f"{r.size} {r.label}: trace {r.trace}" for r in rows if r.trace]
     return "\n".join(lines)

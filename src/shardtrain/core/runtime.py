@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ..strategy import Strategy
 from .comm import Groups, Pending
+from .pieces import GradientPieces
 from .unit import ShardUnit, UnitState
 
 if TYPE_CHECKING:
@@ -47,7 +48,7 @@ class Runtime:
         self._next_forward: dict[int, list[ShardUnit]] = {}
         self._next_backward: dict[int, list[ShardUnit]] = {}
         self._last_reduce: Pending | None = None
-        self._deferred: tuple[ShardUnit, torch.Tensor] | None = None
+        self._deferred: tuple[ShardUnit, torch.Tensor | GradientPieces] | None = None
 
     # ------------------------------------------------------------------ hooks
     def register(self, unit: ShardUnit, module: torch.nn.Module) -> None:
@@ -119,7 +120,7 @@ class Runtime:
         unit.prepare_views(in_backward=True)
 
     # ------------------------------------------------------------------ gradient reduction
-    def defer_reduce(self, unit: ShardUnit, flat: torch.Tensor) -> None:
+    def defer_reduce(self, unit: ShardUnit, flat: torch.Tensor | GradientPieces) -> None:
         """Issue `unit`'s reduction at the next hook, once its backward node has returned.
 
         Note: autograd holds a node's incoming per-parameter gradients until the node returns; issuing

@@ -87,7 +87,18 @@ def test_plan_size_policy_and_tied_weights():
     assert len(plan.units) > 1
     tied = st.plan(tiny_llama(), wrap={nn.Embedding, Block}, world_size=2)
     assert any("embed.weight" in n and "head.weight" in n for n in tied.notes)
-    assert "embed" not in [u.name for u in tied.units if u.params]
+    assert "embed" not in [u.name for u in tied.units]  # left without parameters by the tie: no unit
+
+
+def test_llama_shard_units_split_the_root():
+    """SHARD_UNITS gives the embedding and the output head units of their own (the root keeps the
+    final norm); with tied embeddings both move into the root and get no unit."""
+    from shardtrain.models.llama import SHARD_UNITS, Llama, LlamaConfig
+
+    untied = st.plan(Llama(LlamaConfig(n_layers=2)), wrap=SHARD_UNITS, world_size=2)
+    assert [u.name for u in untied.units] == ["", "embed", "layers.0", "layers.1", "head"]
+    tied = st.plan(Llama(LlamaConfig(n_layers=2, tie_embeddings=True)), wrap=SHARD_UNITS, world_size=2)
+    assert [u.name for u in tied.units] == ["", "layers.0", "layers.1"]
 
 
 @pytest.mark.parametrize("policy, message", [

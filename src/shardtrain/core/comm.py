@@ -16,8 +16,6 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from .pieces import GradientPieces
-
 # Note: torch 2.13 renamed the tensor collectives (*_single); 2.11 only has the old names.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -100,26 +98,37 @@ class Groups:
         return Pending(work=work, keep=[inp])
 
     # ------------------------------------------------------------------ gradient reduction
-    def reduce_gradient(self, grad: torch.Tensor | GradientPieces, *, reduce_dtype: torch.dtype,
+    def reduce_gradient(self, flat_grad: torch.Tensor, *, reduce_dtype: torch.dtype,
                         accumulate: Callable[[torch.Tensor], None]) -> Pending:
-        """Average a unit's gradient over all data-parallel ranks, keep this rank's shard, pass it to `accumulate`.
+        """Average `flat_grad` over all data-parallel ranks, keep this rank's shard, pass it to `accumulate`.
 
-        A flat gradient (`torch.Tensor`, in `reduce_dtype`) is reduce-scattered inside the shard group.
-        `GradientPieces` narrower than `reduce_dtype` (`narrow_wire`) are exchanged as they are and
-        averaged here in `reduce_dtype`. Across replicas (hybrid) the shard is then all-reduced.
-        `accumulate(shard_grad)` gets the averaged shard in `reduce_dtype`.
+        Inside a shard group the gradient is reduce-scattered, or, when it is narrower than
+        `reduce_dtype`, exchanged as it is and summed here in `reduce_dtype` (`narrow_wire`); across
+        replicas (hybrid) the shard is then all-reduced. `accumulate(shard_grad)` gets the averaged
+        shard in `reduce_dtype`.
         """
-        if isinstance(grad, GradientPieces):
-            return self._reduce_pieces(grad, reduce_dtype, accumulate)
-        flat_grad = grad
         if self.cuda:
             self.reduce_stream.wait_stream(torch.cuda.current_stream())
+            if self.narrow_wire(flat_grad, reduce_dtype):
+                with torch.cuda.stream(self.reduce_stream):
+                    received, _ = self._exchange(flat_grad, async_op=False)
+                self.average_stream.wait_stream(self.reduce_stream)
+                with torch.cuda.stream(self.average_stream):
+                    accumulate(self._average_exchanged(received, reduce_dtype))
+                return self._finish_cuda(self.average_stream, keep=[flat_grad, received])
             with torch.cuda.stream(self.reduce_stream):
                 accumulate(self._reduce_scatter_average(flat_grad, reduce_dtype))
             return self._finish_cuda(self.reduce_stream, keep=[flat_grad])
         if self.data_parallel_world == 1:
             accumulate(flat_grad.to(reduce_dtype))
             return Pending()
+        if self.narrow_wire(flat_grad, reduce_dtype):
+            received, work = self._exchange(flat_grad, async_op=True)
+
+            def finish_exchange() -> None:  # the exchange has landed
+                accumulate(self._average_exchanged(received, reduce_dtype))
+
+            return Pending(work=work, keep=[flat_grad, received], then=finish_exchange)
         inp = flat_grad.to(reduce_dtype)
         out = self._shard_output(inp)
         works = self._reduce_into(out, inp, async_op=True)
@@ -132,59 +141,21 @@ class Groups:
 
         return Pending(work=works[0], keep=[inp], then=finish)
 
-    def narrow_wire(self, grad_dtype: torch.dtype, reduce_dtype: torch.dtype) -> bool:
-        """Whether gradients in `grad_dtype` travel as they are and are averaged in `reduce_dtype` on arrival.
+    def narrow_wire(self, flat_grad: torch.Tensor, reduce_dtype: torch.dtype) -> bool:
+        """Whether `flat_grad` travels in its own narrower dtype and is summed in `reduce_dtype` on arrival.
 
         Note: a bf16 gradient widened to fp32 is exact, so exchanging the bf16 values and adding them in
         fp32 gives the fp32 reduction at half the bytes (bit-identical to it on two ranks, where the sum
         is one addition); accumulated gradients are wider than bf16 and take the fp32 reduce-scatter.
         """
-        return self.shard_world > 1 and grad_dtype.itemsize < reduce_dtype.itemsize
+        return self.shard_world > 1 and flat_grad.element_size() < reduce_dtype.itemsize
 
-    def _reduce_pieces(self, pieces: GradientPieces, reduce_dtype: torch.dtype,
-                       accumulate: Callable[[torch.Tensor], None]) -> Pending:
-        keep = list(pieces.parts)
-        if not self.cuda:
-            received, works = self._exchange(pieces)
-
-            def finish_exchange() -> None:  # the exchange has landed
-                for w in works[1:]:
-                    w.wait()
-                accumulate(self._average_exchanged(received, reduce_dtype))
-
-            return Pending(work=works[0] if works else None, keep=keep + [received], then=finish_exchange)
-        self.reduce_stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.reduce_stream):
-            received, works = self._exchange(pieces)
-            for w in works:
-                w.wait()  # the reduce stream waits for the transfers (the host does not)
-        self.average_stream.wait_stream(self.reduce_stream)
-        with torch.cuda.stream(self.average_stream):
-            accumulate(self._average_exchanged(received, reduce_dtype))
-        return self._finish_cuda(self.average_stream, keep=keep + [received])
-
-    def _exchange(self, pieces: GradientPieces) -> tuple[torch.Tensor, list]:
-        """Rank r receives every rank's piece of the gradient that falls into shard r, as row `sender`
-        of a (ranks, shard) buffer; this rank's own row is copied locally. Returns the buffer and the
-        issued point-to-point works."""
-        me, world = self.shard_rank, self.shard_world
-        shard_numel = pieces.layout.shard_numel
-        received = torch.empty(world, shard_numel, dtype=pieces.dtype, device=pieces.device)
-        pad = pieces.padding_start(me)
-        if pad < shard_numel:
-            received[:, pad:].zero_()
-        own = list(pieces.chunk(me))
-        if own:
-            torch._foreach_copy_([received[me, at:at + p.numel()] for at, p in own], [p for _, p in own])
-        ops = []
-        for peer in range(world):
-            if peer == me:
-                continue
-            global_peer = dist.get_global_rank(self.shard, peer)
-            ops += [dist.P2POp(dist.isend, p, global_peer, self.shard) for _, p in pieces.chunk(peer)]
-            ops += [dist.P2POp(dist.irecv, received[peer, at:at + p.numel()], global_peer, self.shard)
-                    for at, p in own]
-        return received, dist.batch_isend_irecv(ops) if ops else []
+    def _exchange(self, flat_grad: torch.Tensor, *, async_op: bool):
+        """All-to-all: rank r receives every rank's r-th chunk of `flat_grad` (as raw bytes)."""
+        received = torch.empty_like(flat_grad)
+        work = dist.all_to_all_single(received.view(torch.uint8), flat_grad.view(torch.uint8), group=self.shard,
+                                      async_op=async_op)
+        return received, work
 
     def _average_received(self, received: torch.Tensor, reduce_dtype: torch.dtype) -> torch.Tensor:
         """The shard group's mean of the received chunks, widened to `reduce_dtype`.

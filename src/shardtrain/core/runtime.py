@@ -19,7 +19,6 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ..strategy import Strategy
 from .comm import Groups, Pending
-from .pieces import GradientPieces
 from .unit import ShardUnit, UnitState
 
 if TYPE_CHECKING:
@@ -48,7 +47,7 @@ class Runtime:
         self._next_forward: dict[int, list[ShardUnit]] = {}
         self._next_backward: dict[int, list[ShardUnit]] = {}
         self._last_reduce: Pending | None = None
-        self._deferred: tuple[ShardUnit, torch.Tensor | GradientPieces] | None = None
+        self._deferred: tuple[ShardUnit, torch.Tensor] | None = None
 
     # ------------------------------------------------------------------ hooks
     def register(self, unit: ShardUnit, module: torch.nn.Module) -> None:
@@ -120,7 +119,7 @@ class Runtime:
         unit.prepare_views(in_backward=True)
 
     # ------------------------------------------------------------------ gradient reduction
-    def defer_reduce(self, unit: ShardUnit, flat: torch.Tensor | GradientPieces) -> None:
+    def defer_reduce(self, unit: ShardUnit, flat: torch.Tensor) -> None:
         """Issue `unit`'s reduction at the next hook, once its backward node has returned.
 
         Note: autograd holds a node's incoming per-parameter gradients until the node returns; issuing

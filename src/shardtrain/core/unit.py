@@ -21,7 +21,6 @@ from torch import nn
 
 from .comm import Groups, Pending
 from .flat import FlatLayout
-from .pieces import GradientPieces
 
 
 class UnitState(enum.Enum):
@@ -218,6 +217,9 @@ class ShardUnit:
             else:
                 self.used[i] = True
                 parts.append(g.reshape(-1))
+        pad = self.layout.padded_numel - self.layout.numel
+        if pad:
+            parts.append(torch.zeros(pad, dtype=dtype, device=device))
         # Note: release the unsharded parameters before allocating the reduction buffers, so the
         # two never coexist (the root's are the largest of the step).
         self._views = None
@@ -225,17 +227,15 @@ class ShardUnit:
             self.reshard()
         else:
             self.uninstall_views()
-        # bf16 gradients of a synchronising backward travel as autograd made them (GradientPieces,
-        # Groups.narrow_wire); otherwise one copy into the flat gradient in the reduction dtype.
-        if (self._accumulated is None and self.runtime.sync_gradients
-                and self.groups.narrow_wire(dtype, self.behaviour.reduce_dtype)):
-            self.runtime.defer_reduce(self, GradientPieces(parts=tuple(parts), layout=self.layout))
-            return
-        pad = self.layout.padded_numel - self.layout.numel
-        if pad:
-            parts.append(torch.zeros(pad, dtype=dtype, device=device))
-        flat = torch.cat(parts, out=torch.empty(self.layout.padded_numel, device=device,
-                                                dtype=self.behaviour.reduce_dtype))
+        # One copy into the flat gradient: in the reduction dtype when it accumulates over micro-batches,
+        # else in the parameters' dtype, which the reduction widens exactly on arrival (Groups.narrow_wire).
+        read_only = self._accumulated is None and self.runtime.sync_gradients
+        narrow = read_only and self.layout.shard_world > 1 and dtype.itemsize < self.behaviour.reduce_dtype.itemsize
+        flat_dtype = dtype if narrow else self.behaviour.reduce_dtype
+        if read_only and len(parts) == 1 and parts[0].dtype == flat_dtype:
+            flat = parts[0]  # one parameter, no padding (the embedding): reduced as autograd made it, uncopied
+        else:
+            flat = torch.cat(parts, out=torch.empty(self.layout.padded_numel, device=device, dtype=flat_dtype))
         if self._accumulated is not None:
             self._accumulated += flat
             flat = self._accumulated
@@ -256,7 +256,7 @@ class ShardUnit:
             self.sharded_grad = None
             self._grad_views = []
 
-    def issue_reduce(self, flat: torch.Tensor | GradientPieces) -> None:
+    def issue_reduce(self, flat: torch.Tensor) -> None:
         """Reduce `flat` (this unit's full gradient) into the sharded gradient, asynchronously."""
         fresh = [p.grad is None for p in self.shard_params]
         overwrite = self.sharded_grad is None or all(fresh)

@@ -3,7 +3,7 @@
 import pytest
 
 from shardtrain.bench.intervals import difference, total, union
-from shardtrain.bench.profile import breakdown_from_events
+from shardtrain.bench.profile import breakdown_from_events, short_kernel_name
 
 
 def test_union_merges_overlapping_and_touching_and_drops_empty():
@@ -47,6 +47,19 @@ def test_breakdown_partitions_the_window():
     assert b.idle_ms == pytest.approx(9 / 2 / 1000)
     assert b.comm_ms == pytest.approx(25 / 2 / 1000)
     assert b.compute_ms + b.exposed_comm_ms + b.exposed_copy_ms + b.idle_ms == pytest.approx(b.step_ms)
+    # The compute stream's gaps, in time order, with what overlapped them most.
+    assert [(g.at_ms, g.ms, g.during) for g in b.gaps] == [
+        (pytest.approx(0.040), pytest.approx(0.020), ("nccl AllGather", "direct_copy_kernel_cuda")),
+        (pytest.approx(0.090), pytest.approx(0.009), ()),
+    ]
+
+
+def test_short_kernel_names():
+    assert short_kernel_name("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)") == "nccl SendRecv"
+    assert short_kernel_name("void at::native::(anonymous namespace)::CatArrayBatchedCopy<at::native::"
+                             "(anonymous namespace)::OpaqueType<2u>, unsigned int>(int)") == "CatArrayBatchedCopy"
+    assert short_kernel_name("nvjet_sm90_tst_320x128_64x3_1x2_h_bz_coopB_NNT") == "nvjet_sm90_tst_320x128_64x3_1x2_h_bz_coopB_NNT"
+    assert short_kernel_name("Memcpy DtoD (Device -> Device)") == "Memcpy DtoD"
 
 
 def test_breakdown_without_device_events_is_none():

@@ -23,7 +23,9 @@ def record(engine, step_ms, loss, *, device="cuda", breakdown=None, nproc=2):
 
 
 BREAKDOWN = {"steps": 2, "step_ms": 200.0, "compute_ms": 150.0, "exposed_comm_ms": 30.0,
-             "exposed_copy_ms": 10.0, "idle_ms": 10.0, "comm_ms": 120.0}
+             "exposed_copy_ms": 10.0, "idle_ms": 10.0, "comm_ms": 120.0,
+             "gaps": [{"at_ms": 0.0, "ms": 2.25, "during": ["nccl AllGather", "bfloat16_copy_kernel_cuda"]},
+                      {"at_ms": 199.0, "ms": 0.5, "during": []}]}
 
 
 def rows():
@@ -78,6 +80,9 @@ def test_breakdown_table_and_render():
     text = render(rows())
     assert "MFU = (6·(params − embedding)" in text and "790 TFLOP/s" in text
     assert "CUDA out of memory" in text
+    assert "Longest compute-stream gaps" in text
+    gap_lines = [line.split() for line in text.splitlines() if "nccl AllGather" in line or "waiting for" in line]
+    assert gap_lines[0][3:6] == ["0.0", "2.25", "nccl"] and gap_lines[1][3:6] == ["199.0", "0.50", "nothing"]
 
 
 def test_read_outcome_prefers_a_result_then_out_of_memory(tmp_path):

@@ -8,7 +8,8 @@ From the device events of the trace (kernels, memcpy, memset), per step:
   neither compute nor NCCL does;
 - idle: the rest of the window from the first to the last device event (waits on the host).
 
-The four add up to the window, so they show what a faster engine must remove.
+The four add up to the window, so they show what a faster engine must remove. `gaps` lists where:
+the longest stretches with the compute stream idle, and what the other streams ran meanwhile.
 """
 
 from __future__ import annotations
@@ -26,6 +27,17 @@ import torch
 from .intervals import difference, total, union
 
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+GAPS_LISTED = 5
+
+
+@dataclass(frozen=True, kw_only=True)
+class Gap:
+    """A stretch with the compute stream idle: where (ms from the first device event), how long, and
+    the other streams' work that overlapped it most (empty: the device waited for the host)."""
+
+    at_ms: float
+    ms: float
+    during: tuple[str, ...]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,6 +51,7 @@ class Breakdown:
     exposed_copy_ms: float
     idle_ms: float
     comm_ms: float  # all NCCL kernel time, hidden or not
+    gaps: tuple[Gap, ...] = ()  # the longest compute-stream gaps of the profiled window
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -60,7 +73,8 @@ def breakdown_from_events(events: list[dict], *, steps: int) -> Breakdown | None
     compute = union(busy_by_stream.get(compute_stream, []))
     comm = union(s for s, c in zip(spans, comm_flags) if c)
     copies = union(s for s, c, st in zip(spans, comm_flags, streams) if not c and st != compute_stream)
-    window = max(end for _, end in spans) - min(start for start, _ in spans)
+    window_start = min(start for start, _ in spans)
+    window = max(end for _, end in spans) - window_start
     exposed_comm = difference(comm, compute)
     exposed_copy = difference(copies, compute + comm)
     busy = total(compute + comm + copies)
@@ -73,7 +87,34 @@ def breakdown_from_events(events: list[dict], *, steps: int) -> Breakdown | None
         exposed_copy_ms=total(exposed_copy) * per_step,
         idle_ms=(window - busy) * per_step,
         comm_ms=total(comm) * per_step,
+        gaps=_longest_gaps(spans, device, compute, origin=window_start),
     )
+
+
+def _longest_gaps(spans: list[tuple[float, float]], events: list[dict], compute: list[tuple[float, float]], *,
+                  origin: float) -> tuple[Gap, ...]:
+    """The GAPS_LISTED longest compute-stream gaps, in time order. Note: only other streams' work can
+    overlap a gap of the compute stream, so every event that does is named."""
+    idle = difference([(origin, max(end for _, end in spans))], compute)
+    gaps = []
+    for start, end in sorted(idle, key=lambda gap: gap[0] - gap[1])[:GAPS_LISTED]:
+        overlap: dict[str, float] = {}
+        for (a, b), event in zip(spans, events):
+            if a < end and b > start:
+                name = short_kernel_name(event.get("name", ""))
+                overlap[name] = overlap.get(name, 0.0) + min(b, end) - max(a, start)
+        during = tuple(sorted(overlap, key=lambda name: -overlap[name])[:2])
+        gaps.append(Gap(at_ms=(start - origin) / 1000.0, ms=(end - start) / 1000.0, during=during))
+    return tuple(sorted(gaps, key=lambda gap: gap.at_ms))
+
+
+def short_kernel_name(name: str) -> str:
+    """`void at::native::(anonymous namespace)::CatArrayBatchedCopy<...>(...)` -> `CatArrayBatchedCopy`;
+    NCCL kernels by their collective (`nccl AllGather`)."""
+    if name.startswith("ncclDevKernel_"):
+        return "nccl " + name.removeprefix("ncclDevKernel_").split("_")[0].split("(")[0]
+    base = name.removeprefix("void ").replace("(anonymous namespace)::", "").split("<")[0].split("(")[0]
+    return base.rsplit("::", 1)[-1].strip() or name[:40]
 
 
 def profile_steps(step: Callable[[], None], *, steps: int, device: torch.device,

@@ -70,6 +70,18 @@ def breakdown_table(rows: list[Row]) -> str | None:
     return format_table(headers, body)
 
 
+def gaps_table(rows: list[Row]) -> str | None:
+    """The longest compute-stream gaps of each profiled row and what ran meanwhile; None if none."""
+    body = []
+    for r in rows:
+        for gap in (r.breakdown or {}).get("gaps", ()) if r.ok else ():
+            body.append([r.size, r.label, f"{gap['at_ms']:.1f}", f"{gap['ms']:.2f}",
+                         ", ".join(gap["during"]) or "nothing (waiting for the host)"])
+    if not body:
+        return None
+    return format_table(["size", "engine", "at ms", "gap ms", "running meanwhile"], body)
+
+
 def footnotes(rows: list[Row]) -> str:
     lines = []
     peaks = {r.peak_tflops for r in rows if r.peak_tflops}
@@ -98,5 +110,8 @@ def render(rows: list[Row]) -> str:
     breakdown = breakdown_table(rows)
     if breakdown:
         parts += ["", "Step-time breakdown (profiler, rank 0, ms per step):", breakdown]
+    gaps = gaps_table(rows)
+    if gaps:
+        parts += ["", "Longest compute-stream gaps in the profiled steps (rank 0):", gaps]
     parts += ["", footnotes(rows)]
     return "\n".join(parts)

@@ -3,8 +3,8 @@
 On CUDA each kind of collective runs on its own high-priority stream, ordered against the compute
 stream with events, so the CPU never blocks. The elementwise work around them (the cast into the
 all-gather input, the fp32 average of received gradients) runs on side streams of its own. On CPU
-the Gloo work handle runs in Gloo's threads and `wait()` joins it. Both are hidden behind `Pending`, whose `wait()` makes the results usable on
-the compute stream (CUDA) or on the host (CPU).
+the Gloo work handle runs in Gloo's threads and `wait()` joins it. Both are hidden behind `Pending`,
+whose `wait()` makes the results usable on the compute stream (CUDA) or on the host (CPU).
 """
 
 from __future__ import annotations
@@ -161,8 +161,9 @@ class Groups:
         """The shard group's mean of the received chunks, widened to `reduce_dtype`.
 
         Note: one kernel (the sum and the scaling by 1/N fused); a separate division pass over the
-        fp32 shard cost as much SM time as the sum. A torch.compile'd pointwise kernel was twice as fast
-        alone (0.21 vs 0.43 ms for an 8B block on an H200) but the 2-GPU step with it ran a third slower (cause not found), so torch's kernel stays.
+        fp32 shard cost as much SM time as the sum. A torch.compile'd pointwise kernel was twice as
+        fast alone (0.21 vs 0.43 ms for an 8B block on an H200), but the 2-GPU step with it ran a
+        third slower (cause not found), so torch's kernel stays.
         """
         return received.view(self.shard_world, -1).mean(dim=0, dtype=reduce_dtype)
 

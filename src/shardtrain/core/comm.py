@@ -103,13 +103,13 @@ class Groups:
         """Average `flat_grad` over all data-parallel ranks, keep this rank's shard, pass it to `accumulate`.
 
         Inside a shard group the gradient is reduce-scattered, or, when it is narrower than
-        `reduce_dtype`, exchanged as it is and summed here in `reduce_dtype` (`narrow_wire`); across
+        `reduce_dtype`, exchanged as it is and averaged here in `reduce_dtype` (`narrow_wire`); across
         replicas (hybrid) the shard is then all-reduced. `accumulate(shard_grad)` gets the averaged
         shard in `reduce_dtype`.
         """
         if self.cuda:
             self.reduce_stream.wait_stream(torch.cuda.current_stream())
-            if self.narrow_wire(flat_grad, reduce_dtype):
+            if self.narrow_wire(flat_grad.dtype, reduce_dtype):
                 with torch.cuda.stream(self.reduce_stream):
                     received, _ = self._exchange(flat_grad, async_op=False)
                 self.average_stream.wait_stream(self.reduce_stream)
@@ -122,7 +122,7 @@ class Groups:
         if self.data_parallel_world == 1:
             accumulate(flat_grad.to(reduce_dtype))
             return Pending()
-        if self.narrow_wire(flat_grad, reduce_dtype):
+        if self.narrow_wire(flat_grad.dtype, reduce_dtype):
             received, work = self._exchange(flat_grad, async_op=True)
 
             def finish_exchange() -> None:  # the exchange has landed
@@ -141,14 +141,14 @@ class Groups:
 
         return Pending(work=works[0], keep=[inp], then=finish)
 
-    def narrow_wire(self, flat_grad: torch.Tensor, reduce_dtype: torch.dtype) -> bool:
-        """Whether `flat_grad` travels in its own narrower dtype and is summed in `reduce_dtype` on arrival.
+    def narrow_wire(self, grad_dtype: torch.dtype, reduce_dtype: torch.dtype) -> bool:
+        """Whether gradients in `grad_dtype` travel as they are and are averaged in `reduce_dtype` on arrival.
 
         Note: a bf16 gradient widened to fp32 is exact, so exchanging the bf16 values and adding them in
         fp32 gives the fp32 reduction at half the bytes (bit-identical to it on two ranks, where the sum
         is one addition); accumulated gradients are wider than bf16 and take the fp32 reduce-scatter.
         """
-        return self.shard_world > 1 and flat_grad.element_size() < reduce_dtype.itemsize
+        return self.shard_world > 1 and grad_dtype.itemsize < reduce_dtype.itemsize
 
     def _exchange(self, flat_grad: torch.Tensor, *, async_op: bool):
         """All-to-all: rank r receives every rank's r-th chunk of `flat_grad` (as raw bytes)."""

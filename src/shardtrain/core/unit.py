@@ -230,7 +230,7 @@ class ShardUnit:
         # One copy into the flat gradient: in the reduction dtype when it accumulates over micro-batches,
         # else in the parameters' dtype, which the reduction widens exactly on arrival (Groups.narrow_wire).
         read_only = self._accumulated is None and self.runtime.sync_gradients
-        narrow = read_only and self.layout.shard_world > 1 and dtype.itemsize < self.behaviour.reduce_dtype.itemsize
+        narrow = read_only and self.groups.narrow_wire(dtype, self.behaviour.reduce_dtype)
         flat_dtype = dtype if narrow else self.behaviour.reduce_dtype
         if read_only and len(parts) == 1 and parts[0].dtype == flat_dtype:
             flat = parts[0]  # one parameter, no padding (the embedding): reduced as autograd made it, uncopied

@@ -6,12 +6,29 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardtrain.models.llama import Block, Llama, llama_config
+from shardtrain.models.llama import SHARD_UNITS, Block, Llama, llama_config
 
 
 def tiny_llama() -> Llama:
     """(a) A Llama-style transformer with tied input/output embeddings."""
     return Llama(llama_config("tiny", tie_embeddings=True, n_layers=3))
+
+
+def split_llama() -> Llama:
+    """(a') The Llama untied, for SHARD_UNITS: the embedding is a unit of its own (a sharded lookup)."""
+    return Llama(llama_config("tiny", n_layers=2))
+
+
+class PaddedBag(nn.Module):
+    """(d) An embedding with a padding index and a table whose rows straddle the shards of 3 and 4 ranks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(37, 6, padding_idx=3)
+        self.out = nn.Linear(6, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.embed(x)).mean(dim=1))
 
 
 class ConvNet(nn.Module):
@@ -71,9 +88,11 @@ def make_batches(kind: str, *, steps: int, global_batch: int, seed: int = 1234):
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(steps):
-        if kind == "llama":
+        if kind.endswith("llama"):
             toks = torch.randint(0, 256, (global_batch, 17), generator=g)
             out.append((toks[:, :-1], toks[:, 1:]))
+        elif kind == "bag":
+            out.append((torch.randint(0, 37, (global_batch, 9), generator=g), torch.randint(0, 5, (global_batch,), generator=g)))
         elif kind == "cnn":
             out.append((torch.randn(global_batch, 3, 6, 6, generator=g), torch.randint(0, 5, (global_batch,), generator=g)))
         else:
@@ -85,4 +104,6 @@ MODELS = {
     "llama": (tiny_llama, {Block}),
     "cnn": (ConvNet, None),  # wrap given per test: a SizePolicy
     "frozen": (FrozenShared, {Residual}),
+    "split_llama": (split_llama, SHARD_UNITS),
+    "bag": (PaddedBag, {nn.Embedding}),
 }

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 import shardtrain as st
+from shardtrain.models.llama import Block
 from tests.models import MODELS, lm_loss, make_batches
 
 FP32_TOL = dict(rtol=1.3e-6, atol=1e-5)
@@ -52,7 +53,8 @@ def wrap_policy(kind: str):
 
 
 def ac_policy(kind: str):
-    return {"llama": MODELS["llama"][1], "frozen": MODELS["frozen"][1]}.get(kind, lambda m: isinstance(m, nn.Linear))
+    return {"llama": MODELS["llama"][1], "split_llama": {Block}, "frozen": MODELS["frozen"][1]}.get(
+        kind, lambda m: isinstance(m, nn.Linear))
 
 
 def make_optimizer(model: nn.Module, name: str) -> torch.optim.Optimizer:

@@ -62,3 +62,28 @@ def test_parity_bf16_exchange_on_three_ranks(pools):
     # differs from the reference there too).
     cases = [Case(strategy=s, optim="sgd", precision="bf16") for s in ["full_shard", "shard_grad_op"]]
     assert pools(3).run(run_cases, "llama", cases) == [len(cases)] * 3
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_parity_sharded_lookup(pools, world):
+    # The embedding as a unit of its own looks rows up where they are held (core/lookup.py); three
+    # ranks split the tiny Llama's rows between shards. Note: SGD on three ranks, for the reason of
+    # test_parity_bf16_exchange_on_three_ranks (rarely used rows have near-zero gradients).
+    cases = [Case(strategy="full_shard", optim="sgd"), Case(strategy="shard_grad_op", optim="sgd", accum="no_sync"),
+             Case(strategy="full_shard", optim="sgd", accum="plain", ac=True, clip=0.05),
+             Case(strategy="full_shard", optim="sgd", precision="bf16")]
+    if world == 2:
+        cases += [Case(strategy="full_shard", optim="adamw_fused", accum="no_sync"),
+                  Case(strategy="full_shard", precision="bf16"),
+                  Case(strategy="shard_grad_op", precision="fp16", accum="no_sync")]
+    assert pools(world).run(run_cases, "split_llama", cases) == [len(cases)] * world
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_parity_sharded_lookup_with_a_padding_index_and_rows_across_shards(pools, world):
+    cases = [Case(strategy="full_shard", optim="adamw"), Case(strategy="full_shard", optim="sgd", accum="no_sync"),
+             Case(strategy="full_shard", precision="bf16")]
+    if world == 4:
+        cases += [Case(strategy="hybrid_shard", optim="adamw", accum="no_sync", mesh=(2, 2)),
+                  Case(strategy="hybrid_shard", precision="bf16", mesh=(2, 2))]
+    assert pools(world).run(run_cases, "bag", cases) == [len(cases)] * world

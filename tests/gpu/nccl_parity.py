@@ -35,6 +35,10 @@ def main() -> None:
               for s in ["full_shard", "optimizer_only"]]
     cases += [("llama", Case(strategy="full_shard", offload=0.5, accum="no_sync", clip=0.05, optim="adamw_fused"))]
     cases += [("llama", Case(strategy="optimizer_only", optim="adamw_fused"))]
+    # The embedding as its own unit: a sharded lookup (core/lookup.py), over NCCL with bf16 rows.
+    cases += [("split_llama", Case(strategy="full_shard", precision="bf16", optim="adamw_fused")),
+              ("split_llama", Case(strategy="shard_grad_op", optim="adamw_fused", accum="no_sync", ac=True)),
+              ("bag", Case(strategy="full_shard", optim="sgd"))]
     failed = 0
     for kind, case in cases:
         try:

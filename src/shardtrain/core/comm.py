@@ -173,10 +173,14 @@ class Groups:
 
     def _average_exchanged(self, received: torch.Tensor, reduce_dtype: torch.dtype) -> torch.Tensor:
         """Average what the exchange delivered over the shard group here, then across replicas."""
-        out = self._average_received(received, reduce_dtype)
-        self._reduce_into(out, out, async_op=False, replicas_only=True)
-        self._finish_average(out, over_replicas=True)
-        return out
+        return self.average_over_replicas(self._average_received(received, reduce_dtype))
+
+    def average_over_replicas(self, shard_grad: torch.Tensor) -> torch.Tensor:
+        """Average, in place, a shard gradient that is already the shard group's mean over the
+        replicas (hybrid; nothing to do otherwise) and return it."""
+        self._reduce_into(shard_grad, shard_grad, async_op=False, replicas_only=True)
+        self._finish_average(shard_grad, over_replicas=True)
+        return shard_grad
 
     def _reduce_scatter_average(self, flat_grad: torch.Tensor, reduce_dtype: torch.dtype) -> torch.Tensor:
         inp = flat_grad.to(reduce_dtype)

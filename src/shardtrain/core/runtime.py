@@ -99,7 +99,9 @@ class Runtime:
         return output
 
     def _freeze_order(self) -> None:
-        fwd, bwd = self._forward_order, list(reversed(self._post_forward_order))
+        # Note: units that never gather (sharded lookups) take no prefetch slot.
+        fwd = [u for u in self._forward_order if u.gathers]
+        bwd = [u for u in reversed(self._post_forward_order) if u.gathers]
         depth = self.prefetch_depth
         self._next_forward = {u.index: fwd[i + 1:i + 1 + depth] for i, u in enumerate(fwd)}
         self._next_backward = {u.index: bwd[i + 1:i + 1 + depth] for i, u in enumerate(bwd)}

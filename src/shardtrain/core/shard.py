@@ -14,6 +14,7 @@ from ..strategy import Strategy, parse_strategy
 from .comm import Groups
 from .flat import build_layout
 from .groups import control_group, require_process_group, resolve_device, resolve_groups
+from .lookup import LookupUnit, runs_sharded_lookup
 from .materialize import Materializer, current_tensors, flatten_and_shard
 from .pinned import PinnedBuffers
 from .recompute import apply_activation_checkpointing
@@ -109,8 +110,13 @@ def shard(
             reduce_dtype=precision.reduce_dtype or flat_shard.dtype,
             offload=offload,
         )
-        unit = ShardUnit(index=index, name=spec.name, layout=layout, shard=flat_shard,
-                         installs=_installs(spec.occurrences), groups=groups, behaviour=behaviour, runtime=runtime)
+        installs = _installs(spec.occurrences)
+        unit_kwargs = dict(index=index, name=spec.name, layout=layout, shard=flat_shard, installs=installs,
+                           groups=groups, behaviour=behaviour, runtime=runtime)
+        if runs_sharded_lookup(spec.module, layout=layout, installs=installs, behaviour=behaviour):
+            unit = LookupUnit(module=spec.module, **unit_kwargs)
+        else:
+            unit = ShardUnit(**unit_kwargs)
         _register_shard_params(spec.occurrences, unit.shard_params)
         runtime.register(unit, spec.module)
     _place_buffers(model, device, precision.buffer_dtype, broadcast_group)

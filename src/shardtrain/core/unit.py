@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -65,6 +66,8 @@ class _ParamViews(torch.autograd.Function):
 
 
 class ShardUnit:
+    gathers = True  # whether unshard() issues an all-gather (prefetching it is worth an order slot)
+
     def __init__(self, *, index: int, name: str, layout: FlatLayout, shard: torch.Tensor,
                  installs: list[tuple[dict, str, int]], groups: Groups, behaviour: UnitBehaviour,
                  runtime) -> None:
@@ -258,14 +261,26 @@ class ShardUnit:
 
     def issue_reduce(self, flat: torch.Tensor) -> None:
         """Reduce `flat` (this unit's full gradient) into the sharded gradient, asynchronously."""
+        pending = self.groups.reduce_gradient(flat, reduce_dtype=self.behaviour.reduce_dtype,
+                                              accumulate=self._receiver())
+        self.runtime.track_reduce(self, pending)
+
+    def take_reduced(self, shard_grad: torch.Tensor) -> None:
+        """Make `shard_grad` (averaged over all ranks, in the reduction dtype) this step's gradient."""
+        self._receiver()(shard_grad)
+
+    def _receiver(self) -> Callable[[torch.Tensor], None]:
+        """How a reduced shard gradient joins `.grad`, decided now, while the reduction may land later.
+
+        Note: a fresh step adopts the reduction's output as the gradient; only accumulation (no
+        zero_grad between backwards) adds into the existing one.
+        """
         fresh = [p.grad is None for p in self.shard_params]
         overwrite = self.sharded_grad is None or all(fresh)
         target = self.sharded_grad
         stale = [] if overwrite else [v for v, f in zip(self._grad_views, fresh) if f]
 
         def accumulate(shard_grad: torch.Tensor) -> None:
-            # Note: a fresh step adopts the reduction's output as the gradient; only accumulation
-            # (no zero_grad between backwards) adds into the existing one.
             if overwrite:
                 self._adopt_grad(shard_grad)
                 return
@@ -273,8 +288,7 @@ class ShardUnit:
                 v.zero_()
             target.add_(shard_grad.to(target.device))
 
-        pending = self.groups.reduce_gradient(flat, reduce_dtype=self.behaviour.reduce_dtype, accumulate=accumulate)
-        self.runtime.track_reduce(self, pending)
+        return accumulate
 
     def owns_grads(self) -> bool:
         """Whether every gradient-carrying parameter's `.grad` is still the view into `sharded_grad`."""

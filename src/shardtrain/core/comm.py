@@ -16,6 +16,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from .average import mean_of_chunks
+
 # Note: torch 2.13 renamed the tensor collectives (*_single); 2.11 only has the old names.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -158,14 +160,8 @@ class Groups:
         return received, work
 
     def _average_received(self, received: torch.Tensor, reduce_dtype: torch.dtype) -> torch.Tensor:
-        """The shard group's mean of the received chunks, widened to `reduce_dtype`.
-
-        Note: one kernel (the sum and the scaling by 1/N fused); a separate division pass over the
-        fp32 shard cost as much SM time as the sum. A torch.compile'd pointwise kernel was twice as
-        fast alone (0.21 vs 0.43 ms for an 8B block on an H200), but the 2-GPU step with it ran a
-        third slower (cause not found), so torch's kernel stays.
-        """
-        return received.view(self.shard_world, -1).mean(dim=0, dtype=reduce_dtype)
+        """The shard group's mean of the received chunks, widened to `reduce_dtype` (core/average.py)."""
+        return mean_of_chunks(received, self.shard_world, reduce_dtype)
 
     def _shard_output(self, inp: torch.Tensor) -> torch.Tensor:
         return torch.empty(inp.numel() // self.shard_world, dtype=inp.dtype, device=inp.device) \

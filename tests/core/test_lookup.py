@@ -108,3 +108,20 @@ def test_frozen_table_int32_ids_and_float_ids(pools):
     seen = pools(2).run(frozen_table_and_int32_ids)[0]
     assert seen["units"] == ["embed"] and seen["embed_grads"] == [None] and seen["head_grad"]
     assert "embedding indices must be int32 or int64, got torch.float32" in seen["bad"]
+
+
+def prefetch_order_skips_lookups() -> dict[str, list[str]]:
+    torch.manual_seed(0)
+    model = st.shard(split_llama(), wrap=SHARD_UNITS)
+    model(torch.randint(0, 256, (2, 8))).float().sum().backward()
+    runtime = runtime_of(model)
+    names = {u.index: u.name for u in runtime.units}
+    return {"after_root": [u.name for u in runtime._next_forward[0]],
+            "forward_prefetchers": sorted(names[i] for i, nxt in runtime._next_forward.items() if nxt)}
+
+
+def test_prefetch_order_skips_the_lookup(pools):
+    # The root's pre-forward prefetches the first block: the embedding between them never gathers.
+    seen = pools(2).run(prefetch_order_skips_lookups)[0]
+    assert seen["after_root"] == ["layers.0"]
+    assert "embed" not in seen["forward_prefetchers"]

@@ -30,7 +30,8 @@ def test_ideal_runs_first_in_one_process_and_profiling_only_in_the_first_repeat(
     plan = planned_runs(options(sizes=("tiny",), ideal=True, profile_steps=2, trace_dir="/traces"))
     ideal, *engines = plan
     assert len(engines) == 6 and all(spec.engine != "ideal" for spec, _, _ in engines)
-    assert ideal[0].engine == "ideal" and ideal[1] == 1 and ideal[0].shard_world == 2 and not ideal[0].profile_steps
+    assert ideal[0].engine == "ideal" and ideal[1] == 1 and ideal[0].shard_world == 2
+    assert ideal[0].profile_steps == 2 and ideal[0].trace_path == "/traces/trace_tiny_ideal.json.gz"
     profiled = [spec for spec, _, repeat in engines if spec.profile_steps]
     assert [s.engine for s in profiled] == ["shardtrain", "fsdp2", "ddp"]
     assert profiled[0].trace_path == "/traces/trace_tiny_shardtrain.json.gz"

@@ -82,17 +82,23 @@ def planned_runs(options: BenchOptions) -> list[tuple[RunSpec, int, int]]:
     plan = []
     for size in options.sizes:
         if options.ideal:  # first: a reference that a time budget should not cut
-            plan.append((options.spec(size=size, engine=IDEAL), 1, 0))
+            plan.append((_profiled(options, options.spec(size=size, engine=IDEAL)), 1, 0))
         for repeat in range(options.repeats):
             shift = repeat % len(options.engines)
             for engine in options.engines[shift:] + options.engines[:shift]:
                 spec = options.spec(size=size, engine=engine)
-                if repeat == 0 and options.profile_steps:
-                    name = f"trace_{size}_{engine}.json.gz"
-                    spec = replace(spec, profile_steps=options.profile_steps,
-                                   trace_path=os.path.join(options.trace_dir, name) if options.trace_dir else "")
-                plan.append((spec, options.nproc, repeat))
+                plan.append((_profiled(options, spec) if repeat == 0 else spec, options.nproc, repeat))
     return plan
+
+
+def _profiled(options: BenchOptions, spec: RunSpec) -> RunSpec:
+    """`spec` with the profiler on when --profile asks for it (the ideal step too: its compute time is
+    what the engines' compute time compares with)."""
+    if not options.profile_steps:
+        return spec
+    name = f"trace_{spec.size}_{spec.engine}.json.gz"
+    return replace(spec, profile_steps=options.profile_steps,
+                   trace_path=os.path.join(options.trace_dir, name) if options.trace_dir else "")
 
 
 def child_environment(*, device: str, nproc: int) -> dict[str, str]:

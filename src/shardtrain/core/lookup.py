@@ -62,6 +62,8 @@ class LookupUnit(ShardUnit):
     run around it (prefetching the next unit, marking the start of backward).
     """
 
+    gathers = False
+
     def __init__(self, *, module: nn.Embedding, **kwargs) -> None:
         super().__init__(**kwargs)
         self.module = module
@@ -74,8 +76,6 @@ class LookupUnit(ShardUnit):
         self._rows = math.ceil((self._lead + self._held) / self.dim)
         self._wire = self.behaviour.param_dtype if dist.get_backend(self.groups.shard) == "nccl" else self.shard.dtype
         module.forward = self.forward  # Note: an instance attribute; hooks run around it as before
-
-    gathers = False
 
     def unshard(self) -> None:
         return

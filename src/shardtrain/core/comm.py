@@ -172,8 +172,8 @@ class Groups:
         return self.average_over_replicas(self._average_received(received, reduce_dtype))
 
     def average_over_replicas(self, shard_grad: torch.Tensor) -> torch.Tensor:
-        """Average, in place, a shard gradient that is already the shard group's mean over the
-        replicas (hybrid; nothing to do otherwise) and return it."""
+        """Average over the replicas (hybrid; nothing to do otherwise), in place, a shard gradient
+        already averaged over the shard group, and return it."""
         self._reduce_into(shard_grad, shard_grad, async_op=False, replicas_only=True)
         self._finish_average(shard_grad, over_replicas=True)
         return shard_grad

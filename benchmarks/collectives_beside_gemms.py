@@ -5,8 +5,9 @@
 For a 1.5B and an 8B Llama block's shard (bf16 elements per rank), it times four all-gathers alone,
 six 8192³ bf16 GEMMs alone, and the GEMMs with the four all-gathers on a high-priority side stream
 beside them (wall time around a whole-device synchronize, so every stream's work counts). It does
-so for NCCL's ring all-gather and for torch's copy-engine all-gather on symmetric memory
-(`torch.ops.symm_mem._low_contention_all_gather`), and checks that both deliver the same bytes.
+so for NCCL's ring all-gather, for the same all-gathers issued two at a time as one NCCL group
+(one kernel for two units' gathers), and for torch's copy-engine all-gather on symmetric memory
+(`torch.ops.symm_mem._low_contention_all_gather`), and checks that they deliver the same bytes.
 Results of 2026-11-30 are in `results/2026-11-30-h200x2/session5/collectives_beside_gemms.txt`.
 """
 
@@ -59,18 +60,28 @@ def main() -> None:
         symmetric = symm_mem.empty(n, dtype=torch.bfloat16, device=device)
         symmetric.copy_(shard)
         symm_mem.rendezvous(symmetric, group=group_name)
+        second = torch.empty_like(gathered)
+
+        def grouped_pair() -> None:
+            # Note: with a device, c10d puts every collective inside into one NCCL group (one launch).
+            with dist.distributed_c10d._coalescing_manager(device=device):
+                dist.all_gather_into_tensor(gathered, shard)
+                dist.all_gather_into_tensor(second, shard)
+
         collectives = {
             "NCCL all-gather": lambda: dist.all_gather_into_tensor(gathered, shard),
+            "NCCL all-gathers grouped in pairs (per gather)": grouped_pair,
             "copy-engine all-gather": lambda: torch.ops.symm_mem._low_contention_all_gather(symmetric, group_name),
         }
         alone_gemms = wall_ms(gemms)
         for name, collective in collectives.items():
-            alone = wall_ms(lambda: [collective() for _ in range(COLLECTIVES)]) / COLLECTIVES
+            calls = COLLECTIVES // 2 if collective is grouped_pair else COLLECTIVES
+            alone = wall_ms(lambda: [collective() for _ in range(calls)]) / COLLECTIVES
 
-            def beside(collective=collective) -> None:
+            def beside(collective=collective, calls=calls) -> None:
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
-                    for _ in range(COLLECTIVES):
+                    for _ in range(calls):
                         collective()
                 gemms()
 
@@ -80,10 +91,12 @@ def main() -> None:
                       f"with {COLLECTIVES} beside {together:.2f} ms (+{together - alone_gemms:.2f} of "
                       f"{COLLECTIVES * alone:.2f} serial)", flush=True)
         copied = torch.ops.symm_mem._low_contention_all_gather(symmetric, group_name)
-        dist.all_gather_into_tensor(gathered, shard)
+        second.zero_()
+        grouped_pair()
         torch.cuda.synchronize()
         if rank == 0:
-            print(f"{label}: both all-gathers deliver the same bytes: {torch.equal(copied.view(-1), gathered)}")
+            same = torch.equal(copied.view(-1), gathered) and torch.equal(second, gathered)
+            print(f"{label}: all three deliver the same bytes: {same}")
     dist.barrier()
     dist.destroy_process_group()
 

@@ -46,6 +46,8 @@ def test_breakdown_partitions_the_window():
     assert b.exposed_copy_ms == pytest.approx(5 / 2 / 1000)
     assert b.idle_ms == pytest.approx(9 / 2 / 1000)
     assert b.comm_ms == pytest.approx(25 / 2 / 1000)
+    assert b.collectives == 0.5  # one NCCL kernel in two steps
+    assert b.beside_comm_ms == pytest.approx(10 / 2 / 1000)  # compute in [30, 40) ran beside it
     assert b.compute_ms + b.exposed_comm_ms + b.exposed_copy_ms + b.idle_ms == pytest.approx(b.step_ms)
     # The compute stream's gaps, in time order, with what overlapped them most.
     assert [(g.at_ms, g.ms, g.during) for g in b.gaps] == [

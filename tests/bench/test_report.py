@@ -23,7 +23,8 @@ def record(engine, step_ms, loss, *, device="cuda", breakdown=None, nproc=2):
 
 
 BREAKDOWN = {"steps": 2, "step_ms": 200.0, "compute_ms": 150.0, "exposed_comm_ms": 30.0,
-             "exposed_copy_ms": 10.0, "idle_ms": 10.0, "comm_ms": 120.0,
+             "exposed_copy_ms": 10.0, "idle_ms": 10.0, "comm_ms": 120.0, "collectives": 57.0,
+             "beside_comm_ms": 42.5,
              "gaps": [{"at_ms": 0.0, "ms": 2.25, "during": ["nccl AllGather", "bfloat16_copy_kernel_cuda"]},
                       {"at_ms": 199.0, "ms": 0.5, "during": []}]}
 
@@ -77,6 +78,7 @@ def test_cpu_table_shows_resident_memory():
 def test_breakdown_table_and_render():
     table = breakdown_table(rows())
     assert "150.0 (75%)" in table and "30.0 (15%)" in table and "120.0" in table
+    assert "NCCL kernels" in table and table.splitlines()[-1].split()[-2:] == ["57", "42.5"]
     text = render(rows())
     assert "MFU = (6·(params − embedding)" in text and "790 TFLOP/s" in text
     assert "CUDA out of memory" in text

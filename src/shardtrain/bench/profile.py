@@ -10,6 +10,10 @@ From the device events of the trace (kernels, memcpy, memset), per step:
 
 The four add up to the window, so they show what a faster engine must remove. `gaps` lists where:
 the longest stretches with the compute stream idle, and what the other streams ran meanwhile.
+Two more numbers show what the hidden communication costs: how many NCCL kernels a step launches
+and how much of the compute ran beside one. Note: a GEMM that starts beside an NCCL kernel runs
+short of the SMs that kernel holds; on 2 x H200 each collective cost about 0.22 ms of GEMM time
+whatever its size (BENCHMARKS.md), so both numbers matter as much as the exposed time.
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ class Breakdown:
     exposed_copy_ms: float
     idle_ms: float
     comm_ms: float  # all NCCL kernel time, hidden or not
+    collectives: float = 0.0  # NCCL kernels launched per step
+    beside_comm_ms: float = 0.0  # compute-stream time that overlapped an NCCL kernel
     gaps: tuple[Gap, ...] = ()  # the longest compute-stream gaps of the profiled window
 
     def to_dict(self) -> dict:
@@ -87,6 +93,8 @@ def breakdown_from_events(events: list[dict], *, steps: int) -> Breakdown | None
         exposed_copy_ms=total(exposed_copy) * per_step,
         idle_ms=(window - busy) * per_step,
         comm_ms=total(comm) * per_step,
+        collectives=sum(comm_flags) / steps,
+        beside_comm_ms=(total(compute) - total(difference(compute, comm))) * per_step,
         gaps=_longest_gaps(spans, device, compute, origin=window_start),
     )
 

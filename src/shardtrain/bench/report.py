@@ -60,13 +60,15 @@ def breakdown_table(rows: list[Row]) -> str | None:
     profiled = [r for r in rows if r.ok and r.breakdown]
     if not profiled:
         return None
-    headers = ["size", "engine", "step ms", "compute", "exposed comm", "exposed copies", "idle", "NCCL total"]
+    headers = ["size", "engine", "step ms", "compute", "exposed comm", "exposed copies", "idle", "NCCL total",
+               "NCCL kernels", "compute beside NCCL"]
     body = []
     for r in profiled:
         b = r.breakdown
         share = (lambda v: f"{v:.1f} ({100 * v / b['step_ms']:.0f}%)") if b["step_ms"] > 0 else (lambda v: f"{v:.1f}")
         body.append([r.size, r.label, f"{b['step_ms']:.1f}", share(b["compute_ms"]), share(b["exposed_comm_ms"]),
-                     share(b["exposed_copy_ms"]), share(b["idle_ms"]), f"{b['comm_ms']:.1f}"])
+                     share(b["exposed_copy_ms"]), share(b["idle_ms"]), f"{b['comm_ms']:.1f}",
+                     f"{b.get('collectives', 0.0):.0f}", f"{b.get('beside_comm_ms', 0.0):.1f}"])
     return format_table(headers, body)
 
 

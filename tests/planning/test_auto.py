@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import shardtrain as st
-from shardtrain.models.llama import Block, Llama, llama_config
+from shardtrain.models.llama import SHARD_UNITS, Block, Llama, llama_config
 from shardtrain.planning.auto import checkpoint_policy, choose_plan, resolve_auto
 from shardtrain.planning.candidates import batch_splits, checkpoint_options
 from shardtrain.planning.model_spec import resolve_model
@@ -167,6 +167,17 @@ def test_checkpoint_policy_forms():
     assert not every2(model) and not every2(model.layers[0].attn)
     with pytest.raises(ValueError, match=r"every=-1.*use 0 / False"):
         checkpoint_policy(model, wrap={Block}, every=-1)
+
+
+def test_checkpoint_policy_leaves_the_embedding_and_head_units_alone():
+    with torch.device("meta"):
+        model = Llama(llama_config("7m"))
+    every = checkpoint_policy(model, wrap=SHARD_UNITS, every=True)
+    assert [every(m) for m in model.layers] == [True] * 6
+    assert not every(model.embed) and not every(model.head) and not every(model)
+    every3 = checkpoint_policy(model, wrap=SHARD_UNITS, every=3)
+    assert [every3(m) for m in model.layers] == [True, False, False, True, False, False]
+    assert not every3(model.embed) and not every3(model.head)
 
 
 def _sharded_as_chosen(every: int) -> dict:

@@ -101,26 +101,41 @@ class AutoChoice:
 
 
 def checkpoint_policy(model: nn.Module, *, wrap: Any, every: bool | int) -> Any:
-    """The `activation_checkpointing=` policy for checkpointing 1 in `every` of the modules `wrap` selects.
+    """The `activation_checkpointing=` policy for checkpointing 1 in `every` of the model's blocks.
 
-    0 / False: None; 1 / True: `wrap` itself; k >= 2: the modules wrap selects at positions 0, k, 2k, ...
-    in module order (the blocks estimate_memory counts for checkpoint_every=k).
+    The blocks are the modules `wrap` selects whose class occurs more than once among them (all of
+    them when none repeats): a wrap with the embedding and the output head as units of their own
+    (`models.llama.SHARD_UNITS`) does not checkpoint those — the head would recompute its large
+    matmul and a checkpointed embedding cannot look its rows up sharded. 0 / False: None; 1 / True:
+    every block; k >= 2: the blocks at positions 0, k, 2k, ... in module order (the blocks
+    estimate_memory counts for checkpoint_every=k).
     """
     if isinstance(every, bool):
         every = int(every)
     if not isinstance(every, int) or every < 0:
         raise ValueError(f"activation checkpointing every={every!r}: use 0 / False (none), 1 / True (every block) "
                          "or k >= 2 (1 block in k)")
-    if every <= 1:
-        return wrap if every else None
+    if every == 0:
+        return None
     paths = matching_paths(model, wrap, what="wrap")
-    ordered = [m for path, m in model.named_modules() if path in paths]
-    chosen = {id(m) for m in ordered[::every]}
+    selected = [m for path, m in model.named_modules() if path in paths]
+    blocks = _repeated_blocks(selected)
+    if every == 1 and len(blocks) == len(selected):
+        return wrap
+    chosen = {id(m) for m in blocks[::every]}
 
-    def one_block_in_k(module: nn.Module) -> bool:
+    def checkpointed(module: nn.Module) -> bool:
         return id(module) in chosen
 
-    return one_block_in_k
+    return checkpointed
+
+
+def _repeated_blocks(modules: list[nn.Module]) -> list[nn.Module]:
+    """The modules whose class occurs more than once among `modules`; all of them when none repeats."""
+    counts: dict[type, int] = {}
+    for m in modules:
+        counts[type(m)] = counts.get(type(m), 0) + 1
+    return [m for m in modules if counts[type(m)] > 1] or modules
 
 
 def _sequences_per_rank(*, world_size: int, seq_len: int, global_batch_tokens: int | None,

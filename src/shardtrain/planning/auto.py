@@ -21,6 +21,7 @@ micro-batch, so only the strategy, checkpointing and offload are chosen, and the
 from __future__ import annotations
 
 import os
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -132,9 +133,7 @@ def checkpoint_policy(model: nn.Module, *, wrap: Any, every: bool | int) -> Any:
 
 def _repeated_blocks(modules: list[nn.Module]) -> list[nn.Module]:
     """The modules whose class occurs more than once among `modules`; all of them when none repeats."""
-    counts: dict[type, int] = {}
-    for m in modules:
-        counts[type(m)] = counts.get(type(m), 0) + 1
+    counts = Counter(type(m) for m in modules)
     return [m for m in modules if counts[type(m)] > 1] or modules
 
 

@@ -33,7 +33,8 @@ def test_plan_prints_the_wrap_plan_the_precision_audit_and_the_estimate(capsys):
     assert [out.index(s) for s in sections] == sorted(out.index(s) for s in sections)
     rows = _rows(out)
     assert ["layers.1", "46,208", "0.09", "0.09"] in rows  # st.plan: 46,208 fp32 / 2 ranks; bf16 unsharded
-    assert ["<root>", "32,832", "fp32", "bf16", "bf16", "fp32", "fp32", "fp32", "fp32"] in rows  # the audit
+    assert ["<root>", "64", "fp32", "bf16", "bf16", "fp32", "fp32", "fp32", "fp32"] in rows  # the audit (final norm)
+    assert ["embed", "16,384", "fp32", "bf16", "bf16", "fp32", "fp32", "fp32", "-"] in rows
     assert ["layers.0", "46,208", "fp32", "bf16", "bf16", "fp32", "fp32", "fp32", "-"] in rows
     assert "2 ranks, bf16 params / fp32 reduce, adamw, micro-batch 4 x seq 64" in out
     assert "fits in 8.00 GiB: yes" in out and "device memory: 8.00 GiB (given)" in out
@@ -60,9 +61,9 @@ def test_plan_auto_for_8b_on_two_h200(capsys):
            "checkpointing none" in out
     assert "== automatic plan ==\nautomatic plan: shard_grad_op, activation checkpointing none" in out
     assert "- vs full_shard with every block checkpointed at the same batch split: predicted 1.26x" in out
-    assert "shardtrain plan: Llama, shard_grad_op, world size 2, 33 units" in out
+    assert "shardtrain plan: Llama, shard_grad_op, world size 2, 35 units" in out
     assert ["layers.31", "218,112,000", "fp32", "bf16", "bf16", "fp32", "fp32", "fp32", "-"] in _rows(out)
-    assert "total (peak allocated)       114.98" in out and "fits in 131.32 GiB: yes" in out
+    assert "total (peak allocated)       114.00" in out and "fits in 131.32 GiB: yes" in out
 
 
 def test_plan_errors_are_one_line_with_the_fix(capsys):

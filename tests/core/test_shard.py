@@ -99,6 +99,12 @@ def test_llama_shard_units_split_the_root():
     assert [u.name for u in untied.units] == ["", "embed", "layers.0", "layers.1", "head"]
     tied = st.plan(Llama(LlamaConfig(n_layers=2, tie_embeddings=True)), wrap=SHARD_UNITS, world_size=2)
     assert [u.name for u in tied.units] == ["", "layers.0", "layers.1"]
+    # Sharded, the embedding looks its rows up and holds no unsharded copy; unsharded, it gathers.
+    by_name = {u.name: u for u in untied.units}
+    assert by_name["embed"].unsharded_bytes == 0 and by_name["head"].unsharded_bytes == by_name["head"].padded * 4
+    assert any("'embed' is an nn.Embedding" in note for note in untied.notes)
+    replicated = st.plan(Llama(LlamaConfig(n_layers=2)), wrap=SHARD_UNITS, world_size=2, strategy="no_shard")
+    assert replicated.units[1].unsharded_bytes == replicated.units[1].padded * 4 and not replicated.notes
 
 
 @pytest.mark.parametrize("policy, message", [

@@ -17,26 +17,30 @@ from shardtrain.planning.sizes import GiB, parse_bytes, parse_count
 
 # 8b: dim 4096, 32 layers, 32 heads / 8 kv, ffn 14336, vocab 128256 (untied)
 P8 = 8_030_261_248
-ROOT8 = 2 * 128256 * 4096 + 4096  # embedding + head + final norm
+TABLE8 = 128256 * 4096  # the embedding, and the output head (untied)
+ROOT8 = 4096  # the final norm: embedding and head are units of their own (models.llama.SHARD_UNITS)
 BLOCK8 = 4096 * (2 * 4096 + 2 * 1024) + 3 * 4096 * 14336 + 2 * 4096
 # 1.5b: dim 2048, 16 layers, 16 heads / 8 kv, ffn 8192, vocab 128256
 P15 = 1_532_037_120
 
 
 def test_model_state_arithmetic_by_hand():
-    assert 32 * BLOCK8 + ROOT8 == P8
+    assert 32 * BLOCK8 + 2 * TABLE8 + ROOT8 == P8
     e = st.estimate_memory("8b", world_size=2, activation_checkpointing=True)
+    spec = e.inputs.model
+    assert (spec.root_params, spec.unit_params, spec.lookup_params) == (ROOT8, (TABLE8, *[BLOCK8] * 32, TABLE8), (TABLE8,))
     # AdamW with fp32 master weights: 4 (param) + 4 (grad) + 8 (moments) = 16 B/param, sharded over 2.
     assert e.parameters == P8 * 4 // 2
     assert e.optimizer_state == P8 * 8 // 2
-    # The peak is the end of backward: the root (embedding + head) reduces last. Its bf16 grads are
-    # copied into an fp32 reduce buffer while the previous block's fp32 reduce buffer is still held.
+    # The peak is the end of backward: the root (the final norm) reduces last. Its bf16 grads are
+    # copied into an fp32 reduce buffer while the largest gathering unit's (the head's) is still held;
+    # the embedding looks its rows up in place, so it has no unsharded gradient or reduce buffer.
     assert e.peak_phase == "backward end"
     assert e.gradients == (P8 - ROOT8) * 4 // 2
     assert e.unsharded_grads == ROOT8 * 2
-    assert e.reduce_buffers == ROOT8 * 4 + BLOCK8 * 4
+    assert e.reduce_buffers == ROOT8 * 4 + TABLE8 * 4
     assert e.activations == 0 and e.logits == 0 and e.unsharded_params == 0
-    assert e.total == P8 * 16 // 2 + 4 * ROOT8 + 4 * BLOCK8 + OVERHEAD_BYTES
+    assert e.total == P8 * 16 // 2 + 4 * ROOT8 + 4 * TABLE8 + OVERHEAD_BYTES
 
 
 def test_loss_phase_by_hand():
@@ -83,7 +87,25 @@ def test_strategy_ordering():
     totals = [e.total for e in by.values()]
     assert totals == sorted(totals)
     assert by["no_shard"].parameters == P8 * 4 and by["no_shard"].optimizer_state == P8 * 8
-    assert by["shard_grad_op"].unsharded_params == P8 * 2  # every unit kept unsharded until its backward
+    # Every unit kept unsharded until its backward, but the embedding, which never gathers.
+    assert by["shard_grad_op"].unsharded_params == (P8 - TABLE8) * 2
+
+
+def test_the_embedding_gathers_only_where_it_cannot_look_up_in_place():
+    sharded = st.estimate_memory("8b", world_size=2, strategy="shard_grad_op")
+    assert sharded.unsharded_params == (P8 - TABLE8) * 2
+    # One rank, or the table offloaded to the host: the embedding is gathered like any unit.
+    alone = st.estimate_memory("8b", world_size=1, strategy="shard_grad_op", precision="bf16")
+    assert alone.unsharded_params == P8 * 2
+    offloaded = st.estimate_memory("8b", world_size=2, strategy="shard_grad_op", cpu_offload=True)
+    assert offloaded.unsharded_params == P8 * 2
+    # Tied embeddings: the table is the root's (lookup and head share it), as SHARD_UNITS cuts it.
+    cfg = llama_config("tiny", tie_embeddings=True)
+    with torch.device("meta"):
+        tied = st.estimate_memory(Llama(cfg), world_size=2).inputs.model
+    by_shape = st.estimate_memory(cfg, world_size=2).inputs.model
+    assert tied.lookup_params == by_shape.lookup_params == ()
+    assert (tied.root_params, tied.unit_params) == (by_shape.root_params, by_shape.unit_params)
 
 
 def test_hybrid_shards_within_the_group():
@@ -110,9 +132,10 @@ def test_offload_moves_states_to_host():
     half = st.estimate_memory("8b", world_size=4, cpu_offload=st.CPUOffload(fraction=0.5))
     spec = half.inputs.model
     sizes = [spec.root_params, *spec.unit_params]
-    on_host = spec.root_params + sum(spec.unit_params[:14])  # root 1.05B + 14 blocks of 218M >= 4.015B
-    assert st.CPUOffload(fraction=0.5).select(sizes) == [True] * 15 + [False] * 18
-    assert on_host >= P8 / 2 > on_host - spec.unit_params[0]
+    # root (norm) + embedding 525M + 16 blocks of 218M >= 4.015B, then 16 blocks and the head stay
+    on_host = ROOT8 + TABLE8 + 16 * BLOCK8
+    assert st.CPUOffload(fraction=0.5).select(sizes) == [True] * 18 + [False] * 17
+    assert on_host >= P8 / 2 > on_host - BLOCK8
     assert half.host == pytest.approx(off.host * on_host / P8, rel=1e-6)
     # What stays on the device: the other units' fp32 shards (4 B) and Adam moments (8 B) per parameter / 4.
     assert half.parameters == pytest.approx(off.host * (P8 - on_host) / P8 / 4, rel=1e-6)
@@ -157,8 +180,13 @@ def test_meta_module():
         model = Llama(cfg)
     e = st.estimate_memory(model, world_size=2)
     spec = e.inputs.model
-    assert spec.num_params == cfg.num_params() and len(spec.unit_params) == cfg.n_layers
-    assert e.total == st.estimate_memory(cfg, world_size=2).total
+    assert spec.num_params == cfg.num_params() and len(spec.unit_params) == cfg.n_layers + 2
+    # A Llama module is planned as its config is: embedding, blocks, head, and the final norm as root.
+    from_config = st.estimate_memory(cfg, world_size=2)
+    assert spec.lookup_params == (cfg.vocab_size * cfg.dim,) and spec.root_params == cfg.dim
+    assert (spec.unit_params, spec.lookup_params) == (from_config.inputs.model.unit_params,
+                                                      from_config.inputs.model.lookup_params)
+    assert e.total == from_config.total
 
     with torch.device("meta"):
         generic = nn.Sequential(nn.Embedding(1000, 64), nn.ModuleList(nn.Linear(64, 64) for _ in range(3)))

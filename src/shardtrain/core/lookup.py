@@ -28,16 +28,22 @@ from .flat import FlatLayout
 from .unit import ShardUnit, UnitBehaviour
 
 
-def runs_sharded_lookup(module: nn.Module, *, layout: FlatLayout, installs: list, behaviour: UnitBehaviour) -> bool:
-    """Whether the unit of `module` can look rows up in place: a plain `nn.Embedding` forward (not
-    replaced on the instance, e.g. by activation checkpointing), its weight the unit's only parameter
-    and installed nowhere else, sharded over several ranks and neither offloaded nor kept resident."""
+def looks_up_in_place(module: nn.Module) -> bool:
+    """Whether `module` is a plain `nn.Embedding` lookup (its forward not replaced on the instance, e.g.
+    by activation checkpointing, and none of the options that change or renormalise the table)."""
     if not isinstance(module, nn.Embedding) or type(module).forward is not nn.Embedding.forward:
         return False
-    if "forward" in module.__dict__ or module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
-        return False
+    return not ("forward" in module.__dict__ or module.max_norm is not None or module.scale_grad_by_freq
+                or module.sparse)
+
+
+def runs_sharded_lookup(module: nn.Module, *, layout: FlatLayout, installs: list, behaviour: UnitBehaviour) -> bool:
+    """Whether the unit of `module` can look rows up in place: `looks_up_in_place`, its weight the
+    unit's only parameter and installed nowhere else, sharded over several ranks and neither offloaded
+    nor kept resident."""
     only_weight = [(target, attr) for target, attr, _ in installs] == [(module.__dict__, "weight")]
-    return only_weight and layout.shard_world > 1 and not behaviour.offload and not behaviour.resident
+    return (looks_up_in_place(module) and only_weight and layout.shard_world > 1 and not behaviour.offload
+            and not behaviour.resident)
 
 
 class _Lookup(torch.autograd.Function):

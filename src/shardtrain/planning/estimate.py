@@ -325,11 +325,15 @@ def _estimate(inputs: EstimateInputs) -> MemoryEstimate:
     grad_copy = 0 if grads_alias else p
     whole = m.num_params * copy  # every unit unsharded
     resident_params = whole if resident else 0
+    # Note: mirrors core.lookup.runs_sharded_lookup: an embedding unit sharded over several ranks,
+    # neither resident nor offloaded, is never gathered and has no unsharded gradient.
+    lookups_gather = n == 1 or resident or bool(inputs.offload)
     if s.reshard_after_forward:  # only the outermost unit and the units in flight are gathered
-        at_loss, gathered = 0, (m.enclosing_params + m.largest_units(inputs.in_flight)) * copy
+        in_flight = m.largest_units(inputs.in_flight, lookups_gather=lookups_gather)
+        at_loss, gathered = 0, (m.enclosing_params + in_flight) * copy
     else:  # gathered in forward, kept until each unit's backward ends (or for good)
-        at_loss = gathered = whole
-    big = m.largest_units(1)
+        at_loss = gathered = whole - (0 if lookups_gather else sum(m.lookup_params) * copy)
+    big = m.largest_units(1, lookups_gather=lookups_gather)
 
     def reduce_copy(numel: int) -> int:
         return numel * r if r != p else 0

@@ -20,7 +20,7 @@ from typing import Any
 
 from torch import nn
 
-from ..models.llama import LLAMA_SIZES, Block, Llama, LlamaConfig
+from ..models.llama import LLAMA_SIZES, SHARD_UNITS, Llama, LlamaConfig
 from .sizes import format_count, parse_count
 from .units import partition
 
@@ -80,7 +80,8 @@ class ModelSpec:
     `root_params` belong to the outermost unit, which is unsharded for the whole forward and the whole
     backward (its forward encloses every other unit's); `enclosing_params` is the largest sum of the
     units enclosing some inner unit (the root's, for a flat list of blocks); `unit_params` lists the
-    inner units, largest first.
+    inner units in plan order; `lookup_params` those of them that are a bare `nn.Embedding`, which,
+    sharded over several ranks, look their rows up in place and are never gathered (`core.lookup`).
     """
 
     name: str
@@ -90,11 +91,17 @@ class ModelSpec:
     enclosing_params: int
     unit_params: tuple[int, ...]
     shape: LlamaShape | None
+    lookup_params: tuple[int, ...] = ()
     notes: tuple[str, ...] = ()
 
-    def largest_units(self, count: int) -> int:
-        """Parameters of the `count` largest inner units together."""
-        return sum(self.unit_params[:count])
+    def largest_units(self, count: int, *, lookups_gather: bool = True) -> int:
+        """Parameters of the `count` largest inner units together; with `lookups_gather=False`, of the
+        largest units that gather (an embedding that looks up in place holds no unsharded copy)."""
+        sizes = list(self.unit_params)
+        if not lookups_gather:
+            for size in self.lookup_params:
+                sizes.remove(size)
+        return sum(sorted(sizes, reverse=True)[:count])
 
 
 def _round_up(value: float, multiple: int) -> int:
@@ -149,7 +156,8 @@ def _shape_for_count(params: int, hints: dict[str, Any]) -> LlamaShape:
 
 
 def _from_shape(name: str, shape: LlamaShape, *, params: int | None = None, notes=()) -> ModelSpec:
-    """Units of a Llama: the root (embedding, final norm, head) plus one unit per block."""
+    """Units of a Llama as `models.llama.SHARD_UNITS` cuts it: the embedding, one unit per block and the
+    output head, with the final norm in the root (with tied embeddings, the table is the root's)."""
     total = shape.num_params if params is None else params
     blocks = total - shape.root_params
     if blocks < shape.n_layers:
@@ -164,13 +172,20 @@ def _from_shape(name: str, shape: LlamaShape, *, params: int | None = None, note
             f"the shape used for activations ({shape.describe()}) has {format_count(shape.num_params)} "
             f"parameters, not {format_count(params)}; give dim / layers hints that match"
         )
+    block_units = (blocks // shape.n_layers,) * shape.n_layers
+    table = shape.vocab_size * shape.dim
+    if shape.tie_embeddings:  # one table for lookup and head: a unit enclosing both, the root's
+        root, units, lookups = shape.root_params, block_units, ()
+    else:
+        root, units, lookups = shape.dim, (table, *block_units, table), (table,)
     return ModelSpec(
         name=name,
         num_params=total,
         trainable_params=total,
-        root_params=shape.root_params,
-        enclosing_params=shape.root_params,
-        unit_params=(blocks // shape.n_layers,) * shape.n_layers,
+        root_params=root,
+        enclosing_params=root,
+        unit_params=units,
+        lookup_params=lookups,
         shape=shape,
         notes=tuple(notes),
     )
@@ -225,9 +240,9 @@ def _apply_hints(shape: LlamaShape, hints: dict[str, Any]) -> LlamaShape:
 
 
 def _default_wrap(module: nn.Module):
-    """Llama: one unit per Block. Otherwise: the element classes of the largest nn.ModuleList."""
+    """Llama: `SHARD_UNITS`. Otherwise: the element classes of the largest nn.ModuleList."""
     if isinstance(module, Llama):
-        return {Block}
+        return SHARD_UNITS
     lists = [m for m in module.modules() if isinstance(m, nn.ModuleList) and len(m)]
     if not lists:
         return None
@@ -267,7 +282,8 @@ def _from_module(module: nn.Module, wrap, hints: dict[str, Any]) -> ModelSpec:
         trainable_params=sum(p.numel() for p in params if p.requires_grad),
         root_params=root.numel,
         enclosing_params=enclosing or root.numel,
-        unit_params=tuple(sorted((u.numel for u in inner), reverse=True)),
+        unit_params=tuple(u.numel for u in inner),
+        lookup_params=tuple(u.numel for u in inner if u.can_look_up),
         shape=shape,
         notes=tuple(notes),
     )

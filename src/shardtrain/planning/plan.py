@@ -65,13 +65,19 @@ def plan(model: nn.Module, *, wrap: Any = None, world_size: int = 1, strategy: A
     precision = parse_mixed_precision(mixed_precision)
     parts = partition(model, wrap)
     shard_world = 1 if strategy is Strategy.NO_SHARD else world_size
-    rows = []
+    looks_up = shard_world > 1 and not strategy.keeps_params_resident
+    rows, notes = [], list(parts.notes)
     for spec in parts.units:
         layout = build_layout([(occ[0].fqn, p, ()) for p, occ in zip(spec.params, spec.occurrences)], shard_world)
         stored = spec.params[0].element_size() if spec.params else 4
         compute = precision.param_dtype.itemsize if precision.param_dtype else stored
+        gathers = not (looks_up and spec.can_look_up)
+        if not gathers:
+            notes.append(f"unit '{spec.name}' is an nn.Embedding: it looks its rows up on the shards and is never "
+                         "gathered (unless CPU-offloaded)")
         rows.append(UnitRow(name=spec.name, params=layout.numel, padded=layout.padded_numel,
-                            sharded_bytes=layout.shard_numel * stored, unsharded_bytes=layout.padded_numel * compute))
+                            sharded_bytes=layout.shard_numel * stored,
+                            unsharded_bytes=layout.padded_numel * compute if gathers else 0))
     total = sum(r.params for r in rows)
     warnings = []
     if total and len(rows) > 0:
@@ -82,4 +88,4 @@ def plan(model: nn.Module, *, wrap: Any = None, world_size: int = 1, strategy: A
                 "copy must fit on every rank at once, so sharding will save little; wrap smaller modules "
                 "(e.g. the transformer block class) or use st.SizePolicy(min_params=...)")
     return Plan(model=type(model).__name__, world_size=world_size, strategy=strategy, units=tuple(rows),
-                warnings=tuple(warnings), notes=parts.notes)
+                warnings=tuple(warnings), notes=tuple(notes))

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from ..core.lookup import looks_up_in_place
 from ..policy import SizePolicy, describe_policy, module_classes, resolve_module_policy
 
 
@@ -35,6 +36,13 @@ class UnitSpec:
     @property
     def numel(self) -> int:
         return sum(p.numel() for p in self.params)
+
+    @property
+    def can_look_up(self) -> bool:
+        """Whether the unit is a plain `nn.Embedding` holding only its own weight: sharded over several
+        ranks (neither offloaded nor resident), it looks rows up in place and never gathers (core.lookup)."""
+        only_weight = [[(o.module, o.attr) for o in occ] for occ in self.occurrences] == [[(self.module, "weight")]]
+        return only_weight and looks_up_in_place(self.module)
 
 
 @dataclass(frozen=True, kw_only=True)

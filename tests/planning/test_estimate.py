@@ -174,20 +174,27 @@ def test_parameter_count_with_defaults():
     assert st.estimate_memory(params=7e9, world_size=4).total == e.total
 
 
-def test_meta_module():
-    cfg = llama_config("tiny")
+@pytest.mark.parametrize("vocab, split", [(256, False), (1024, True)])
+def test_meta_module(vocab, split):
+    # tiny's block: 46,208 parameters; its table: 64 x vocab (16,384 or 65,536).
+    cfg = llama_config("tiny", vocab_size=vocab)
     with torch.device("meta"):
         model = Llama(cfg)
     e = st.estimate_memory(model, world_size=2)
     spec = e.inputs.model
-    assert spec.num_params == cfg.num_params() and len(spec.unit_params) == cfg.n_layers + 2
-    # A Llama module is planned as its config is: embedding, blocks, head, and the final norm as root.
+    assert spec.num_params == cfg.num_params() and len(spec.unit_params) == cfg.n_layers + 2 * split
+    # A Llama module is planned as its config is: blocks, and the embedding and head as units of their
+    # own (the final norm the root's) once the table is at least a block's size.
     from_config = st.estimate_memory(cfg, world_size=2)
-    assert spec.lookup_params == (cfg.vocab_size * cfg.dim,) and spec.root_params == cfg.dim
+    table = cfg.vocab_size * cfg.dim
+    assert spec.lookup_params == ((table,) if split else ())
+    assert spec.root_params == (cfg.dim if split else 2 * table + cfg.dim)
     assert (spec.unit_params, spec.lookup_params) == (from_config.inputs.model.unit_params,
                                                       from_config.inputs.model.lookup_params)
     assert e.total == from_config.total
 
+
+def test_generic_meta_module():
     with torch.device("meta"):
         generic = nn.Sequential(nn.Embedding(1000, 64), nn.ModuleList(nn.Linear(64, 64) for _ in range(3)))
     bare = st.estimate_memory(generic, world_size=2)

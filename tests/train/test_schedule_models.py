@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from shardtrain.models.llama import SHARD_UNITS, Llama
+from shardtrain.models.llama import SHARD_UNITS, Block, Llama
 from shardtrain.train.config import ModelConfig
 from shardtrain.train.models import build_model, classes_by_name, lm_loss
 from shardtrain.train.schedule import make_scheduler, warmup_cosine
@@ -36,9 +36,16 @@ INIT = Engine(devices=1, accelerator="cpu").init_module  # the meta-device conte
 
 def test_builds_builtin_llama_on_meta():
     built = build_model(ModelConfig(name="llama-tiny", kwargs={"n_layers": 1}), init_context=INIT)
-    assert isinstance(built.module, Llama) and built.wrap == SHARD_UNITS and built.module.cfg.n_layers == 1
+    assert isinstance(built.module, Llama) and built.wrap == {Block} and built.module.cfg.n_layers == 1
     assert all(p.is_meta for p in built.module.parameters())
     assert built.max_seq_len == 128 and "Llama tiny" in built.description
+
+
+@pytest.mark.parametrize("size, split", [("2m", False), ("7m", False), ("34m", True), ("1.5b", True), ("8b", True)])
+def test_builtin_llama_units_split_the_embedding_once_it_outgrows_a_block(size, split):
+    # 2m: a 49K table against 394K-parameter blocks rides in the root; 34m: 4.2M against 3.1M, apart.
+    built = build_model(ModelConfig(name=f"llama-{size}"), init_context=INIT)
+    assert built.wrap == (SHARD_UNITS if split else {Block})
 
 
 @pytest.mark.parametrize("name, kwargs, expected", [

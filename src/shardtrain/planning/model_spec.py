@@ -20,7 +20,7 @@ from typing import Any
 
 from torch import nn
 
-from ..models.llama import LLAMA_SIZES, SHARD_UNITS, Llama, LlamaConfig
+from ..models.llama import LLAMA_SIZES, Llama, LlamaConfig, default_units, splits_embedding
 from .sizes import format_count, parse_count
 from .units import partition
 
@@ -156,8 +156,9 @@ def _shape_for_count(params: int, hints: dict[str, Any]) -> LlamaShape:
 
 
 def _from_shape(name: str, shape: LlamaShape, *, params: int | None = None, notes=()) -> ModelSpec:
-    """Units of a Llama as `models.llama.SHARD_UNITS` cuts it: the embedding, one unit per block and the
-    output head, with the final norm in the root (with tied embeddings, the table is the root's)."""
+    """Units of a Llama as `models.llama.default_units` cuts it: one unit per block, and the embedding
+    and the output head as units of their own with the final norm in the root when the table is at
+    least a block's size (else, or with tied embeddings, all three are the root's)."""
     total = shape.num_params if params is None else params
     blocks = total - shape.root_params
     if blocks < shape.n_layers:
@@ -174,7 +175,7 @@ def _from_shape(name: str, shape: LlamaShape, *, params: int | None = None, note
         )
     block_units = (blocks // shape.n_layers,) * shape.n_layers
     table = shape.vocab_size * shape.dim
-    if shape.tie_embeddings:  # one table for lookup and head: a unit enclosing both, the root's
+    if shape.tie_embeddings or not splits_embedding(table_params=table, block_params=block_units[0]):
         root, units, lookups = shape.root_params, block_units, ()
     else:
         root, units, lookups = shape.dim, (table, *block_units, table), (table,)
@@ -240,9 +241,9 @@ def _apply_hints(shape: LlamaShape, hints: dict[str, Any]) -> LlamaShape:
 
 
 def _default_wrap(module: nn.Module):
-    """Llama: `SHARD_UNITS`. Otherwise: the element classes of the largest nn.ModuleList."""
+    """Llama: `default_units`. Otherwise: the element classes of the largest nn.ModuleList."""
     if isinstance(module, Llama):
-        return SHARD_UNITS
+        return default_units(module.cfg)
     lists = [m for m in module.modules() if isinstance(m, nn.ModuleList) and len(m)]
     if not lists:
         return None

@@ -6,8 +6,9 @@
                             model.kwargs with model_type), randomly initialised: nothing is downloaded
     package.module:factory  any callable returning an nn.Module, called with model.kwargs
 
-Each comes with its default sharding units: Llama's `SHARD_UNITS` (each `Block`, the embedding,
-which then looks its rows up in place, and the output head), the Hugging Face model's
+Each comes with its default sharding units: Llama's `default_units` (each `Block`, and, when the
+embedding table is at least a block's size, the embedding, which then looks its rows up in place, and
+the output head), the Hugging Face model's
 `_no_split_modules` (the blocks its authors say must not be split), or the factory model's
 `_no_split_modules` if it has one (else the whole model is one unit).
 """
@@ -24,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..models.llama import LLAMA_SIZES, SHARD_UNITS, Llama, LlamaConfig, llama_config
+from ..models.llama import LLAMA_SIZES, Llama, LlamaConfig, default_units, llama_config
 from .config import ModelConfig
 
 LLAMA_PREFIX = "llama-"
@@ -76,7 +77,7 @@ def _build_llama(size: str, kwargs: dict[str, Any], init_context) -> BuiltModel:
         raise ValueError(f"model.kwargs={kwargs!r}: {exc}; LlamaConfig fields are {fields}") from exc
     with init_context(empty_init=True):
         module = Llama(cfg)
-    return BuiltModel(module=module, wrap=SHARD_UNITS, max_seq_len=cfg.max_seq_len,
+    return BuiltModel(module=module, wrap=default_units(cfg), max_seq_len=cfg.max_seq_len,
                       description=f"Llama {size} ({cfg.num_params() / 1e6:.2f}M params, {cfg.n_layers} layers, dim {cfg.dim})")
 
 

@@ -17,6 +17,7 @@ runs its lookup where the rows are:
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,9 @@ from torch import nn
 from .comm import _all_gather, _reduce_scatter
 from .flat import FlatLayout
 from .unit import ShardUnit, UnitBehaviour
+
+if TYPE_CHECKING:
+    from ..planning.units import UnitSpec
 
 
 def looks_up_in_place(module: nn.Module) -> bool:
@@ -37,13 +41,10 @@ def looks_up_in_place(module: nn.Module) -> bool:
                 or module.sparse)
 
 
-def runs_sharded_lookup(module: nn.Module, *, layout: FlatLayout, installs: list, behaviour: UnitBehaviour) -> bool:
-    """Whether the unit of `module` can look rows up in place: `looks_up_in_place`, its weight the
-    unit's only parameter and installed nowhere else, sharded over several ranks and neither offloaded
-    nor kept resident."""
-    only_weight = [(target, attr) for target, attr, _ in installs] == [(module.__dict__, "weight")]
-    return (looks_up_in_place(module) and only_weight and layout.shard_world > 1 and not behaviour.offload
-            and not behaviour.resident)
+def runs_sharded_lookup(spec: UnitSpec, *, layout: FlatLayout, behaviour: UnitBehaviour) -> bool:
+    """Whether the unit of `spec` looks rows up in place: it can (`UnitSpec.can_look_up`), and it is
+    sharded over several ranks and neither offloaded nor kept resident."""
+    return spec.can_look_up and layout.shard_world > 1 and not behaviour.offload and not behaviour.resident
 
 
 class _Lookup(torch.autograd.Function):

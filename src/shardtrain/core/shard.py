@@ -113,7 +113,7 @@ def shard(
         installs = _installs(spec.occurrences)
         unit_kwargs = dict(index=index, name=spec.name, layout=layout, shard=flat_shard, installs=installs,
                            groups=groups, behaviour=behaviour, runtime=runtime)
-        if runs_sharded_lookup(spec.module, layout=layout, installs=installs, behaviour=behaviour):
+        if runs_sharded_lookup(spec, layout=layout, behaviour=behaviour):
             unit = LookupUnit(module=spec.module, **unit_kwargs)
         else:
             unit = ShardUnit(**unit_kwargs)

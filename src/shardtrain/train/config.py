@@ -45,7 +45,8 @@ class ModelConfig:
     hf_config: str | None = _help("Hugging Face config: a config.json or a directory holding one "
                                   "(or give model.kwargs.model_type instead)", None)
     wrap: tuple[str, ...] = _help("module class names that become sharding units "
-                                  "(default: Llama's Block, Embedding and OutputHead, or the HF model's _no_split_modules)", ())
+                                  "(default: Llama's Block, with Embedding and OutputHead from llama-34m up, or the HF "
+                                  "model's _no_split_modules)", ())
     activation_checkpointing: bool | int = _help("recompute the wrapped blocks' activations in backward: true (every "
                                                  "block), false, or k (1 block in k)", False)
 

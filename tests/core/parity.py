@@ -17,8 +17,6 @@ import torch.distributed as dist
 from torch import nn
 
 import shardtrain as st
-from shardtrain.core import gather_ahead
-from shardtrain.core.shard import RUNTIME_ATTR
 from shardtrain.models.llama import Block
 from tests.models import MODELS, lm_loss, make_batches
 
@@ -42,7 +40,6 @@ class Case:
     steps: int = 10
     mesh: tuple[int, int] | None = None
     offload: bool | float = False  # a float: partial offload of that share of the parameters
-    gather_ahead: bool = False  # gather units during opt.step() on the CPU too (core/gather_ahead.py)
 
     @property
     def micro(self) -> int:
@@ -137,23 +134,6 @@ def _load_buffers(model: nn.Module, buffers: dict[str, torch.Tensor]) -> None:
 
 
 def run_case(kind: str, case: Case) -> None:
-    if not case.gather_ahead:
-        return _run_case(kind, case)
-    # Note: the CPU never gathers ahead on its own (no GEMMs to spare); here it may, without bound.
-    default = gather_ahead.headroom_bytes
-    gather_ahead.headroom_bytes = lambda device: 1 << 40
-    try:
-        _run_case(kind, case)
-    finally:
-        gather_ahead.headroom_bytes = default
-
-
-def gathered_ahead(model: nn.Module) -> list[str]:
-    """Names of the units whose all-gather for the next forward was issued during opt.step()."""
-    return [u.name for u in getattr(model, RUNTIME_ATTR).units if u._gathered_ahead]
-
-
-def _run_case(kind: str, case: Case) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     factory = MODELS[kind][0]
@@ -182,8 +162,6 @@ def _run_case(kind: str, case: Case) -> None:
             dist.all_gather(norms, norm)
             assert all(torch.equal(n, norm) for n in norms), f"grad norm differs across ranks: {norms}"
         opt.step()
-        if case.gather_ahead:
-            assert gathered_ahead(model), f"{kind} {case} step {step}: no unit was gathered during opt.step()"
         opt.zero_grad(set_to_none=True)
         ref_losses = reference.step(batch, per)
         torch.testing.assert_close(loss_sum.float(), ref_losses[rank].float(), **tol,

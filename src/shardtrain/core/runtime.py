@@ -107,17 +107,6 @@ class Runtime:
         self._next_backward = {u.index: bwd[i + 1:i + 1 + depth] for i, u in enumerate(bwd)}
         self._order_recorded = True
 
-    def units_gathered_each_step(self) -> list[ShardUnit]:
-        """The units the next forward will all-gather, in forward order (core/gather_ahead.py).
-
-        Empty until the first forward recorded the order, without forward prefetch, and inside
-        backward; units that never gather, stay resident or live on the host are left out.
-        """
-        if not (self._order_recorded and self.forward_prefetch) or self.in_backward:
-            return []
-        return [u for u in self._forward_order
-                if u.gathers and not (u.behaviour.resident or u.behaviour.offload or u.aliased)]
-
     def _pre_backward(self, unit: ShardUnit) -> None:
         self._issue_deferred()
         if not self._callback_queued:

@@ -11,7 +11,6 @@ from torch import nn
 from ..planning.units import Occurrence, UnitSpec, matching_paths, partition
 from ..policy import AutoPolicy, is_auto, parse_cpu_offload, parse_mixed_precision
 from ..strategy import Strategy, parse_strategy
-from . import gather_ahead
 from .comm import Groups
 from .flat import build_layout
 from .groups import control_group, require_process_group, resolve_device, resolve_groups
@@ -122,7 +121,6 @@ def shard(
         runtime.register(unit, spec.module)
     _place_buffers(model, device, precision.buffer_dtype, broadcast_group)
     setattr(model, RUNTIME_ATTR, runtime)
-    gather_ahead.enable(runtime)
     return model
 
 

@@ -93,7 +93,6 @@ class ShardUnit:
         self.pending_reduce: Pending | None = None
         self._accumulated: torch.Tensor | None = None  # unsharded grads kept under no_sync
         self._gathered_version = -1
-        self._gathered_ahead = False  # gathered during the optimizer step, for the next forward
         # Note: fused optimizers (torch._fused_adamw_) update the shard without bumping its version
         # counter, so the runtime also marks resident units changed after every synchronising backward.
         self.shard_changed = False
@@ -140,21 +139,8 @@ class ShardUnit:
     def _stale(self) -> bool:
         return self.shard_changed or self.shard._version != self._gathered_version
 
-    @property
-    def unsharded_nbytes(self) -> int:
-        return self.layout.padded_numel * self.behaviour.param_dtype.itemsize
-
-    def gather_ahead(self) -> None:
-        """Issue the next forward's all-gather now: the optimizer has just stepped this unit."""
-        self.unshard()
-        self._gathered_ahead = True
-
     def unshard(self) -> None:
         """Issue the all-gather (asynchronously) unless the unsharded parameters are current."""
-        if self._gathered_ahead:
-            self._gathered_ahead = False
-            if self._stale():
-                self.reshard()  # the shard changed after it was gathered ahead (a checkpoint load): again
         if self.state is not UnitState.SHARDED and not (self.behaviour.resident and self._stale()):
             return
         self.shard_changed = False

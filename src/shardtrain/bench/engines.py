@@ -50,6 +50,20 @@ def make_optimizer(params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
         return torch.optim.AdamW(params, lr=LEARNING_RATE, foreach=True)
 
 
+def compile_blocks(model: nn.Module) -> int:
+    """`Block.compile()` on every Llama block of `model` (on its checkpoint wrapper where it has one, so the
+    recomputation is compiled too), as torchtitan compiles per block; returns how many were compiled."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    blocks = [m for m in model.modules()
+              if isinstance(m, CheckpointWrapper) and isinstance(m._checkpoint_wrapped_module, Block)]
+    wrapped = {id(m._checkpoint_wrapped_module) for m in blocks}
+    blocks += [m for m in model.modules() if isinstance(m, Block) and id(m) not in wrapped]
+    for block in blocks:
+        block.compile()
+    return len(blocks)
+
+
 def checkpoint_blocks(model: Llama) -> None:
     """Wrap every Block in torch's non-reentrant checkpoint wrapper (before an engine wraps it)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper

@@ -94,6 +94,7 @@ def footnotes(rows: list[Row]) -> str:
         s = r.spec
         lines.append(f"{size}: {r.flops_per_token / 1e9:.2f} GFLOP/token; batch {s.batch} × seq {s.seq} per rank, "
                      f"{r.nproc} ranks, {s.precision}, activation checkpointing {'on' if s.ac else 'off'}, "
+                     f"{'every Block compiled' if s.compile else 'eager'}, "
                      f"{s.warmup} warm-up + {s.steps} timed steps")
     lines.append("tok/s per GPU (per rank on the CPU): median/min/max over all timed steps of all repeats; "
                  "tok/s all = median × ranks; "

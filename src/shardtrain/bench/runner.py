@@ -61,6 +61,7 @@ class BenchOptions:
     timeout_s: float = 900.0
     deadline_s: float | None = None  # launch no run after this many seconds (the rest: "skipped")
     seed: int = 0
+    compile: bool = False
 
     def __post_init__(self) -> None:
         for engine in self.engines:
@@ -74,7 +75,7 @@ class BenchOptions:
     def spec(self, *, size: str, engine: str) -> RunSpec:
         return RunSpec(engine=engine, size=size, batch=self.batch, seq=self.seq or llama_config(size).max_seq_len,
                        ac=self.ac, steps=self.steps, warmup=self.warmup, device=self.device,
-                       precision=self.precision, seed=self.seed, shard_world=self.nproc)
+                       precision=self.precision, seed=self.seed, compile=self.compile, shard_world=self.nproc)
 
 
 def planned_runs(options: BenchOptions) -> list[tuple[RunSpec, int, int]]:

@@ -29,6 +29,7 @@ class RunSpec:
     device: str
     precision: str
     seed: int = 0
+    compile: bool = False  # each Block's forward through torch.compile (`Block.compile()`), every engine alike
     shard_world: int = 1  # the N of "1/N of the optimizer" in the ideal step; the world size elsewhere
     profile_steps: int = 0  # steps traced by torch.profiler after the timed ones (0: none)
     trace_path: str = ""  # where rank 0 writes the gzipped profiler trace ("" : do not keep it)
@@ -78,4 +79,5 @@ def spec_from_args(args: argparse.Namespace) -> RunSpec:
     values = {f.name: getattr(args, f.name) for f in fields(RunSpec)}
     values = {k: v for k, v in values.items() if v is not None}
     values["ac"] = bool(values["ac"])
+    values["compile"] = bool(values.get("compile", 0))
     return RunSpec(**values)

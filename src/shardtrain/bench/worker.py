@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .data import Batch, token_batches
-from .engines import Prepared
+from .engines import Prepared, compile_blocks
 from .profile import profile_steps
 from .registry import resolve_engine
 from .spec import RunSpec, add_spec_arguments, spec_from_args
@@ -55,6 +55,10 @@ def measure(spec: RunSpec, device: torch.device) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     engine = resolve_engine(spec.engine)
     prepared = engine.build(spec, device)
+    label = prepared.label or engine.label
+    if spec.compile:
+        compile_blocks(prepared.model)
+        label += " compiled"
     if device.type == "cuda":
         torch.cuda.empty_cache()  # initialisation transients must not count as reserved training memory
     batches = token_batches(vocab_size=spec.model_config().vocab_size, batch=spec.batch, seq=spec.seq,
@@ -89,7 +93,7 @@ def measure(spec: RunSpec, device: torch.device) -> dict:
     return {
         "status": "ok",
         "engine": engine.name,
-        "label": prepared.label or engine.label,
+        "label": label,
         "spec": asdict(spec),
         "world": world,
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",

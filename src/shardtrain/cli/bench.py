@@ -32,6 +32,8 @@ def register(subparsers) -> None:
     add("--batch", type=int, default=2, help="sequences per rank per step (default: %(default)s)")
     add("--seq", type=int, help="tokens per sequence (default: the size's max_seq_len, 4096 for 1.5b and 8b)")
     add("--ac", choices=("none", "all"), default="none", help="activation checkpointing of every Block")
+    add("--compile", action="store_true",
+        help="compile every engine's blocks (Block.compile() per block, as torchtitan does) and the ideal step's")
     add("--steps", type=int, default=10, help="timed steps per run (default: %(default)s)")
     add("--warmup", type=int, default=3, help="untimed steps before them (default: %(default)s)")
     add("--repeats", type=int, default=2, help="runs of every engine, interleaved (default: %(default)s)")
@@ -88,6 +90,7 @@ def options_from_args(args: argparse.Namespace):
         timeout_s=args.timeout,
         deadline_s=args.deadline,
         seed=args.seed,
+        compile=args.compile,
     )
 
 

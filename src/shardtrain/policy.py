@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Union
 
 import torch
 from torch import nn
@@ -23,8 +23,25 @@ class SizePolicy:
     min_params: int = 100_000_000
 
     def __post_init__(self) -> None:
-        if not isinstance(self.min_params, int) or self.min_params < 1:
+        if isinstance(self.min_params, bool) or not isinstance(self.min_params, int) or self.min_params < 1:
             raise ValueError(f"SizePolicy(min_params={self.min_params!r}): min_params must be a positive int")
+
+
+# What `wrap=` and `activation_checkpointing=` accept: module classes, a size policy, or a predicate.
+WrapPolicy = Union[type[nn.Module], set, frozenset, list, tuple, SizePolicy, ModulePredicate]
+
+_DTYPE_NAMES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+                "half": torch.float16, "fp32": torch.float32, "float32": torch.float32, "float": torch.float32}
+
+
+def _as_dtype(value: Any, what: str) -> torch.dtype | None:
+    """A dtype from a torch.dtype, None, or a name such as 'bf16'; ValueError naming `what` otherwise."""
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, str) and value.strip().lower() in _DTYPE_NAMES:
+        return _DTYPE_NAMES[value.strip().lower()]
+    raise ValueError(f"MixedPrecision({what}={value!r}): use a torch dtype such as torch.bfloat16, a name among "
+                     f"{sorted(_DTYPE_NAMES)}, or None")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,6 +56,25 @@ class MixedPrecision:
     reduce_dtype: torch.dtype | None = None
     buffer_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
+
+    def __post_init__(self) -> None:
+        for what in ("param_dtype", "reduce_dtype", "buffer_dtype"):
+            object.__setattr__(self, what, _as_dtype(getattr(self, what), what))
+        if not isinstance(self.cast_forward_inputs, bool):
+            raise TypeError(f"MixedPrecision(cast_forward_inputs={self.cast_forward_inputs!r}): use True or False")
+
+
+def storage_dtypes(dtype: torch.dtype, *, requires_grad: bool, precision: MixedPrecision) -> tuple[torch.dtype, torch.dtype]:
+    """(stored, compute) dtypes of a parameter built in `dtype` under `precision`.
+
+    Under mixed precision a trainable parameter built in a 16-bit dtype keeps an fp32 master (the
+    optimizer updates fp32 values); a frozen one stays as built. Floating parameters compute in
+    `param_dtype` when it is set, else in the dtype they were built in.
+    """
+    low = dtype in (torch.bfloat16, torch.float16)
+    stored = torch.float32 if requires_grad and low and precision.param_dtype is not None else dtype
+    compute = precision.param_dtype if precision.param_dtype is not None and dtype.is_floating_point else dtype
+    return stored, compute
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -133,6 +169,9 @@ def parse_cpu_offload(value: Any) -> CPUOffload | None:
     if value is True:
         return CPUOffload()
     if isinstance(value, float):  # cpu_offload=0.5: partial offload of that share of the parameters
+        if not 0.0 < value <= 1.0:
+            raise ValueError(f"cpu_offload={value!r}: a share of the parameters must be in (0, 1]; use True for all, "
+                             "False for none")
         return CPUOffload(fraction=value)
     if isinstance(value, CPUOffload):
         if not value.params and not value.optimizer:

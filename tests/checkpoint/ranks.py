@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 import shardtrain as st
 from shardtrain.core.shard import runtime_of
+from shardtrain.core.sharded_param import local_of
 from shardtrain.models.llama import Block
 from shardtrain.train.schedule import make_scheduler
 from tests.core.parity import FP32_TOL, Case, Reference, make_optimizer
@@ -63,16 +64,16 @@ def gathered_optimizer_state(model, optimizer) -> dict[str, dict[str, torch.Tens
     """Full optimizer state by parameter name, assembled from the pieces of the first replica's ranks
     (what a checkpoint holds; hybrid_shard and no_shard replicas should hold the same), on every rank."""
     runtime = runtime_of(model)
-    replicate = runtime.groups.replicate
+    replicate = runtime.comm.replicate
     first_replica = replicate is None or dist.get_rank(replicate) == 0
     mine = {}
     for unit in runtime.units if first_replica else []:
-        for slot, param in zip(unit.layout.slots, unit.shard_params):
+        for shard, param in zip(unit.layout.params, unit.params):
             if param not in optimizer.state:
                 continue
-            sharded = unit.layout.shard_world > 1
-            start = unit.layout.local_piece(slot, unit.groups.shard_rank).param_start if sharded else 0
-            mine[slot.fqn] = (slot.shape, start, {k: v.detach().clone() for k, v in optimizer.state[param].items()})
+            start = shard.held_rows(runtime.comm.shard_rank if shard.world > 1 else 0)[0] * shard.row_numel
+            mine[shard.fqn] = (shard.shape, start,
+                               {k: local_of(v).detach().clone() for k, v in optimizer.state[param].items()})
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     out: dict[str, dict[str, torch.Tensor]] = {}
@@ -285,7 +286,7 @@ def bad_inputs(directory: str) -> list[str]:
     messages.append(expect_error(load_into(damaged("flipped", flip), model),
                                  f"{where}.*model-00001-of-00002.safetensors is corrupt: sha256"))
     messages.append(expect_error(load_into(damaged("newer", newer), model),
-                                 "format version 99, newer than the version 1 this shardtrain reads; upgrade"))
+                                 "format version 99, newer than the version 2 this shardtrain reads; upgrade"))
 
     run = f"{directory}/run"
     st.save_checkpoint(f"{run}/a", {"model": model})

@@ -7,9 +7,12 @@ import copy
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 import shardtrain as st
+from shardtrain.core.collectives import Collective, observe
 from shardtrain.core.shard import runtime_of
+from shardtrain.core.sharded_param import local_of
 from shardtrain.models.llama import Block, RMSNorm, rotary_tables
 from tests.models import FrozenShared, Residual, lm_loss, make_batches, tiny_llama
 
@@ -25,10 +28,11 @@ def state_bytes(strategy: str) -> int:
     opt.step()
     total = 0
     for unit in runtime_of(model).units:
-        total += unit.shard.numel() * unit.shard.element_size()
-        total += unit.sharded_grad.numel() * unit.sharded_grad.element_size()
+        for buf in unit.buffers:
+            total += buf.shard.numel() * buf.shard.element_size()
+            total += buf.grad.numel() * buf.grad.element_size()
     for state in opt.state.values():
-        total += sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v) and v.dim() > 0)
+        total += sum(local_of(v).numel() * v.element_size() for v in state.values() if torch.is_tensor(v) and v.dim() > 0)
     return total
 
 
@@ -43,7 +47,8 @@ def meta_init_is_unit_by_unit() -> dict:
     def init(module: nn.Module) -> None:
         if hasattr(module, "reset_parameters"):
             module.reset_parameters()
-        live = sum(p.numel() for p in model.parameters() if not p.is_meta and p.dim() > 1)
+        live = sum(p.numel() for p in model.parameters() if not p.is_meta and p.dim() > 1
+                   and not isinstance(p, DTensor))  # sharded parameters (DTensors) hold only their rows
         peaks.append(live)
 
     st.shard(model, strategy="full_shard", wrap={Block}, param_init_fn=init)
@@ -105,32 +110,23 @@ def unused_and_eval_behaviour() -> dict:
 
 def collective_counts() -> dict:
     """Count all-gathers and reduce-scatters per training step (full_shard, 3 blocks + root)."""
-    from shardtrain.core import comm
-
     counts = {"gather": 0, "reduce": 0}
-    real_gather, real_reduce = comm._all_gather, comm._reduce_scatter
+    kinds = {"all_gather": "gather", "reduce_scatter": "reduce"}
 
-    def gather(*a, **k):
-        counts["gather"] += 1
-        return real_gather(*a, **k)
-
-    def reduce(*a, **k):
-        counts["reduce"] += 1
-        return real_reduce(*a, **k)
+    def count(collective: Collective) -> None:
+        if collective.kind in kinds:
+            counts[kinds[collective.kind]] += 1
 
     torch.manual_seed(0)
     model = st.shard(tiny_llama(), strategy="full_shard", wrap={Block})
     batch = make_batches("llama", steps=2, global_batch=4)
     rank = dist.get_rank()
-    comm._all_gather, comm._reduce_scatter = gather, reduce
-    try:
-        per_step = []
+    per_step = []
+    with observe(count):
         for b in batch:
             counts.update(gather=0, reduce=0)
             lm_loss(model, tuple(t[2 * rank:2 * rank + 2] for t in b)).backward()
             per_step.append(dict(counts))
-    finally:
-        comm._all_gather, comm._reduce_scatter = real_gather, real_reduce
     return {"steps": per_step, "units": len(runtime_of(model).units)}
 
 
@@ -142,8 +138,6 @@ def rmsnorm_is_merged() -> bool:
 
 def auto_strategy(device_memory: str) -> dict:
     """strategy=st.AutoPolicy: the planner picks; the model then trains like any other."""
-    from shardtrain.core.shard import runtime_of
-
     torch.manual_seed(0)
     model = st.shard(tiny_llama(), strategy=st.AutoPolicy(micro_batch=2, seq_len=16, device_memory=device_memory),
                      wrap={Block})

@@ -57,10 +57,28 @@ def ac_policy(kind: str):
         kind, lambda m: isinstance(m, nn.Linear))
 
 
+def nanogpt_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Weight-decay groups as nanoGPT's `configure_optimizers` chooses them: by `p.dim() >= 2`."""
+    param_dict = {pn: p for pn, p in model.named_parameters() if p.requires_grad}
+    decay_params = [p for n, p in param_dict.items() if p.dim() >= 2]
+    nodecay_params = [p for n, p in param_dict.items() if p.dim() < 2]
+    return [{"params": decay_params, "weight_decay": weight_decay}, {"params": nodecay_params, "weight_decay": 0.0}]
+
+
+def timm_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """As timm's `param_groups_weight_decay`: no decay for `param.ndim <= 1` or a name ending in `.bias`."""
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        (no_decay if param.ndim <= 1 or name.endswith(".bias") else decay).append(param)
+    return [{"params": no_decay, "weight_decay": 0.0}, {"params": decay, "weight_decay": weight_decay}]
+
+
 def make_optimizer(model: nn.Module, name: str) -> torch.optim.Optimizer:
-    decay = [p for n, p in model.named_parameters() if p.requires_grad and "norm" not in n and not n.endswith("bias")]
-    no_decay = [p for n, p in model.named_parameters() if p.requires_grad and ("norm" in n or n.endswith("bias"))]
-    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+    """The optimizer of a parity case; its groups are chosen by shape, as user code does (the sharded
+    model must present every parameter with its original shape for the groups to agree)."""
+    groups = timm_groups(model, 0.1) if name == "adam_foreach" else nanogpt_groups(model, 0.1)
     if name == "sgd":
         return torch.optim.SGD(groups, lr=0.05, momentum=0.9)
     # Note: eps 1e-6 (not 1e-8) keeps Adam from amplifying the last-bit differences of a reduction

@@ -172,7 +172,7 @@ def _shard_errors() -> dict:
 
     with torch.device("meta"):
         meta = NoReset()
-    expect("meta", lambda: st.shard(meta), ValueError, "has no reset_parameters(); pass param_init_fn")
+    expect("meta", lambda: st.shard(meta), ValueError, "has no reset_parameters() to fill them; give it one, or pass param_init_fn")
     expect("unsharded", lambda: st.clip_grad_norm_(tiny_llama(), 1.0), ValueError, "is not sharded")
     return cases
 

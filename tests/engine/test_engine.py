@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 import shardtrain as st
+from shardtrain.core.sharded_param import local_of
 from shardtrain.engine import Engine
 from shardtrain.models.llama import LLAMA_SIZES, Block, Llama
 
@@ -237,12 +238,13 @@ def _fp16_training() -> dict:
         loss = model.loss(inputs, targets)
         engine.backward(loss)
         if step == 2 and engine.rank == 1:
-            next(p.grad for p in model.parameters() if p.grad is not None and p.grad.numel())[0] = float("inf")
+            grad = next(local_of(p.grad) for p in model.parameters() if p.grad is not None and local_of(p.grad).numel())
+            grad.view(-1)[0] = float("inf")  # an overflow in rank 1's rows only
         engine.clip_gradients(model, opt, max_norm=1.0)
-        before = [p.detach().clone() for p in model.parameters()]
+        before = [local_of(p).detach().clone() for p in model.parameters()]
         opt.step()
         opt.zero_grad()
-        skipped.append(all(torch.equal(a, b) for a, b in zip(before, model.parameters())))
+        skipped.append(all(torch.equal(a, local_of(b)) for a, b in zip(before, model.parameters())))
         losses.append(loss.item())
     halvings = engine.grad_scaler.get_scale() == scale0 * 0.5 ** sum(skipped)
     # The scaler's state (scale, growth tracker) goes through a checkpoint and comes back.

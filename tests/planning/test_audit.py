@@ -7,7 +7,7 @@ import torch.distributed as dist
 from torch import nn
 
 import shardtrain as st
-from shardtrain.core.comm import Groups
+from shardtrain.core.comm import UnitComm
 from shardtrain.models.llama import Block, Llama, llama_config
 from shardtrain.planning.audit import audit_precision, dtype_name
 from tests.models import ConvNet, FrozenShared, lm_loss, make_batches, tiny_llama
@@ -92,15 +92,19 @@ def test_frozen_units_have_no_gradients_or_optimizer_state_and_offload_lives_on_
     assert half.placement.startswith(f"host (CPU offload) for {len(half.offloaded_units)} of {len(half.units)} units")
 
 
-def test_a_model_built_in_bf16_has_no_fp32_master_and_mixed_dtypes_are_refused():
+def test_a_model_built_in_bf16_has_no_fp32_master_and_mixed_dtypes_get_a_row_per_group():
     low = tiny_llama().to(BF16)
     audit = audit_precision(low, wrap={Block})
     assert {u.stored for u in audit.units} == {BF16} and {u.optimizer_state for u in audit.units} == {BF16}
     assert any("no fp32 master copy" in n for n in audit.notes)
+    with_masters = audit_precision(low, wrap={Block}, mixed_precision="bf16")
+    assert {u.stored for u in with_masters.units} == {torch.float32}  # trainable bf16 parameters get fp32 masters
     mixed = tiny_llama()
-    mixed.layers[0].attn.wq.to(F16)
-    with pytest.raises(ValueError, match=r"unit 'layers.0' mixes parameter dtypes: .*layers.0.attn.wq.weight \(fp16\)"):
-        audit_precision(mixed, wrap={Block})
+    mixed.layers[0].attn.wq.to(F16).requires_grad_(False)
+    rows = {u.name: u for u in audit_precision(mixed, wrap={Block}).units}
+    assert rows["layers.0 [1/2]"].stored == torch.float32 and rows["layers.0 [1/2]"].grad == torch.float32
+    frozen = rows["layers.0 [2/2]"]
+    assert frozen.stored == F16 and frozen.grad is None and frozen.params == 64 * 64
     assert dtype_name(None) == "-" and dtype_name(torch.int64) == "int64"
 
 
@@ -115,7 +119,7 @@ def _observed_dtypes(strategy: str, precision) -> dict:
         compute[module] = module.weight.dtype
 
     hooks = [m.register_forward_pre_hook(seen) for m in model.modules() if isinstance(m, nn.Linear)]
-    original = Groups.reduce_gradient
+    original = UnitComm.reduce_gradient
 
     def record(self, flat_grad, *, accumulate, **kwargs):
         def reduced(shard_grad):  # the dtype the ranks' gradients were summed in
@@ -124,14 +128,14 @@ def _observed_dtypes(strategy: str, precision) -> dict:
 
         return original(self, flat_grad, accumulate=reduced, **kwargs)
 
-    Groups.reduce_gradient = record
+    UnitComm.reduce_gradient = record
     try:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         x, y = make_batches("llama", steps=1, global_batch=2 * dist.get_world_size())[0]
         lm_loss(model, (x[:2], y[:2])).backward()
         opt.step()
     finally:
-        Groups.reduce_gradient = original
+        UnitComm.reduce_gradient = original
         for h in hooks:
             h.remove()
     params = dict(model.named_parameters())

@@ -5,6 +5,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from shardtrain.core.sharded_param import local_of
+
 from shardtrain.engine import Engine
 from shardtrain.train.config import load_config
 from shardtrain.train.loop import _prepare, build_job, check_batch
@@ -58,14 +60,15 @@ def test_one_scheduler_step_per_optimizer_step_and_disjoint_ranks(pools, corpus,
 
 def _ema(corpus: str, cache: str) -> dict:
     job = _job(corpus, cache, "--train.ema_decay", "0.5", "--train.batch_size", "4", "--train.eval_batches", "1")
-    before = [p.detach().clone() for p in job.model.parameters()]
+    rows = lambda: [local_of(p).detach().clone() for p in job.model.parameters()]  # noqa: E731 - this rank's rows
+    before = rows()
     job.train_step(0)
-    trained = [p.detach().clone() for p in job.model.parameters()]
+    trained = rows()
     expected = [0.5 * b + 0.5 * t for b, t in zip(before, trained)]
     record = job.evaluate(1, 0.0)
     with job.ema.swapped_in():
-        swapped = [p.detach().clone() for p in job.model.parameters()]
-    restored = all(torch.equal(p, t) for p, t in zip(job.model.parameters(), trained))
+        swapped = rows()
+    restored = all(torch.equal(p, t) for p, t in zip(rows(), trained))
     return {"record": record, "restored": restored,
             "ema_ok": all(torch.allclose(s, e) for s, e in zip(swapped, expected))}
 

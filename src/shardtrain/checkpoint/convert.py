@@ -1,9 +1,8 @@
 """Sharded checkpoint -> one full safetensors file, in a single process, one unit at a time.
 
-No process group and no model code are needed: the unit layouts in metadata.json say where every
-parameter lies in the shards. Each unit is read whole from the shard files, split into its
-parameters (tied weights written under every name, as the full format does), written and freed,
-so memory stays at about one unit. With a Hugging Face config (given, or recorded at save time for
+No process group and no model code are needed: metadata.json says where every parameter's rows lie
+in the shards. Each parameter is read whole from the shard files, written (tied weights under every
+name, as the full format does) and freed, so memory stays at about one parameter. With a Hugging Face config (given, or recorded at save time for
 a transformers model) the output is a folder `from_pretrained` opens: config.json + model.safetensors.
 """
 
@@ -17,8 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from .commit import resolve
-from .format import dtype_of, full_file, param_tensor, read_metadata
-from .sharded import ShardedSource
+from .format import dtype_of, full_file, read_metadata
+from .sharded import sharded_source
+from .source import ModuleSource
 from .tensorfile import CheckpointFiles, SafetensorsWriter, TensorSpec
 
 
@@ -55,7 +55,7 @@ def convert_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, *,
     weights = out / "model.safetensors" if config is not None else out
     weights.parent.mkdir(parents=True, exist_ok=True)
     with CheckpointFiles(directory, metadata["files"]) as files:
-        count = _write_weights(ShardedSource(files, key, record), record, weights)
+        count = _write_weights(sharded_source(files, key, record, version=metadata["version"]), record, weights)
     config_path = None
     if config is not None:
         config_path = out / "config.json"
@@ -63,21 +63,20 @@ def convert_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, *,
     return Converted(weights=weights, config=config_path, tensors=count)
 
 
-def _write_weights(source: ShardedSource, record: dict[str, Any], weights: Path) -> int:
-    units = record["units"]
-    specs = [TensorSpec(name=name, dtype=dtype_of(unit["dtype"]), shape=tuple(slot["shape"]))
-             for unit in units for slot in unit["slots"] for name in (slot["fqn"], *slot["aliases"])]
+def _write_weights(source: ModuleSource, record: dict[str, Any], weights: Path) -> int:
+    names = [(fqn, (fqn, *aliases)) for fqn, aliases in source.params]
+    specs = [TensorSpec(name=name, dtype=source.param_dtypes[fqn], shape=source.param_shapes[fqn])
+             for fqn, every in names for name in every]
     specs += [TensorSpec(name=n, dtype=dtype_of(b["dtype"]), shape=tuple(b["shape"]))
               for n, b in record["buffers"].items()]
     partial = weights.with_name(f".{weights.name}.partial")
     writer = SafetensorsWriter(partial, specs)
-    for u, unit in enumerate(units):
-        flat = source.read_flat(param_tensor(u), u, 0, unit["numel"])
-        for slot in unit["slots"]:
-            part = flat[slot["offset"]:slot["offset"] + math.prod(slot["shape"])]
-            for name in (slot["fqn"], *slot["aliases"]):
-                writer.write(name, part)
-        del flat
+    for fqn, every in names:
+        shape = source.param_shapes[fqn]
+        whole = source.read_param(fqn, 0, math.prod(shape)).view(shape)
+        for name in every:
+            writer.write(name, whole)
+        del whole
     for name in record["buffers"]:
         writer.write(name, source.read_buffer(name))
     writer.close()

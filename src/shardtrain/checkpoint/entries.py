@@ -1,8 +1,8 @@
 """What the `state` dict of save_checkpoint/load_checkpoint holds, sorted by how each is stored.
 
-- sharded modules (models passed through `st.shard`): their flat shards, per unit;
-- sharded optimizers (all parameters belong to one sharded module of `state`): their state mapped
-  onto the same units, so it reshards with the parameters;
+- sharded modules (models passed through `st.shard`): each rank's rows of every parameter;
+- sharded optimizers (all parameters belong to one sharded module of `state`): their state stored
+  like the parameters it belongs to, so it reshards with them;
 - objects (anything with state_dict/load_state_dict: schedulers, GradScaler, plain modules and
   optimizers): their state dicts, per rank, in a torch file;
 - values (everything else): JSON metadata, returned by load_checkpoint.
@@ -16,20 +16,22 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..core import replaced
+from ..core.layout import ParamShard
 from ..core.shard import RUNTIME_ATTR, runtime_of
 from ..core.unit import ShardUnit
 
 
 @dataclass(frozen=True, kw_only=True)
 class ParamRef:
-    """Where an optimizer-visible parameter lives: slot `index` of `unit`."""
+    """Where an optimizer-visible parameter lives: parameter `index` of `unit`."""
 
     unit: ShardUnit
     index: int
 
     @property
-    def slot(self):
-        return self.unit.layout.slots[self.index]
+    def shard(self) -> ParamShard:
+        return self.unit.layout.params[self.index]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,7 +62,7 @@ class Entries:
 
 def param_refs(module: nn.Module) -> dict[int, ParamRef]:
     return {id(p): ParamRef(unit=unit, index=i)
-            for unit in runtime_of(module).units for i, p in enumerate(unit.shard_params)}
+            for unit in runtime_of(module).units for i, p in enumerate(unit.params)}
 
 
 def classify(state: dict[str, Any]) -> Entries:
@@ -76,6 +78,7 @@ def classify(state: dict[str, Any]) -> Entries:
         if key in modules:
             continue
         if isinstance(value, torch.optim.Optimizer):
+            replaced.rebind(value)  # built before st.shard: its groups now hold the sharded parameters
             owner = _owner(key, value, refs)
             if owner is not None:
                 optimizers[key] = ShardedOptimizer(optimizer=value, module=owner, refs=refs[owner])

@@ -3,22 +3,25 @@
 A checkpoint is a directory holding `metadata.json` (written last, by rank 0) and the tensor and
 object files it lists with their byte sizes and sha256 digests. docs/checkpoint-format.md describes
 every field; this module is the one place that knows file and tensor names.
+
+Version 2 stores each parameter's rows per shard under its name (`param.<fqn>`); version 1 stored
+one flat tensor per unit (`param.<unit>`) and still loads (`legacy_*`).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..core.flat import FlatLayout, ParamSlot
-from ..core.unit import ShardUnit
+from ..core.runtime import Runtime
 
 FORMAT_NAME = "shardtrain-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 METADATA_FILE = "metadata.json"
 LATEST_FILE = "latest"
 KINDS = ("sharded", "full")
@@ -47,11 +50,22 @@ def rank_file(rank: int) -> str:
     return f"rank-{rank:05d}.pt"
 
 
-def param_tensor(unit: int) -> str:
+def param_tensor(fqn: str) -> str:
+    """Sharded format: this shard's rows of parameter `fqn`."""
+    return f"param.{fqn}"
+
+
+def state_tensor(optimizer: str, key: str, fqn: str) -> str:
+    """Sharded format: this shard's rows of elementwise state `key` of `fqn` in optimizer `optimizer`."""
+    return f"optim.{optimizer}.{key}.{fqn}"
+
+
+def legacy_param_tensor(unit: int) -> str:
+    """Version 1: the flat shard of unit `unit`."""
     return f"param.{unit}"
 
 
-def state_tensor(optimizer: str, key: str, unit: int) -> str:
+def legacy_state_tensor(optimizer: str, key: str, unit: int) -> str:
     return f"optim.{optimizer}.{key}.{unit}"
 
 
@@ -82,30 +96,28 @@ def dtype_of(code: str) -> torch.dtype:
 
 
 # ------------------------------------------------------------------------------------ layouts
-def unit_record(unit: ShardUnit) -> dict[str, Any]:
-    layout = unit.layout
-    return {
-        "name": unit.name,
-        "dtype": dtype_code(unit.shard.dtype),
-        "numel": layout.numel,
-        "padded_numel": layout.padded_numel,
-        "shard_numel": layout.shard_numel,
-        "slots": [
-            {"fqn": s.fqn, "shape": list(s.shape), "dtype": dtype_code(s.dtype), "offset": s.offset,
-             "requires_grad": s.requires_grad, "aliases": list(s.aliases)}
-            for s in layout.slots
-        ],
-    }
+def params_record(runtime: Runtime) -> list[dict[str, Any]]:
+    """Every parameter of a sharded module, in unit order: name, aliases, shape, stored dtype, unit."""
+    return [{"fqn": s.fqn, "aliases": list(s.aliases), "shape": list(s.shape), "dtype": dtype_code(s.dtype),
+             "requires_grad": s.requires_grad, "unit": unit.name}
+            for unit in runtime.units for s in unit.layout.params]
 
 
-def layout_of(record: dict[str, Any], shard_world: int) -> FlatLayout:
-    """The saved unit's layout, as the shards were cut at save time."""
-    slots = tuple(
-        ParamSlot(fqn=s["fqn"], shape=tuple(s["shape"]), dtype=dtype_of(s["dtype"]), offset=s["offset"],
-                  requires_grad=s["requires_grad"], aliases=tuple(s["aliases"]))
-        for s in record["slots"]
-    )
-    return FlatLayout(slots=slots, shard_world=shard_world)
+def shard_rows(shape: tuple[int, ...], shard: int, shards: int) -> tuple[int, int]:
+    """The rows `[start, stop)` of a parameter of `shape` held by shard `shard` of `shards` (version 2)."""
+    if not shape:
+        return (0, 1) if shard == 0 else (0, 0)
+    per = -(-shape[0] // shards)
+    start = min(shard * per, shape[0])
+    return start, min(start + per, shape[0])
+
+
+def saved_shape(shape: tuple[int, ...], shard: int, shards: int) -> tuple[int, ...] | None:
+    """The shape shard `shard` stores of a parameter of `shape` (None: a 0-dim parameter lives in shard 0)."""
+    if not shape:
+        return () if shard == 0 else None
+    start, stop = shard_rows(shape, shard, shards)
+    return (stop - start, *shape[1:])
 
 
 # ------------------------------------------------------------------------------------ metadata file
@@ -136,7 +148,51 @@ def read_metadata(directory: Path) -> dict[str, Any]:
                          f"{FORMAT_VERSION} this shardtrain reads; upgrade shardtrain to load it")
     if metadata.get("kind") not in KINDS:
         raise ValueError(f"{path} has unknown kind {metadata.get('kind')!r}; expected one of {KINDS}")
+    for key, record in metadata.get("modules", {}).items():
+        _check_module_record(path, key, record, version)
     return metadata
+
+
+def _check_module_record(path: Path, key: str, record: dict[str, Any], version: int) -> None:
+    """The layout a module record describes must be consistent, so that an edited file cannot load wrong values."""
+    where = f"{path}: module {key!r}"
+    if not isinstance(key, str) or not key or any(c in key for c in "/\\") or key.startswith("."):
+        raise ValueError(f"{where} is not a plain name (it would name a file outside the checkpoint); the metadata "
+                         "was edited or damaged: load an earlier checkpoint")
+    try:
+        shard_world = record["shard_world"]
+        if not isinstance(shard_world, int) or shard_world < 1:
+            raise ValueError(f"shard_world={shard_world!r} is not a positive int")
+        if version >= 2:
+            for p in record["params"]:
+                if not all(isinstance(d, int) and d >= 0 for d in p["shape"]):
+                    raise ValueError(f"parameter {p['fqn']!r} has shape {p['shape']!r}")
+                dtype_of(p["dtype"])
+        else:
+            for u, unit in enumerate(record["units"]):
+                _check_legacy_unit(u, unit, shard_world)
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"{where} is malformed ({type(exc).__name__}: {exc}); the metadata was edited or damaged: "
+                         "load an earlier checkpoint") from None
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}; the metadata was edited or damaged: load an earlier checkpoint") from None
+
+
+def _check_legacy_unit(u: int, unit: dict[str, Any], shard_world: int) -> None:
+    """Version 1: the slots tile the unit's flat buffer back to back and the sizes add up."""
+    offset = 0
+    for slot in unit["slots"]:
+        numel = math.prod(slot["shape"])
+        if slot["offset"] != offset:
+            raise ValueError(f"unit {u} slot {slot['fqn']!r} starts at {slot['offset']}, expected {offset} "
+                             "(slots must tile the flat buffer)")
+        offset += numel
+    if unit["numel"] != offset:
+        raise ValueError(f"unit {u} numel {unit['numel']} differs from its slots' total {offset}")
+    shard_numel = -(-offset // shard_world)
+    if unit["shard_numel"] != shard_numel or unit["padded_numel"] != shard_numel * shard_world:
+        raise ValueError(f"unit {u} shard_numel {unit['shard_numel']} / padded_numel {unit['padded_numel']} do not "
+                         f"match {offset} elements over {shard_world} shards")
 
 
 def created_ns(directory: Path) -> int | None:

@@ -8,7 +8,7 @@ unit. Each sharded optimizer goes the same way into `<key>.safetensors`, as `sta
 tensors of the parameter's full shape; its scalars and param groups are in metadata.json.
 
 Note: `ops.state_dict.full_state_dict` would hold the whole model on rank 0 before anything is
-written; here each gathered unit (`gather_unit`) is written and freed before the next is gathered.
+written; here each gathered unit (`gather_params`) is written and freed before the next is gathered.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 
 from ..core.shard import runtime_of
-from ..ops.state_dict import gather_unit
+from ..ops.state_dict import gather_params
 from .entries import Entries
 from .format import full_file, full_state_tensor
 from .local import persistent_buffers
@@ -64,38 +64,42 @@ def write_full(entries: Entries, snapshots: dict[str, OptimizerSnapshot], stagin
     for key, module in entries.modules.items():
         units = runtime_of(module).units
         buffers = persistent_buffers(module)
-        specs = [TensorSpec(name=name, dtype=unit.shard.dtype, shape=slot.shape)
-                 for unit in units for slot in unit.layout.slots for name in (slot.fqn, *slot.aliases)]
+        specs = [TensorSpec(name=name, dtype=unit.held(i).dtype, shape=s.shape)
+                 for unit in units for i, s in enumerate(unit.layout.params) for name in (s.fqn, *s.aliases)]
         specs += [TensorSpec(name=n, dtype=b.dtype, shape=tuple(b.shape)) for n, b in buffers.items()]
         writer = _GuardedWriter(staging / full_file(key), specs) if rank == 0 else None
         for unit in units:
-            full = gather_unit(unit)
+            whole = gather_params(unit)
             if writer is not None:
-                for slot in unit.layout.slots:
-                    for name in (slot.fqn, *slot.aliases):
-                        writer.write(name, full[slot.offset:slot.end])
-            del full
+                for s, tensor in zip(unit.layout.params, whole):
+                    for name in (s.fqn, *s.aliases):
+                        writer.write(name, tensor)
+            del whole
         if writer is not None:
             for n, b in buffers.items():
                 writer.write(n, b)
             records[full_file(key)] = writer.close()
     for key, snap in snapshots.items():
         units = runtime_of(entries.modules[snap.module]).units
-        wanted = [(unit, k, [s for s in unit.layout.slots if snap.has(s.fqn, k)])
-                  for unit in units for k in snap.elementwise]
         specs = [TensorSpec(name=full_state_tensor(s.fqn, k), dtype=snap.elementwise[k], shape=s.shape)
-                 for _, k, slots in wanted for s in slots]
+                 for unit in units for k in snap.elementwise for s in unit.layout.params if snap.has(s.fqn, k)]
         writer = _GuardedWriter(staging / full_file(key), specs) if rank == 0 else None
-        for unit, k, slots in wanted:
-            full = gather_unit(unit, snap.flat(unit, k))
-            if writer is not None:
-                for s in slots:
-                    writer.write(full_state_tensor(s.fqn, k), full[s.offset:s.end])
-            del full
+        for unit in units:
+            for k in snap.elementwise:
+                have = [snap.has(s.fqn, k) for s in unit.layout.params]
+                if not any(have):
+                    continue
+                local = [snap.piece(s.fqn, k) if h else unit.held(i).new_zeros(unit.held(i).shape, dtype=snap.elementwise[k])
+                         for i, (s, h) in enumerate(zip(unit.layout.params, have))]
+                whole = gather_params(unit, local)
+                if writer is not None:
+                    for s, h, tensor in zip(unit.layout.params, have, whole):
+                        if h:
+                            writer.write(full_state_tensor(s.fqn, k), tensor)
+                del whole
         if writer is not None:
             records[full_file(key)] = writer.close()
     return records
-
 
 
 class FullSource(ModuleSource):

@@ -17,7 +17,7 @@ from .format import read_metadata, short_list
 from .full import FullSource
 from .objects import restore_objects
 from .optim_state import restore_optimizer
-from .sharded import ShardedSource
+from .sharded import sharded_source
 from .source import restore_module
 from .tensorfile import CheckpointFiles
 from .values import decode
@@ -47,10 +47,8 @@ def load_checkpoint(path: str | os.PathLike, state: dict[str, Any], *, strict: b
         directory = resolve(path)
         metadata = read_metadata(directory)
         _check_entries(metadata, entries, strict=strict)
-        source_type = ShardedSource if metadata["kind"] == "sharded" else FullSource
         with CheckpointFiles(directory, metadata["files"]) as files:
-            sources = {key: source_type(files, key, metadata["modules"][key])
-                       for key in entries.modules if key in metadata["modules"]}
+            sources = {key: _source(files, key, metadata) for key in entries.modules if key in metadata["modules"]}
             for key, source in sources.items():
                 restore_module(entries.modules[key], key, source, strict=strict)
             for name, sharded in entries.optimizers.items():
@@ -63,6 +61,13 @@ def load_checkpoint(path: str | os.PathLike, state: dict[str, Any], *, strict: b
 
     comm.everyone(load)
     return values
+
+
+def _source(files: CheckpointFiles, key: str, metadata: dict[str, Any]):
+    record = metadata["modules"][key]
+    if metadata["kind"] == "full":
+        return FullSource(files, key, record)
+    return sharded_source(files, key, record, version=metadata["version"])
 
 
 def _check_entries(metadata: dict[str, Any], entries: Entries, *, strict: bool) -> None:

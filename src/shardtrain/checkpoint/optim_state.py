@@ -1,12 +1,11 @@
-"""Optimizer state <-> sharding units, so optimizer state reshards exactly like the parameters.
+"""Optimizer state <-> sharded parameters, so optimizer state reshards exactly like the parameters.
 
-A torch optimizer keys its state by parameter; the parameters it holds are this rank's pieces of
-the original parameters (`unit.shard_params`), so each maps to a (unit, slot) by identity. State
-entries shaped like their parameter (Adam's exp_avg, exp_avg_sq, SGD's momentum_buffer) are
-*elementwise*: they are laid out like the flat shard, one shard-sized tensor per unit and key, and
-reshard with it. Other entries (Adam's 0-dim `step`) are per-parameter *scalars* kept in the
-metadata. Param groups are stored with their hyperparameters and the names of their parameters,
-and restored by name.
+A torch optimizer keys its state by parameter; the parameters it holds are the sharded model's
+(`unit.params`), so each maps to a (unit, parameter) by identity. State entries shaped like their
+parameter (Adam's exp_avg, exp_avg_sq, SGD's momentum_buffer) are *elementwise*: this rank's rows of
+them are stored like the parameter's rows and reshard with them. Other entries (Adam's 0-dim `step`)
+are per-parameter *scalars* kept in the metadata. Param groups are stored with their hyperparameters
+and the names of their parameters, and restored by name.
 """
 
 from __future__ import annotations
@@ -16,11 +15,11 @@ from typing import Any, Protocol
 
 import torch
 
-from ..core.flat import ParamSlot
-from ..core.unit import ShardUnit
+from ..core.layout import ParamShard
+from ..core.sharded_param import local_of
 from .entries import ShardedOptimizer
 from .format import dtype_code, short_list
-from .local import held_piece
+from .local import held_range
 from .values import decode, encode
 
 _NOT_HYPERPARAMETERS = ("params", "param_names")
@@ -28,24 +27,18 @@ _NOT_HYPERPARAMETERS = ("params", "param_names")
 
 @dataclass(frozen=True, kw_only=True)
 class OptimizerSnapshot:
-    """One optimizer's state on this rank, split into elementwise pieces and scalars."""
+    """One optimizer's state on this rank, split into elementwise pieces (local rows) and scalars."""
 
     cls: str
     module: str
-    elementwise: dict[str, torch.dtype]  # state key -> dtype of its flat tensors
-    pieces: dict[str, dict[str, torch.Tensor]]  # fqn -> key -> this rank's piece
+    elementwise: dict[str, torch.dtype]  # state key -> dtype
+    pieces: dict[str, dict[str, torch.Tensor]]  # fqn -> key -> this rank's rows
     scalars: dict[str, dict[str, Any]]  # fqn -> key -> value
     groups: list[tuple[dict[str, Any], list[str]]]  # (hyperparameters, parameter names)
 
-    def flat(self, unit: ShardUnit, key: str) -> torch.Tensor:
-        """State `key` of `unit`, laid out like its shard (zeros where a parameter has no such state)."""
-        out = torch.zeros(unit.shard.numel(), dtype=self.elementwise[key], device=unit.shard.device)
-        for slot in unit.layout.slots:
-            piece = self.pieces.get(slot.fqn, {}).get(key)
-            if piece is not None:
-                held = held_piece(unit, slot)
-                out[held.shard_start:held.shard_start + held.numel].copy_(piece.reshape(-1))
-        return out
+    def piece(self, fqn: str, key: str) -> torch.Tensor | None:
+        """This rank's rows of state `key` of parameter `fqn` (None when the parameter has no such state)."""
+        return self.pieces.get(fqn, {}).get(key)
 
     def has(self, fqn: str, key: str) -> bool:
         return key in self.pieces.get(fqn, {})
@@ -68,8 +61,8 @@ class OptimizerSnapshot:
 def snapshot(sharded: ShardedOptimizer) -> OptimizerSnapshot:
     state_dict = sharded.optimizer.state_dict()
     params = sharded.params()
-    fqns = [sharded.refs[id(p)].slot.fqn for p in params]
-    per_param = {i: s for i, s in state_dict["state"].items()}
+    fqns = [sharded.refs[id(p)].shard.fqn for p in params]
+    per_param = dict(state_dict["state"].items())
     keys = {k for s in per_param.values() for k in s}
     elementwise: dict[str, torch.dtype] = {}
     for key in sorted(keys):
@@ -79,12 +72,13 @@ def snapshot(sharded: ShardedOptimizer) -> OptimizerSnapshot:
             dtypes = {v.dtype for _, v in values}
             if len(dtypes) > 1:
                 raise ValueError(f"optimizer state {key!r} mixes dtypes {sorted(map(str, dtypes))} across parameters; "
-                                 "checkpoints store it as one flat tensor per unit: keep it in one dtype")
+                                 "checkpoints store it in one dtype: keep it in one dtype")
             elementwise[key] = dtypes.pop()
     pieces, scalars = {}, {}
     for i, s in per_param.items():
-        pieces[fqns[i]] = {k: v.detach() for k, v in s.items() if k in elementwise}
-        scalars[fqns[i]] = {k: v for k, v in s.items() if k not in elementwise}
+        pieces[fqns[i]] = {k: local_of(v).detach() for k, v in s.items() if k in elementwise}
+        scalars[fqns[i]] = {k: local_of(v) if isinstance(v, torch.Tensor) else v
+                            for k, v in s.items() if k not in elementwise}
     groups = [({k: v for k, v in g.items() if k not in _NOT_HYPERPARAMETERS}, [fqns[i] for i in g["params"]])
               for g in state_dict["param_groups"]]
     return OptimizerSnapshot(cls=type(sharded.optimizer).__name__, module=sharded.module, elementwise=elementwise,
@@ -92,19 +86,19 @@ def snapshot(sharded: ShardedOptimizer) -> OptimizerSnapshot:
 
 
 class StateSource(Protocol):
-    def saved_name(self, slot: ParamSlot) -> str | None: ...
+    def saved_name(self, shard: ParamShard) -> str | None: ...
     def read_state(self, optimizer: str, key: str, name: str, start: int, numel: int) -> torch.Tensor: ...
 
 
 def restore_optimizer(sharded: ShardedOptimizer, name: str, record: dict[str, Any], source: StateSource, *,
                       strict: bool) -> None:
-    """Load the saved state of optimizer `name` into `sharded.optimizer`, cut to this rank's pieces."""
+    """Load the saved state of optimizer `name` into `sharded.optimizer`, cut to this rank's rows."""
     optimizer = sharded.optimizer
     params = sharded.params()
     refs = [sharded.refs[id(p)] for p in params]
-    saved = [source.saved_name(r.slot) for r in refs]
+    saved = [source.saved_name(r.shard) for r in refs]
     group_of = {fqn: g for g, group in enumerate(record["groups"]) for fqn in group["params"]}
-    missing = [r.slot.fqn for r, n in zip(refs, saved) if n not in group_of]
+    missing = [r.shard.fqn for r, n in zip(refs, saved) if n not in group_of]
     unexpected = sorted(group_of.keys() - set(saved))
     if strict and (missing or unexpected):
         raise ValueError(f"optimizer state[{name!r}] does not match the checkpoint: parameters missing from it "
@@ -123,14 +117,18 @@ def restore_optimizer(sharded: ShardedOptimizer, name: str, record: dict[str, An
             hparams.update(decode(record["groups"][origins[0]]["hparams"]))
         groups.append({**hparams, "params": indices})
     state = {}
-    for i, (p, ref, fqn) in enumerate(zip(params, refs, saved)):
+    for i, (ref, fqn) in enumerate(zip(refs, saved)):
         entry = record["state"].get(fqn) if fqn in group_of else None
         if entry is None:
             continue
-        held = held_piece(ref.unit, ref.slot)
+        unit, index = ref.unit, ref.index
+        held = unit.held(index)
+        start, numel = held_range(unit, index)
         values = decode(entry["scalars"])
         for key in entry["elementwise"]:
-            values[key] = source.read_state(name, key, fqn, held.param_start, held.numel).reshape(p.shape)
+            rows = source.read_state(name, key, fqn, start, numel).view(held.shape).to(held.device)
+            # Note: the optimizer's state must be the kind of tensor its parameter is (a DTensor of the
+            # same placement), or its step would mix DTensors and plain tensors.
+            values[key] = unit.factory.wrap(rows, ref.shard)
         state[i] = values
     optimizer.load_state_dict({"state": state, "param_groups": groups})
-

@@ -23,7 +23,7 @@ from ..core.shard import runtime_of
 from . import commit
 from .collective import Comm
 from .entries import Entries, classify
-from .format import FORMAT_NAME, FORMAT_VERSION, KINDS, dtype_code, unit_record, write_metadata
+from .format import FORMAT_NAME, FORMAT_VERSION, KINDS, dtype_code, params_record, write_metadata
 from .full import write_full
 from .local import persistent_buffers
 from .objects import rank_payload, write_rank_file
@@ -109,9 +109,9 @@ def _module_record(module: nn.Module) -> dict[str, Any]:
     record = {
         "class": f"{type(module).__module__}.{type(module).__qualname__}",
         "strategy": runtime.strategy.value,
-        "shard_world": runtime.groups.shard_world,
-        "replicate_world": runtime.groups.replicate_world,
-        "units": [unit_record(unit) for unit in runtime.units],
+        "shard_world": runtime.comm.shard_world,
+        "replicate_world": runtime.comm.replicate_world,
+        "params": params_record(runtime),
         "buffers": {name: {"shape": list(b.shape), "dtype": dtype_code(b.dtype)}
                     for name, b in persistent_buffers(module).items()},
     }

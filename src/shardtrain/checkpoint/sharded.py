@@ -1,17 +1,20 @@
 """Sharded format: each shard written once by the rank that holds it, read back at any world size.
 
-Per sharded module and shard rank s (of S), one safetensors file holds, for every unit u, the flat
-shard `param.u` (elements `[s * shard_numel, (s + 1) * shard_numel)` of the unit's padded flat
-parameter) and, per optimizer over the module and elementwise state key k, `optim.<opt>.<k>.u` laid
-out the same way; shard 0's file also holds the buffers. No communication: every rank writes what
-it holds, and a replica (hybrid_shard, no_shard) that is not the first writes nothing.
+Per sharded module and shard rank s (of S), one safetensors file holds, for every parameter `fqn`,
+the rows shard s holds (`param.<fqn>`: rows `[s * ceil(R / S), ...)` of its R rows, the real rows
+only) and, per optimizer over the module and elementwise state key k, `optim.<opt>.<k>.<fqn>` of the
+same shape; a 0-dim parameter lives in shard 0, as do the buffers. No communication: every rank
+writes what it holds, and a replica (hybrid_shard, no_shard) that is not the first writes nothing.
 
-Reading a range of one flattened parameter maps it into the saved unit's flat space and takes the
-overlapping slices of the old shards' files (safetensors reads slices without loading the rest).
+Reading a range of one flattened parameter takes the overlapping rows of the old shards' files
+(safetensors reads slices without loading the rest), so any saved world size loads at any current
+one. Every tensor's shape in a file is checked against the one the metadata implies before use.
+Checkpoints of format version 1 (one flat tensor per unit) load through `LegacyShardedSource`.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +22,8 @@ import torch
 
 from ..core.shard import runtime_of
 from .entries import Entries
-from .format import buffer_tensor, param_tensor, shard_file, state_tensor
+from .format import (buffer_tensor, legacy_param_tensor, legacy_state_tensor, param_tensor, saved_shape, shard_file,
+                     shard_rows, state_tensor)
 from .local import persistent_buffers, writes_shards
 from .optim_state import OptimizerSnapshot
 from .source import ModuleSource
@@ -33,23 +37,27 @@ def write_shards(entries: Entries, snapshots: dict[str, OptimizerSnapshot], stag
         runtime = runtime_of(module)
         if not writes_shards(runtime):
             continue
-        shard = runtime.groups.shard_rank
+        shard = runtime.comm.shard_rank
         states = [(name, k, snap) for name, snap in snapshots.items() if snap.module == key for k in snap.elementwise]
         buffers = persistent_buffers(module) if shard == 0 else {}
-        specs = []
-        for u, unit in enumerate(runtime.units):
-            specs.append(TensorSpec(name=param_tensor(u), dtype=unit.shard.dtype, shape=(unit.shard.numel(),)))
-            specs += [TensorSpec(name=state_tensor(name, k, u), dtype=snap.elementwise[k], shape=(unit.shard.numel(),))
-                      for name, k, snap in states]
-        specs += [TensorSpec(name=buffer_tensor(n), dtype=b.dtype, shape=tuple(b.shape)) for n, b in buffers.items()]
-        file = shard_file(key, shard, runtime.groups.shard_world)
-        writer = SafetensorsWriter(staging / file, specs)
-        for u, unit in enumerate(runtime.units):
-            writer.write(param_tensor(u), unit.shard)
-            for name, k, snap in states:
-                writer.write(state_tensor(name, k, u), snap.flat(unit, k))
-        for n, b in buffers.items():
-            writer.write(buffer_tensor(n), b)
+        tensors: list[tuple[TensorSpec, Any]] = []
+        for unit in runtime.units:
+            for i, s in enumerate(unit.layout.params):
+                if not s.shape and shard != 0:
+                    continue  # every rank holds a 0-dim parameter whole; shard 0 stores it
+                held = unit.held(i)
+                tensors.append((TensorSpec(name=param_tensor(s.fqn), dtype=held.dtype, shape=tuple(held.shape)), held))
+                for name, k, snap in states:
+                    piece = snap.piece(s.fqn, k)
+                    if piece is not None:
+                        tensors.append((TensorSpec(name=state_tensor(name, k, s.fqn), dtype=piece.dtype,
+                                                   shape=tuple(piece.shape)), piece))
+        tensors += [(TensorSpec(name=buffer_tensor(n), dtype=b.dtype, shape=tuple(b.shape)), b)
+                    for n, b in buffers.items()]
+        file = shard_file(key, shard, runtime.comm.shard_world)
+        writer = SafetensorsWriter(staging / file, [spec for spec, _ in tensors])
+        for spec, tensor in tensors:
+            writer.write(spec.name, tensor)
         records[file] = writer.close()
     return records
 
@@ -59,6 +67,58 @@ def module_files(key: str, shard_world: int) -> list[str]:
 
 
 class ShardedSource(ModuleSource):
+    """A version-2 sharded module: each parameter's rows spread over the shard files."""
+
+    def __init__(self, files: CheckpointFiles, key: str, record: dict[str, Any]) -> None:
+        super().__init__(record)
+        self._files = files
+        self._shards = module_files(key, record["shard_world"])
+
+    def _read_rows(self, tensor: str, name: str, start: int, numel: int) -> torch.Tensor:
+        """Elements `[start, start + numel)` of the flattened `tensor` of parameter `name`, across the shards."""
+        shape = self.param_shapes[self.canonical[name]]
+        shards = len(self._shards)
+        if not shape:
+            return self._checked(0, tensor, shape).get_slice(tensor)[:].reshape(-1)[start:start + numel]
+        row = math.prod(shape[1:])
+        parts, position, end = [], start, start + numel
+        for s in range(shards):
+            first, stop = shard_rows(shape, s, shards)
+            lo, hi = max(position, first * row), min(end, stop * row)
+            if hi <= lo:
+                continue
+            handle = self._checked(s, tensor, shape)
+            r0, r1 = (lo - first * row) // row, -(-(hi - first * row) // row)
+            rows = handle.get_slice(tensor)[r0:r1].reshape(-1)
+            begin = lo - first * row - r0 * row
+            parts.append(rows[begin:begin + hi - lo])
+            position = hi
+        if not parts:
+            return torch.zeros(0, dtype=self.param_dtypes[self.canonical[name]])
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _checked(self, s: int, tensor: str, shape: tuple[int, ...]):
+        handle = self._files.tensors(self._shards[s])
+        expected = saved_shape(shape, s, len(self._shards))
+        found = tuple(handle.get_slice(tensor).get_shape()) if tensor in handle.keys() else None
+        if found != expected:
+            raise ValueError(f"{self._files.root / self._shards[s]}: tensor {tensor!r} has shape {found}, but the "
+                             f"metadata implies {expected}; the checkpoint was edited or damaged: load an earlier one")
+        return handle
+
+    def read_param(self, name: str, start: int, numel: int) -> torch.Tensor:
+        return self._read_rows(param_tensor(self.canonical[name]), name, start, numel)
+
+    def read_state(self, optimizer: str, key: str, name: str, start: int, numel: int) -> torch.Tensor:
+        return self._read_rows(state_tensor(optimizer, key, self.canonical[name]), name, start, numel)
+
+    def read_buffer(self, name: str) -> torch.Tensor:
+        return self._files.tensors(self._shards[0]).get_tensor(buffer_tensor(name))
+
+
+class LegacyShardedSource(ModuleSource):
+    """A version-1 sharded module: one flat shard per unit, parameters back to back inside it."""
+
     def __init__(self, files: CheckpointFiles, key: str, record: dict[str, Any]) -> None:
         super().__init__(record)
         self._files = files
@@ -70,23 +130,35 @@ class ShardedSource(ModuleSource):
         """Elements `[start, start + numel)` of unit `unit`'s padded flat `tensor`, across the old shards."""
         per = self._units[unit]["shard_numel"]
         if numel == 0:
-            return self._files.tensors(self._shards[0]).get_slice(tensor)[0:0]
+            return self._handle(0, tensor, per).get_slice(tensor)[0:0]
         parts, position, end = [], start, start + numel
         while position < end:
             shard = position // per
             low = shard * per
             high = min(end, low + per)
-            parts.append(self._files.tensors(self._shards[shard]).get_slice(tensor)[position - low:high - low])
+            parts.append(self._handle(shard, tensor, per).get_slice(tensor)[position - low:high - low])
             position = high
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
+    def _handle(self, shard: int, tensor: str, per: int):
+        handle = self._files.tensors(self._shards[shard])
+        found = tuple(handle.get_slice(tensor).get_shape()) if tensor in handle.keys() else None
+        if found != (per,):
+            raise ValueError(f"{self._files.root / self._shards[shard]}: tensor {tensor!r} has shape {found}, but the "
+                             f"metadata implies ({per},); the checkpoint was edited or damaged: load an earlier one")
+        return handle
+
     def read_param(self, name: str, start: int, numel: int) -> torch.Tensor:
-        unit, offset = self._where[name]
-        return self.read_flat(param_tensor(unit), unit, offset + start, numel)
+        unit, offset = self._where[self.canonical[name]]
+        return self.read_flat(legacy_param_tensor(unit), unit, offset + start, numel)
 
     def read_state(self, optimizer: str, key: str, name: str, start: int, numel: int) -> torch.Tensor:
-        unit, offset = self._where[name]
-        return self.read_flat(state_tensor(optimizer, key, unit), unit, offset + start, numel)
+        unit, offset = self._where[self.canonical[name]]
+        return self.read_flat(legacy_state_tensor(optimizer, key, unit), unit, offset + start, numel)
 
     def read_buffer(self, name: str) -> torch.Tensor:
         return self._files.tensors(self._shards[0]).get_tensor(buffer_tensor(name))
+
+
+def sharded_source(files: CheckpointFiles, key: str, record: dict[str, Any], *, version: int) -> ModuleSource:
+    return (ShardedSource if version >= 2 else LegacyShardedSource)(files, key, record)

@@ -1,11 +1,10 @@
 """A saved module as a source of tensors by name, and loading it into a sharded module.
 
-Both formats describe a module the same way in metadata.json (its units' slots and its buffers);
-they differ only in where the bytes are: `ShardedSource` reads flat shards cut for the saved world
-size, `FullSource` reads whole tensors. Loading asks for exactly the elements this rank's shard
-holds, `[param_start, param_start + numel)` of each flattened parameter, so any saved world size
-loads at any current one. (`ops.state_dict.load_full_state_dict` would need every full tensor in
-memory on every rank; reading only the rows a rank holds keeps a large model's load at a shard.)
+Both formats describe a module the same way in metadata.json (its parameters and its buffers); they
+differ only in where the bytes are: `ShardedSource` reads the rows cut for the saved world size,
+`FullSource` reads whole tensors. Loading asks for exactly the rows this rank holds of each
+parameter (as elements `[start, start + numel)` of the flattened parameter), so any saved world
+size loads at any current one, and no rank reads more than its share.
 """
 
 from __future__ import annotations
@@ -16,29 +15,33 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core.flat import ParamSlot
+from ..core.layout import ParamShard
 from ..core.shard import runtime_of
-from .format import short_list
-from .local import held_piece, persistent_buffers
+from .format import dtype_of, short_list
+from .local import held_range, persistent_buffers
 
 
 class ModuleSource(ABC):
-    """Names and shapes of a saved module (aliases of tied weights included)."""
+    """Names, shapes and dtypes of a saved module's parameters (aliases of tied weights included)."""
 
     def __init__(self, record: dict[str, Any]) -> None:
         self.param_shapes: dict[str, tuple[int, ...]] = {}
+        self.param_dtypes: dict[str, torch.dtype] = {}
         self.canonical: dict[str, str] = {}
-        for unit in record["units"]:
-            for slot in unit["slots"]:
-                for name in (slot["fqn"], *slot["aliases"]):
-                    self.param_shapes[name] = tuple(slot["shape"])
-                    self.canonical[name] = slot["fqn"]
+        self.params: list[tuple[str, tuple[str, ...]]] = []  # (canonical name, aliases), in saved order
+        for p in saved_params(record):
+            self.params.append((p["fqn"], tuple(p["aliases"])))
+            for name in (p["fqn"], *p["aliases"]):
+                self.param_shapes[name] = tuple(p["shape"])
+                self.param_dtypes[name] = dtype_of(p["dtype"])
+                self.canonical[name] = p["fqn"]
         self.buffer_shapes = {name: tuple(b["shape"]) for name, b in record["buffers"].items()}
+        self.buffer_dtypes = {name: dtype_of(b["dtype"]) for name, b in record["buffers"].items()}
 
-    def saved_name(self, slot: ParamSlot) -> str | None:
-        """The saved canonical name of the parameter `slot` is (same shape), None when not saved."""
-        for name in (slot.fqn, *slot.aliases):
-            if self.param_shapes.get(name) == slot.shape:
+    def saved_name(self, shard: ParamShard) -> str | None:
+        """The saved canonical name of the parameter `shard` describes (same shape), None when not saved."""
+        for name in (shard.fqn, *shard.aliases):
+            if self.param_shapes.get(name) == shard.shape:
                 return self.canonical[name]
         return None
 
@@ -54,12 +57,19 @@ class ModuleSource(ABC):
     def read_buffer(self, name: str) -> torch.Tensor: ...
 
 
+def saved_params(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """The parameters of a module record: listed (version 2), or the slots of its units (version 1)."""
+    if "params" in record:
+        return record["params"]
+    return [{"fqn": s["fqn"], "aliases": s["aliases"], "shape": s["shape"], "dtype": unit["dtype"]}
+            for unit in record["units"] for s in unit["slots"]]
+
+
 def restore_module(module: nn.Module, key: str, source: ModuleSource, *, strict: bool) -> None:
-    """Copy the saved parameters (this rank's pieces) and buffers into sharded `module`, in place."""
+    """Copy the saved parameters (this rank's rows) and buffers into sharded `module`, in place."""
     runtime = runtime_of(module)
     buffers = persistent_buffers(module)
-    current = {name: slot.shape for unit in runtime.units for slot in unit.layout.slots
-               for name in (slot.fqn, *slot.aliases)}
+    current = {name: s.shape for unit in runtime.units for s in unit.layout.params for name in (s.fqn, *s.aliases)}
     current.update({name: tuple(b.shape) for name, b in buffers.items()})
     saved = {**source.param_shapes, **source.buffer_shapes}
     missing = sorted(current.keys() - saved.keys())
@@ -74,14 +84,15 @@ def restore_module(module: nn.Module, key: str, source: ModuleSource, *, strict:
                          "the matching part")
     with torch.no_grad():
         for unit in runtime.units:
-            for slot, param in zip(unit.layout.slots, unit.shard_params):
-                name = source.saved_name(slot)
+            for i, shard in enumerate(unit.layout.params):
+                name = source.saved_name(shard)
                 if name is None:
                     continue
-                held = held_piece(unit, slot)
+                held = unit.held(i)
+                start, numel = held_range(unit, i)
                 # Note: an in-place copy into the shard bumps its version, which makes the engine
                 # re-gather any resident unsharded copy before the next forward.
-                param.copy_(source.read_param(name, held.param_start, held.numel).reshape(param.shape))
+                held.copy_(source.read_param(name, start, numel).view(held.shape))
         for name, buffer in buffers.items():
             if source.buffer_shapes.get(name) == tuple(buffer.shape):
                 buffer.copy_(source.read_buffer(name))

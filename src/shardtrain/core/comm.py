@@ -1,26 +1,54 @@
-"""Collectives for one unit: async all-gather and reduce-scatter on CPU (Gloo) and CUDA (NCCL).
+"""A unit's communication: all-gathers and gradient reductions, asynchronous on CPU (Gloo) and CUDA (NCCL).
 
 On CUDA each kind of collective runs on its own high-priority stream, ordered against the compute
-stream with events, so the CPU never blocks. The elementwise work around them (the cast into the
-all-gather input, the fp32 average of received gradients) runs on side streams of its own. On CPU
+stream with events, so the CPU never blocks. The elementwise work around them (casting the shard into
+the all-gather input, the fp32 average of received gradients) runs on side streams of its own. On CPU
 the Gloo work handle runs in Gloo's threads and `wait()` joins it. Both are hidden behind `Pending`,
 whose `wait()` makes the results usable on the compute stream (CUDA) or on the host (CPU).
+
+A unit gathers in one of two ways (`GatherMode`, docs/design.md): one grouped operation of
+per-parameter all-gathers whose outputs are the parameter-major unsharded buffer itself, or one flat
+all-gather of the rank-major chunks followed by one copy into the parameter-major buffer.
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
+import os
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
+from . import collectives
 from .average import mean_of_chunks
 
-# Note: torch 2.13 renamed the tensor collectives (*_single); 2.11 only has the old names.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+class GatherMode(enum.Enum):
+    GROUPED = "grouped"  # per-parameter all-gathers in one group, straight into the parameter-major buffer
+    FLAT = "flat"  # one all-gather of the rank-major chunk, then one copy-out
+
+    @classmethod
+    def for_backend(cls, backend: str) -> "GatherMode":
+        """The measured default of a backend; `SHARDTRAIN_GATHER=grouped|flat` overrides it (for benchmarks)."""
+        override = os.environ.get("SHARDTRAIN_GATHER")
+        if override:
+            try:
+                return cls(override.strip().lower())
+            except ValueError:
+                raise ValueError(f"SHARDTRAIN_GATHER={override!r}: use 'grouped' or 'flat'") from None
+        return cls.GROUPED
+
+
+@dataclass(frozen=True, kw_only=True)
+class GatherJob:
+    """One all-gather: `inp` from every rank into `out`, then `then()` (a copy-out) once it landed."""
+
+    out: torch.Tensor
+    inp: torch.Tensor
+    then: Callable[[], None] | None = None
 
 
 @dataclass(eq=False)
@@ -28,14 +56,14 @@ class Pending:
     """An issued collective. `keep` holds tensors that must outlive it; `then` runs after it (CPU)."""
 
     event: torch.cuda.Event | None = None
-    work: dist.Work | None = None
+    works: list = field(default_factory=list)
     keep: list[torch.Tensor] = field(default_factory=list)
     then: Callable[[], None] | None = None
 
     def wait(self) -> None:
-        if self.work is not None:
-            self.work.wait()
-            self.work = None
+        for work in self.works:
+            work.wait()
+        self.works = []
         if self.event is not None:
             torch.cuda.current_stream().wait_event(self.event)
             self.event = None
@@ -47,8 +75,8 @@ class Pending:
         self.keep.clear()
 
 
-class Groups:
-    """The groups one unit talks to: it shards over `shard`, replicates over `replicate` (hybrid)."""
+class UnitComm:
+    """The groups a unit talks to: it shards over `shard`, replicates over `replicate` (hybrid, no_shard)."""
 
     def __init__(self, *, shard: dist.ProcessGroup | None, replicate: dist.ProcessGroup | None,
                  device: torch.device) -> None:
@@ -60,6 +88,7 @@ class Groups:
         self.device = device
         self.cuda = device.type == "cuda"
         backend = dist.get_backend(shard) if shard is not None else "gloo"
+        self.gather_mode = GatherMode.for_backend(backend)
         # Note: Gloo before torch 2.13 lacks ReduceOp.AVG; SUM then divide works everywhere.
         self.native_avg = backend == "nccl"
         if self.cuda:
@@ -67,8 +96,7 @@ class Groups:
             self.gather_stream = torch.cuda.Stream(device=device, priority=high)
             self.reduce_stream = torch.cuda.Stream(device=device, priority=high)
             # Note: the elementwise work gets streams of its own so that the next collective never
-            # queues behind it; at the compute stream's priority, since on 2 x H200 raising it changed
-            # nothing measurable (8B: 7,486 vs 7,503 tok/s).
+            # queues behind it, at the compute stream's priority (raising it measured no gain).
             self.cast_stream = torch.cuda.Stream(device=device)
             self.average_stream = torch.cuda.Stream(device=device)
 
@@ -85,33 +113,60 @@ class Groups:
             return torch.cuda.stream(stream)
         return contextlib.nullcontext()
 
-    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> Pending:
-        """Gather `inp` of every shard rank into `out`; call inside `gather_context()`."""
-        if self.shard_world == 1:
-            if out.data_ptr() != inp.data_ptr():
-                out.copy_(inp)
-            return self._finish_cuda(self.cast_stream) if self.cuda else Pending()
+    def all_gather(self, jobs: list[GatherJob], *, keep: list[torch.Tensor]) -> Pending:
+        """Issue `jobs` as one operation over the shard group; call inside `gather_context()`.
+
+        Several jobs are grouped (one NCCL launch); each job's `then` runs once its data landed.
+        """
+        thens = [job.then for job in jobs if job.then is not None]
+
+        def copy_out() -> None:
+            for then in thens:
+                then()
+
+        if not jobs:
+            return self._finish_cuda(self.cast_stream, keep=keep) if self.cuda else Pending(keep=keep)
         if self.cuda:
             self.gather_stream.wait_stream(self.cast_stream)
             with torch.cuda.stream(self.gather_stream):
-                _all_gather(out, inp, group=self.shard)
-            return self._finish_cuda(self.gather_stream, keep=[inp])
-        work = _all_gather(out, inp, group=self.shard, async_op=True)
-        return Pending(work=work, keep=[inp])
+                self._issue_gathers(jobs, async_op=False)
+                copy_out()
+            return self._finish_cuda(self.gather_stream, keep=keep + [job.inp for job in jobs])
+        works = self._issue_gathers(jobs, async_op=True)
+        return Pending(works=works, keep=keep, then=copy_out)
+
+    def _issue_gathers(self, jobs: list[GatherJob], *, async_op: bool) -> list:
+        """One operation per dtype (Gloo's grouped all-gather packs its inputs into one buffer of one dtype;
+        a unit mixing dtypes is rare, so NCCL takes the same path)."""
+        by_dtype: dict[torch.dtype, list[GatherJob]] = {}
+        for job in jobs:
+            by_dtype.setdefault(job.inp.dtype, []).append(job)
+        works: list = []
+        for same in by_dtype.values():
+            if len(same) == 1:
+                work = collectives.all_gather_tensor(same[0].out, same[0].inp, group=self.shard, async_op=async_op)
+                works += [work] if async_op else []
+                continue
+            with collectives.coalesced(self.shard, async_op=async_op) as grouped:
+                for job in same:
+                    collectives.all_gather_tensor(job.out, job.inp, group=self.shard)
+            works += grouped
+        return works
 
     # ------------------------------------------------------------------ gradient reduction
-    def reduce_gradient(self, flat_grad: torch.Tensor, *, reduce_dtype: torch.dtype,
+    def reduce_gradient(self, flat_grad: torch.Tensor, *, reduce_dtype: torch.dtype, cut: bool,
                         accumulate: Callable[[torch.Tensor], None]) -> Pending:
-        """Average `flat_grad` over all data-parallel ranks, keep this rank's shard, pass it to `accumulate`.
+        """Average `flat_grad` over all data-parallel ranks, keep this rank's part, pass it to `accumulate`.
 
-        Inside a shard group the gradient is reduce-scattered, or, when it is narrower than
-        `reduce_dtype`, exchanged as it is and averaged here in `reduce_dtype` (`narrow_wire`); across
-        replicas (hybrid) the shard is then all-reduced. `accumulate(shard_grad)` gets the averaged
-        shard in `reduce_dtype`.
+        `flat_grad` holds every rank's chunk, rank after rank (`cut`), or a whole gradient every rank
+        keeps (not `cut`: all-reduced). Inside a shard group a cut gradient is reduce-scattered, or,
+        when it is narrower than `reduce_dtype`, exchanged as it is and averaged here in
+        `reduce_dtype` (`narrow_wire`); across replicas (hybrid) the shard is then all-reduced.
+        `accumulate(shard_grad)` gets the averaged part in `reduce_dtype`.
         """
         if self.cuda:
             self.reduce_stream.wait_stream(torch.cuda.current_stream())
-            if self.narrow_wire(flat_grad.dtype, reduce_dtype):
+            if cut and self.narrow_wire(flat_grad.dtype, reduce_dtype):
                 with torch.cuda.stream(self.reduce_stream):
                     received, _ = self._exchange(flat_grad, async_op=False)
                 self.average_stream.wait_stream(self.reduce_stream)
@@ -119,21 +174,21 @@ class Groups:
                     accumulate(self._average_exchanged(received, reduce_dtype))
                 return self._finish_cuda(self.average_stream, keep=[flat_grad, received])
             with torch.cuda.stream(self.reduce_stream):
-                accumulate(self._reduce_scatter_average(flat_grad, reduce_dtype))
+                accumulate(self._reduce_average(flat_grad, reduce_dtype, cut=cut))
             return self._finish_cuda(self.reduce_stream, keep=[flat_grad])
         if self.data_parallel_world == 1:
             accumulate(flat_grad.to(reduce_dtype))
             return Pending()
-        if self.narrow_wire(flat_grad.dtype, reduce_dtype):
+        if cut and self.narrow_wire(flat_grad.dtype, reduce_dtype):
             received, work = self._exchange(flat_grad, async_op=True)
 
             def finish_exchange() -> None:  # the exchange has landed
                 accumulate(self._average_exchanged(received, reduce_dtype))
 
-            return Pending(work=work, keep=[flat_grad, received], then=finish_exchange)
+            return Pending(works=[work], keep=[flat_grad, received], then=finish_exchange)
         inp = flat_grad.to(reduce_dtype)
-        out = self._shard_output(inp)
-        works = self._reduce_into(out, inp, async_op=True)
+        out = self._shard_output(inp) if cut else inp
+        works = self._reduce_into(out, inp, async_op=True, cut=cut)
 
         def finish() -> None:
             for w in works[1:]:
@@ -141,7 +196,7 @@ class Groups:
             self._finish_average(out)
             accumulate(out)
 
-        return Pending(work=works[0], keep=[inp], then=finish)
+        return Pending(works=works[:1], keep=[inp], then=finish)
 
     def narrow_wire(self, grad_dtype: torch.dtype, reduce_dtype: torch.dtype) -> bool:
         """Whether gradients in `grad_dtype` travel as they are and are averaged in `reduce_dtype` on arrival.
@@ -155,65 +210,58 @@ class Groups:
     def _exchange(self, flat_grad: torch.Tensor, *, async_op: bool):
         """All-to-all: rank r receives every rank's r-th chunk of `flat_grad` (as raw bytes)."""
         received = torch.empty_like(flat_grad)
-        work = dist.all_to_all_single(received.view(torch.uint8), flat_grad.view(torch.uint8), group=self.shard,
-                                      async_op=async_op)
+        work = collectives.all_to_all_tensor(received.view(torch.uint8), flat_grad.view(torch.uint8),
+                                             group=self.shard, async_op=async_op)
         return received, work
-
-    def _average_received(self, received: torch.Tensor, reduce_dtype: torch.dtype) -> torch.Tensor:
-        """The shard group's mean of the received chunks, widened to `reduce_dtype` (core/average.py)."""
-        return mean_of_chunks(received, self.shard_world, reduce_dtype)
 
     def _shard_output(self, inp: torch.Tensor) -> torch.Tensor:
         return torch.empty(inp.numel() // self.shard_world, dtype=inp.dtype, device=inp.device) \
             if self.shard_world > 1 else inp
 
     def _average_exchanged(self, received: torch.Tensor, reduce_dtype: torch.dtype) -> torch.Tensor:
-        """Average what the exchange delivered over the shard group here, then across replicas."""
-        return self.average_over_replicas(self._average_received(received, reduce_dtype))
+        """Average what the exchange delivered over the shard group here (core/average.py), then across replicas."""
+        return self.average_over_replicas(mean_of_chunks(received, self.shard_world, reduce_dtype))
 
     def average_over_replicas(self, shard_grad: torch.Tensor) -> torch.Tensor:
         """Average over the replicas (hybrid; nothing to do otherwise), in place, a shard gradient
         already averaged over the shard group, and return it."""
-        self._reduce_into(shard_grad, shard_grad, async_op=False, replicas_only=True)
-        self._finish_average(shard_grad, over_replicas=True)
+        self._reduce_into(shard_grad, shard_grad, async_op=False, cut=True, replicas_only=True)
+        if self.replicate_world > 1:
+            shard_grad.div_(self.replicate_world)
         return shard_grad
 
-    def _reduce_scatter_average(self, flat_grad: torch.Tensor, reduce_dtype: torch.dtype) -> torch.Tensor:
+    def _reduce_average(self, flat_grad: torch.Tensor, reduce_dtype: torch.dtype, *, cut: bool) -> torch.Tensor:
         inp = flat_grad.to(reduce_dtype)
-        out = self._shard_output(inp)
-        self._reduce_into(out, inp, async_op=False)
+        out = self._shard_output(inp) if cut else inp
+        self._reduce_into(out, inp, async_op=False, cut=cut)
         self._finish_average(out)
         return out
 
-    def _reduce_into(self, out: torch.Tensor, inp: torch.Tensor, *, async_op: bool,
+    def _reduce_into(self, out: torch.Tensor, inp: torch.Tensor, *, async_op: bool, cut: bool,
                      replicas_only: bool = False) -> list:
         """Issue the reduction (only the replicas' all-reduce when the shard group was summed already);
         return the works not yet waited on."""
         op = dist.ReduceOp.AVG if self.native_avg and not replicas_only else dist.ReduceOp.SUM
         works = []
         if self.shard_world > 1 and not replicas_only:
-            works.append(_reduce_scatter(out, inp, op=op, group=self.shard, async_op=async_op))
+            if cut:
+                works.append(collectives.reduce_scatter_tensor(out, inp, op=op, group=self.shard, async_op=async_op))
+            else:
+                works.append(collectives.all_reduce(out, op=op, group=self.shard, async_op=async_op))
         if self.replicate_world > 1:
             if works and async_op:
-                # Gloo: the all-reduce needs the reduce-scatter's result. Note: a Gloo work must be
-                # waited once only: a second wait copies its result out again, over the all-reduce's.
+                # Gloo: the all-reduce needs the first result. Note: a Gloo work must be waited once
+                # only: a second wait copies its result out again, over the all-reduce's.
                 works.pop().wait()
-            works.append(dist.all_reduce(out, op=op, group=self.replicate, async_op=async_op))
+            works.append(collectives.all_reduce(out, op=op, group=self.replicate, async_op=async_op))
         return works
 
-    def _finish_average(self, out: torch.Tensor, *, over_replicas: bool = False) -> None:
-        """Divide the summed gradient by the ranks it was summed over, unless NCCL's AVG did.
-
-        `over_replicas`: the shard group was averaged on arrival, only the replicas' sum is left.
-        """
-        if over_replicas:
-            if self.replicate_world > 1:
-                out.div_(self.replicate_world)
-        elif not self.native_avg and self.data_parallel_world > 1:
+    def _finish_average(self, out: torch.Tensor) -> None:
+        """Divide the summed gradient by the ranks it was summed over, unless NCCL's AVG did."""
+        if not self.native_avg and self.data_parallel_world > 1:
             out.div_(self.data_parallel_world)
 
     def _finish_cuda(self, stream: torch.cuda.Stream, keep: list[torch.Tensor] | None = None) -> Pending:
         event = torch.cuda.Event()
         event.record(stream)
         return Pending(event=event, keep=keep or [])
-

@@ -7,7 +7,7 @@ runs its lookup where the rows are:
 
 - forward: all-gather the shard group's token ids (W·N integers), look each up in this rank's rows
   (zero where another rank holds the row), and reduce-scatter the W·N rows, so that every rank gets
-  its N. Exactly one rank contributes each element, so the sum is exact;
+  its N. Exactly one rank holds each row, so the sum is exact;
 - backward: all-gather the N output gradients of every rank (W·N·D values instead of the table's
   V·D) and scatter them into this rank's rows, per source rank in the gradient's dtype and summed in
   the reduction dtype, as the reduce-scatter of every rank's dense gradient would: the same numbers
@@ -16,42 +16,27 @@ runs its lookup where the rows are:
 
 from __future__ import annotations
 
-import math
-from typing import TYPE_CHECKING
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .comm import _all_gather, _reduce_scatter
-from .flat import FlatLayout
+from .collectives import all_gather_tensor, reduce_scatter_tensor
+from .partition import UnitSpec
 from .unit import ShardUnit, UnitBehaviour
 
-if TYPE_CHECKING:
-    from ..planning.units import UnitSpec
 
-
-def looks_up_in_place(module: nn.Module) -> bool:
-    """Whether `module` is a plain `nn.Embedding` lookup (its forward not replaced on the instance, e.g.
-    by activation checkpointing, and none of the options that change or renormalise the table)."""
-    if not isinstance(module, nn.Embedding) or type(module).forward is not nn.Embedding.forward:
-        return False
-    return not ("forward" in module.__dict__ or module.max_norm is not None or module.scale_grad_by_freq
-                or module.sparse)
-
-
-def runs_sharded_lookup(spec: UnitSpec, *, layout: FlatLayout, behaviour: UnitBehaviour) -> bool:
+def runs_sharded_lookup(spec: UnitSpec, *, world: int, behaviour: UnitBehaviour) -> bool:
     """Whether the unit of `spec` looks rows up in place: it can (`UnitSpec.can_look_up`), and it is
     sharded over several ranks and neither offloaded nor kept resident."""
-    return spec.can_look_up and layout.shard_world > 1 and not behaviour.offload and not behaviour.resident
+    return spec.can_look_up and world > 1 and not behaviour.offload and not behaviour.resident
 
 
 class _Lookup(torch.autograd.Function):
     """Rows of `tokens` from the sharded table; its backward hands the gradient to the unit."""
 
     @staticmethod
-    def forward(ctx, anchor: torch.Tensor, tokens: torch.Tensor, unit: "LookupUnit"):  # noqa: ARG004
+    def forward(ctx, anchor: torch.Tensor, tokens: torch.Tensor, unit: LookupUnit):  # noqa: ARG004
         out, ctx.rows = unit.look_up(tokens)
         ctx.unit = unit
         return out
@@ -63,10 +48,10 @@ class _Lookup(torch.autograd.Function):
 
 
 class LookupUnit(ShardUnit):
-    """A `ShardUnit` of one `nn.Embedding` whose forward runs on the shard (module docstring).
+    """A unit of one `nn.Embedding` whose forward runs on the shard (module docstring).
 
-    Its state stays SHARDED: there is nothing to gather, view or free; the runtime's hooks still
-    run around it (prefetching the next unit, marking the start of backward).
+    There is nothing to gather, view or free: this rank's rows of the table are its shard. The
+    runtime's hooks still run around it (prefetching the next unit, marking the start of backward).
     """
 
     gathers = False
@@ -76,35 +61,34 @@ class LookupUnit(ShardUnit):
         self.module = module
         self.dim = module.embedding_dim
         self.padding_idx = module.padding_idx
-        lo, hi = self.layout.shard_range(self.groups.shard_rank)
-        self._held = max(0, min(hi, self.layout.numel) - lo)  # elements of the weight in this shard
-        self._first_row = lo // self.dim
-        self._lead = lo - self._first_row * self.dim  # elements of the first row held by lower ranks
-        self._rows = math.ceil((self._lead + self._held) / self.dim)
-        self._wire = self.behaviour.param_dtype if dist.get_backend(self.groups.shard) == "nccl" else self.shard.dtype
+        shard = self.layout.params[0]
+        self._rows = shard.local_rows  # this rank's rows, the padding rows at the table's end included
+        self._first_row = self.comm.shard_rank * self._rows
+        self._wire = shard.compute_dtype if dist.get_backend(self.comm.shard) == "nccl" else shard.dtype
         module.forward = self.forward  # Note: an instance attribute; hooks run around it as before
 
-    def unshard(self) -> None:
-        return
+    # ------------------------------------------------------------------ the runtime's protocol
+    def begin_compute(self, *, in_backward: bool) -> None:
+        """The table's rows are where the lookup reads them: nothing to prepare."""
 
-    def prepare_views(self, *, in_backward: bool) -> None:
-        return
+    def end_forward(self, *, backward_follows: bool) -> None:
+        """Nothing was gathered: nothing to release."""
+
+    def end_backward(self) -> None:
+        """Nothing was gathered: nothing to release."""
 
     # ------------------------------------------------------------------ forward
+    @torch._dynamo.disable
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if tokens.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"{self.name}: embedding indices must be int32 or int64, got {tokens.dtype}")
+            raise TypeError(f"{self.label}: embedding indices must be int32 or int64, got {tokens.dtype}")
         if torch.is_grad_enabled() and self.any_requires_grad:
             return _Lookup.apply(self._anchor, tokens, self)
         return self.look_up(tokens)[0]
 
     def _table(self) -> torch.Tensor:
-        """This rank's rows, [rows, dim], with zeros where a row's elements are held by another rank."""
-        if self._lead == 0 and self._held == self._rows * self.dim:
-            return self.shard[:self._held].view(self._rows, self.dim)  # whole rows: the shard itself
-        table = self.shard.new_zeros(self._rows * self.dim)
-        table[self._lead:self._lead + self._held] = self.shard[:self._held]
-        return table.view(self._rows, self.dim)
+        """This rank's rows, [rows, dim], on the compute device."""
+        return self.buffers[0].local_rows(0)
 
     def _shard_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Each id's row in this rank's table; ids held elsewhere (and the -1 filler) map to one past the end."""
@@ -113,25 +97,25 @@ class LookupUnit(ShardUnit):
         return torch.where(held, local, self._rows)
 
     def look_up(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(embeddings of `tokens` in the parameters' dtype, every rank's ids as this rank's table rows)."""
+        """(embeddings of `tokens` in the compute dtype, every rank's ids as this rank's table rows)."""
         ids = tokens.reshape(-1).to(device=self.device, dtype=torch.int64)
         n, longest = ids.numel(), self._longest_batch(ids.numel())
         if longest > n:
             ids = torch.cat([ids, ids.new_full((longest - n,), -1)])
-        world = self.groups.shard_world
+        world = self.comm.shard_world
         every_id = ids.new_empty(world * longest)
-        _all_gather(every_id, ids, group=self.groups.shard)
+        all_gather_tensor(every_id, ids, group=self.comm.shard)
         rows = self._shard_rows(every_id)
         held = (rows < self._rows).unsqueeze(1)
-        if self._rows:
-            found = F.embedding(rows.clamp(max=self._rows - 1), self._table())
-            partial = torch.where(held, found, 0).to(self._wire)
-        else:  # this rank's shard is all padding
-            partial = torch.zeros(rows.numel(), self.dim, dtype=self._wire, device=self.device)
-        mine = partial.new_empty(longest, self.dim)
-        _reduce_scatter(mine, partial, op=dist.ReduceOp.SUM, group=self.groups.shard)
-        out = mine[:n].to(self.behaviour.param_dtype).view(*tokens.shape, self.dim)
-        return out, rows
+        found = F.embedding(rows.clamp(max=self._rows - 1), self._table())
+        partial = torch.where(held, found, 0).to(self._wire)
+        # Note: when this rank has the longest batch the output is allocated in its final shape and the
+        # reduce-scatter writes into it, so the embeddings are no view of a larger buffer: a compiled block
+        # that takes them sees the same kind of input as the blocks after it (no second dynamic-shape graph).
+        mine = partial.new_empty(*tokens.shape, self.dim) if n == longest else partial.new_empty(longest, self.dim)
+        reduce_scatter_tensor(mine.view(longest, self.dim), partial, op=dist.ReduceOp.SUM, group=self.comm.shard)
+        out = mine if n == longest else mine[:n].view(*tokens.shape, self.dim)
+        return out.to(self.layout.params[0].compute_dtype), rows
 
     def _longest_batch(self, n: int) -> int:
         """The largest token count of any rank this call (ranks may feed batches of different sizes).
@@ -139,23 +123,22 @@ class LookupUnit(ShardUnit):
         Note: agreed over the host (Gloo) group, so it never waits for the GPU."""
         group = self.runtime.control_group
         counts = torch.zeros(dist.get_world_size(group), dtype=torch.int64)
-        _all_gather(counts, torch.tensor([n], dtype=torch.int64), group=group)
+        all_gather_tensor(counts, torch.tensor([n], dtype=torch.int64), group=group)
         return int(counts.max())
 
     # ------------------------------------------------------------------ backward
     def take_output_grad(self, grad: torch.Tensor, rows: torch.Tensor) -> None:
         """Turn every rank's output gradient into this rank's averaged shard gradient."""
-        world = self.groups.shard_world
+        world = self.comm.shard_world
         longest = rows.numel() // world
         grad = grad.reshape(-1, self.dim)
         if grad.shape[0] < longest:
             grad = torch.cat([grad, grad.new_zeros(longest - grad.shape[0], self.dim)])
         every_grad = grad.new_empty(world * longest, self.dim)
-        _all_gather(every_grad.view(torch.uint8), grad.contiguous().view(torch.uint8),
-                                    group=self.groups.shard)
+        all_gather_tensor(every_grad.view(torch.uint8), grad.contiguous().view(torch.uint8), group=self.comm.shard)
         if self.padding_idx is not None:
             rows = torch.where(rows == self.padding_idx - self._first_row, self._rows, rows)
-        reduce_dtype = self.behaviour.reduce_dtype
+        reduce_dtype = self.reduce_dtype(self.buffers[0])
         summed = None
         # Note: one dense backward per source rank, in the gradient's dtype, summed in the reduction
         # dtype: the values each rank's own backward and the fp32 reduction would give (bit for bit
@@ -165,15 +148,12 @@ class LookupUnit(ShardUnit):
                 every_grad[source * longest:(source + 1) * longest], rows[source * longest:(source + 1) * longest],
                 self._rows + 1, self._rows, False)
             summed = part.to(reduce_dtype) if summed is None else summed.add_(part)
-        shard_grad = summed.view(-1)[self._lead:self._lead + self._held]
-        if self._held < self.layout.shard_numel:
-            shard_grad = torch.cat([shard_grad, shard_grad.new_zeros(self.layout.shard_numel - self._held)])
-        shard_grad.div_(world)
+        shard_grad = summed[:self._rows].reshape(-1).div_(world)
         self.used[0] = True
+        kept = self._accumulated.pop(0, None)
         if not self.runtime.sync_gradients:  # no_sync: keep the shard group's average until the synchronising backward
-            self._accumulated = shard_grad if self._accumulated is None else self._accumulated.add_(shard_grad)
+            self._accumulated[0] = shard_grad if kept is None else kept.add_(shard_grad)
             return
-        if self._accumulated is not None:
-            shard_grad.add_(self._accumulated)
-            self._accumulated = None
-        self.take_reduced(self.groups.average_over_replicas(shard_grad))
+        if kept is not None:
+            shard_grad.add_(kept)
+        self.take_reduced(0, self.comm.average_over_replicas(shard_grad))

@@ -1,8 +1,11 @@
-"""Bring a unit's parameters to the device as one flat buffer and keep this rank's shard.
+"""Bring a unit's parameters to the device and keep this rank's rows of each.
 
 For a model built on the meta device, modules are materialised unit by unit (their own parameters
-and buffers allocated on the device, then `param_init_fn(module)` or `module.reset_parameters()`),
-so no rank ever holds more than one unit unsharded.
+and buffers allocated on the device, then initialised), so no rank ever holds more than one unit
+unsharded. A module is initialised by `param_init_fn(module)` when given; else, inside a Hugging Face
+model, by that model's own `_init_weights(module)` (what `from_config` would have run, rotary tables
+included); else by `module.reset_parameters()`. A module with meta state and none of these is an
+error that names it: its tensors would otherwise hold whatever memory they were given.
 """
 
 from __future__ import annotations
@@ -13,17 +16,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..planning.units import Occurrence, UnitSpec
-from .flat import FlatLayout
+from .layout import FlatGroup, UnitLayout
+from .partition import Occurrence, UnitSpec
 
 
 class Materializer:
-    def __init__(self, *, device: torch.device, param_init_fn: Callable[[nn.Module], None] | None,
+    def __init__(self, *, root: nn.Module, device: torch.device, param_init_fn: Callable[[nn.Module], None] | None,
                  occurrences: dict[int, list[Occurrence]]) -> None:
         self.device = device
         self.param_init_fn = param_init_fn
         self.occurrences = occurrences  # id(original parameter) -> where it is registered
         self._done: set[int] = set()
+        self._paths = {id(m): path for path, m in root.named_modules(remove_duplicate=False)}
+        self._hf_owner = _hugging_face_owners(root)
 
     def materialize(self, modules: list[nn.Module]) -> None:
         """Allocate and initialise every module in `modules` that still has meta state (each once)."""
@@ -32,7 +37,7 @@ class Materializer:
                 continue
             self._done.add(id(module))
             meta_params = [(n, p) for n, p in module._parameters.items() if p is not None and p.is_meta]
-            meta_buffers = [(n, b) for n, b in module._buffers.items() if b is not None and b.is_meta]
+            meta_buffers = [n for n, b in module._buffers.items() if b is not None and b.is_meta]
             if not meta_params and not meta_buffers:
                 continue
             for _, p in meta_params:
@@ -40,21 +45,40 @@ class Materializer:
                 for occ in self.occurrences[id(p)]:
                     occ.module._parameters[occ.attr] = new
                 self.occurrences[id(new)] = self.occurrences[id(p)]
-            for name, b in meta_buffers:
-                module._buffers[name] = torch.empty_like(b, device=self.device)
-            self._initialise(module, has_params=bool(meta_params))
+            for name in meta_buffers:
+                module._buffers[name] = torch.empty_like(module._buffers[name], device=self.device)
+            self._initialise(module, state=[n for n, _ in meta_params] + meta_buffers)
 
-    def _initialise(self, module: nn.Module, *, has_params: bool) -> None:
+    def _initialise(self, module: nn.Module, *, state: list[str]) -> None:
         with torch.no_grad():
             if self.param_init_fn is not None:
                 self.param_init_fn(module)
+            elif id(module) in self._hf_owner:
+                self._hf_owner[id(module)]._init_weights(module)
             elif hasattr(module, "reset_parameters"):
                 module.reset_parameters()
-            elif has_params:
+            else:
+                path = self._paths.get(id(module), "?") or "<root>"
                 raise ValueError(
-                    f"{type(module).__name__} was built on the meta device but has no reset_parameters(); "
-                    "pass param_init_fn=fn(module) to st.shard to initialise its parameters"
-                )
+                    f"{type(module).__name__} at '{path}' was built on the meta device with {state}, but has no "
+                    "reset_parameters() to fill them; give it one, or pass param_init_fn=fn(module) to st.shard")
+
+
+def _hugging_face_owners(root: nn.Module) -> dict[int, nn.Module]:
+    """Each module inside a Hugging Face model (one with `config` and `_init_weights`), mapped to the
+    innermost such model holding it."""
+    owners: dict[int, nn.Module] = {}
+
+    def visit(module: nn.Module, owner: nn.Module | None) -> None:
+        if hasattr(module, "_init_weights") and hasattr(module, "config"):
+            owner = module
+        if owner is not None:
+            owners[id(module)] = owner
+        for child in module.children():
+            visit(child, owner)
+
+    visit(root, None)
+    return owners
 
 
 def current_tensors(spec: UnitSpec) -> list[torch.Tensor]:
@@ -62,25 +86,31 @@ def current_tensors(spec: UnitSpec) -> list[torch.Tensor]:
     return [occ[0].module._parameters[occ[0].attr] for occ in spec.occurrences]
 
 
-def flatten_and_shard(tensors: list[torch.Tensor], layout: FlatLayout, *, device: torch.device, shard_rank: int,
-                      broadcast_group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Copy the parameters into one padded flat buffer on `device` and return this rank's shard.
+def cut_shards(layout: UnitLayout, tensors: list[torch.Tensor], *, rank: int, device: torch.device,
+               broadcast_group: dist.ProcessGroup | None) -> list[torch.Tensor]:
+    """This rank's shard of every group of `layout`, filled from the whole `tensors` (one per parameter).
 
     With `broadcast_group`, rank 0's values are broadcast first (sync_module_states).
     """
-    dtypes = {t.dtype for t in tensors}
-    if len(dtypes) > 1:
-        names = [s.fqn for s in layout.slots]
-        raise ValueError(f"parameters {names} of one unit mix dtypes {sorted(map(str, dtypes))}; build the model "
-                         "in one dtype and use mixed_precision= for lower-precision compute")
-    dtype = dtypes.pop() if dtypes else torch.float32
-    flat = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
-    with torch.no_grad():
-        for slot, t in zip(layout.slots, tensors):
-            flat[slot.offset:slot.end].copy_(t.detach().reshape(-1))
+    return [_cut_group(group, layout, tensors, rank=rank, device=device, broadcast_group=broadcast_group)
+            for group in layout.groups]
+
+
+def _cut_group(group: FlatGroup, layout: UnitLayout, tensors: list[torch.Tensor], *, rank: int,
+               device: torch.device, broadcast_group: dist.ProcessGroup | None) -> torch.Tensor:
+    members = [layout.params[i] for i in group.members]
+    values = [tensors[i].detach().to(device=device, dtype=group.dtype) for i in group.members]
     if broadcast_group is not None:
-        dist.broadcast(flat, src=dist.get_global_rank(broadcast_group, 0), group=broadcast_group)
-    if layout.shard_world == 1:
-        return flat
-    lo, hi = layout.shard_range(shard_rank)
-    return flat[lo:hi].clone()
+        whole = torch.cat([v.reshape(-1) for v in values]) if values else torch.zeros(0, device=device)
+        dist.broadcast(whole, src=dist.get_global_rank(broadcast_group, 0), group=broadcast_group)
+        values = [w.view(m.shape) for w, m in zip(torch.split(whole, [m.numel for m in members]), members)]
+    shard = torch.zeros(group.shard_numel, dtype=group.dtype, device=device)
+    with torch.no_grad():
+        for m, value, start in zip(members, values, group.shard_offsets):
+            if not group.sharded:
+                shard[start:start + 1].copy_(value.reshape(1))
+                continue
+            first, stop = m.held_rows(rank)
+            rows = value.reshape(m.rows, m.row_numel)[first:stop]
+            shard[start:start + rows.numel()].copy_(rows.reshape(-1))
+    return shard

@@ -13,17 +13,38 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from ..core.lookup import looks_up_in_place
 from ..policy import SizePolicy, describe_policy, module_classes, resolve_module_policy
+
+
+# Module paths that wrappers insert: torch.compile's OptimizedModule and torch's checkpoint wrapper.
+_WRAPPER_SEGMENTS = ("_orig_mod", "_checkpoint_wrapped_module")
+
+
+def clean_name(path: str) -> str:
+    """`path` without the segments that torch.compile and torch's checkpoint wrapper insert, so that a
+    parameter has one name whether its module is wrapped or not (torch.distributed.checkpoint's
+    state-dict helpers name parameters the same way)."""
+    return ".".join(part for part in path.split(".") if part not in _WRAPPER_SEGMENTS)
+
+
+def looks_up_in_place(module: nn.Module) -> bool:
+    """Whether `module` is a plain `nn.Embedding` lookup (its forward not replaced on the instance, e.g.
+    by activation checkpointing, and none of the options that change or renormalise the table)."""
+    if not isinstance(module, nn.Embedding) or type(module).forward is not nn.Embedding.forward:
+        return False
+    return not ("forward" in module.__dict__ or module.max_norm is not None or module.scale_grad_by_freq
+                or module.sparse)
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class Occurrence:
-    """One registration of a parameter: `module._parameters[attr]`, known as `fqn`."""
+    """One registration of a parameter: `module._parameters[attr]`, at module path `raw` and known as
+    `fqn` (the same without wrapper segments, `clean_name`)."""
 
     module: nn.Module
     attr: str
     fqn: str
+    raw: str
 
 
 @dataclass(kw_only=True, eq=False)
@@ -131,18 +152,19 @@ def partition(root: nn.Module, wrap) -> Partition:
         for attr, p in module._parameters.items():
             if p is None:
                 continue
-            fqn = f"{path}.{attr}" if path else attr
+            raw = f"{path}.{attr}" if path else attr
             params[id(p)] = p
-            occurrences.setdefault(id(p), []).append(Occurrence(module=module, attr=attr, fqn=fqn))
+            occurrences.setdefault(id(p), []).append(Occurrence(module=module, attr=attr, fqn=clean_name(raw), raw=raw))
 
     order = {path: i for i, path in enumerate(modules)}
-    specs = {path: UnitSpec(name=path, module=modules[path]) for path in sorted(unit_paths, key=order.__getitem__)}
+    specs = {path: UnitSpec(name=clean_name(path), module=modules[path])
+             for path in sorted(unit_paths, key=order.__getitem__)}
     notes = []
     for pid, occ in occurrences.items():
-        owners = {_nearest_unit(o.fqn.rpartition(".")[0], unit_paths) for o in occ}
+        owners = {_nearest_unit(o.raw.rpartition(".")[0], unit_paths) for o in occ}
         owner = owners.pop() if len(owners) == 1 else None
         if owner is None:
-            owner = _nearest_unit(_common_prefix([o.fqn.rpartition(".")[0] for o in occ]), unit_paths)
+            owner = _nearest_unit(_common_prefix([o.raw.rpartition(".")[0] for o in occ]), unit_paths)
             names = ", ".join(o.fqn for o in occ)
             notes.append(f"tied parameter ({names}) spans several units; it is kept in unit '{owner or '<root>'}'")
         specs[owner].params.append(params[pid])

@@ -1,23 +1,38 @@
-"""Resolve the device and the process groups a model is sharded over."""
+"""Resolve the device, the process groups a model is sharded over, and the mesh its DTensors live on."""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from ..strategy import Strategy
 
 
-def resolve_device(device) -> torch.device:
+def resolve_device(device: torch.device | str | int | None) -> torch.device:
+    """The compute device: `device`, else this rank's GPU (LOCAL_RANK), else the CPU."""
     if device is None:
         if torch.cuda.is_available():
             return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
         return torch.device("cpu")
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device={device!r} is not a device; use 'cuda', 'cuda:N', 'cpu' or a torch.device") from exc
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"device={str(device)!r} but this process sees no CUDA device; use device='cpu'")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        elif device.index >= count:
+            raise ValueError(f"device={str(device)!r} but this process sees {count} CUDA device(s) "
+                             f"(cuda:0 to cuda:{count - 1}); pick one of them, or leave device unset for LOCAL_RANK's")
+    elif device.type != "cpu":
+        raise ValueError(f"device={str(device)!r}: shardtrain runs on 'cuda' or 'cpu'")
     return device
 
 
@@ -29,25 +44,35 @@ def require_process_group() -> None:
         )
 
 
-def resolve_groups(strategy: Strategy, *, process_group, mesh) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
-    """Return (shard group, replicate group); None means a group of one."""
+@dataclass(frozen=True, kw_only=True)
+class DataParallelGroups:
+    """The groups a model is sharded over (None: a group of one) and the mesh its DTensors live on
+    (None when nothing is cut: no_shard keeps plain parameters)."""
+
+    shard: dist.ProcessGroup | None
+    replicate: dist.ProcessGroup | None
+    mesh: DeviceMesh | None
+
+
+def resolve_groups(strategy: Strategy, *, process_group, mesh, device: torch.device) -> DataParallelGroups:
     world_group = process_group or dist.group.WORLD
     if strategy is Strategy.NO_SHARD:
-        return None, world_group
+        if mesh is not None:
+            raise ValueError(f"mesh={mesh!r} is only used by hybrid_shard; drop it or use strategy='hybrid_shard'")
+        return DataParallelGroups(shard=None, replicate=world_group, mesh=None)
     if not strategy.is_hybrid:
         if mesh is not None:
             raise ValueError(f"mesh={mesh!r} is only used by hybrid_shard; drop it or use strategy='hybrid_shard'")
-        return world_group, None
-    return _hybrid_groups(world_group, mesh)
-
-
-def _hybrid_groups(world_group, mesh):
-    from torch.distributed.device_mesh import DeviceMesh
-
+        return DataParallelGroups(shard=world_group, replicate=None,
+                                  mesh=DeviceMesh.from_group(world_group, device.type))
     if isinstance(mesh, DeviceMesh):
         if mesh.ndim != 2:
             raise ValueError(f"hybrid_shard needs a 2-D DeviceMesh (replicate, shard), got {mesh.ndim}-D")
-        return mesh.get_group(1), mesh.get_group(0)
+        return DataParallelGroups(shard=mesh.get_group(1), replicate=mesh.get_group(0), mesh=mesh)
+    return _hybrid_groups(world_group, mesh, device)
+
+
+def _hybrid_groups(world_group, mesh, device: torch.device) -> DataParallelGroups:
     world = dist.get_world_size(world_group)
     if mesh is None:
         shard_size = int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -72,7 +97,11 @@ def _hybrid_groups(world_group, mesh):
         group = dist.new_group(members)
         if my in members:
             replicate_group = group
-    return shard_group, replicate_group
+    # Rank (i, j) of the mesh is replica i's j-th shard rank: this rank's row is its shard group.
+    grid = torch.tensor(ranks, dtype=torch.int64).view(replicate_size, shard_size)
+    device_mesh = DeviceMesh.from_group([replicate_group, shard_group], device.type, mesh=grid,
+                                        mesh_dim_names=("replicate", "shard"))
+    return DataParallelGroups(shard=shard_group, replicate=replicate_group, mesh=device_mesh)
 
 
 def control_group(process_group) -> dist.ProcessGroup | None:

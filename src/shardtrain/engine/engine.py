@@ -22,6 +22,7 @@ from torch import nn
 
 from ..policy import is_auto, parse_cpu_offload, parse_mixed_precision, resolve_module_policy
 from ..strategy import parse_strategy
+from ..core.replaced import rebind
 from . import launch as _launch
 from .devices import (RankInfo, Topology, join_process_group, launched_externally, mark_failed, rank_info_from_env,
                       resolve_topology)
@@ -167,7 +168,6 @@ class Engine:
         unknown = set(overrides) - set(self._shard_kwargs)
         if unknown:
             raise TypeError(f"Engine.setup got unknown settings {sorted(unknown)}; it accepts {sorted(self._shard_kwargs)}")
-        names = {id(p): name for name, p in model.named_parameters()}
         shard(model, device=self.device, **{**self._shard_kwargs, **overrides})
         fp16 = self._mixed_precision.param_dtype is torch.float16
         if optimizer is None:
@@ -175,7 +175,13 @@ class Engine:
                 raise ValueError("precision='16-mixed' needs the optimizer at setup, so that its step() goes "
                                  "through the loss scaler: call engine.setup(model, optimizer)")
             return model
-        _rebind_optimizer(optimizer, names, dict(model.named_parameters()))
+        rebind(optimizer)
+        owned = {id(p) for p in model.parameters()}
+        foreign = [tuple(p.shape) for group in optimizer.param_groups for p in group["params"] if id(p) not in owned]
+        if foreign:
+            raise ValueError(f"the optimizer holds {len(foreign)} parameter(s) (shapes {foreign[:3]}) that are not a "
+                             "parameter of the model given to Engine.setup; build the optimizer from that model's "
+                             "parameters")
         if fp16:
             from ..ops.grad_scaler import GradScaler
 
@@ -304,24 +310,3 @@ def _step_through_scaler(optimizer: torch.optim.Optimizer, scaler) -> None:
         return result
 
     optimizer.step = step
-
-
-def _rebind_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], sharded: dict[str, nn.Parameter]) -> None:
-    """Point `optimizer`'s groups at the sharded parameters that replaced the ones it was built on."""
-    if optimizer.state:
-        raise ValueError(
-            "the optimizer passed to Engine.setup has already stepped; its state cannot be moved onto "
-            "sharded parameters. Build it before the first step, or after setup from model.parameters()"
-        )
-    for group in optimizer.param_groups:
-        rebound = []
-        for p in group["params"]:
-            name = names.get(id(p))
-            if name is None or name not in sharded:
-                raise ValueError(
-                    f"the optimizer holds a parameter of shape {tuple(p.shape)} that is not a parameter of "
-                    "the model given to Engine.setup; build the optimizer from that model's parameters"
-                )
-            rebound.append(sharded[name])
-        group["params"] = rebound
-

@@ -6,53 +6,67 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..core.comm import _all_gather
+from ..core.collectives import all_gather_tensor
+from ..core.partition import clean_name
 from ..core.shard import runtime_of
 from ..core.unit import ShardUnit
 
 
-def gather_unit(unit: ShardUnit, flat: torch.Tensor | None = None) -> torch.Tensor:
-    """The full padded flat tensor of `flat` (default: the unit's parameter shard), laid out like the
-    unit's shard, from every rank of the shard group (all of them take part)."""
-    flat = unit.shard if flat is None else flat
-    if unit.layout.shard_world == 1:
-        return flat
-    # Note: an offloaded shard lives on the host; the collective runs on the compute device.
-    full = torch.empty(unit.layout.padded_numel, dtype=flat.dtype, device=unit.device)
-    _all_gather(full, flat.to(unit.device), group=unit.groups.shard)
-    return full
+def gather_params(unit: ShardUnit, local: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """Each parameter of `unit` whole, from every rank of the shard group (all of them take part).
+
+    `local` gives, per parameter, this rank's real rows of a tensor laid out like it (an optimizer
+    state, say); by default the parameters themselves. One all-gather per flat group.
+    """
+    local = [unit.held(i) for i in range(len(unit.layout.params))] if local is None else local
+    out: list[torch.Tensor | None] = [None] * len(local)
+    for buf in unit.buffers:
+        members = [unit.layout.params[i] for i in buf.group.members]
+        if buf.world == 1:
+            for i in buf.group.members:
+                out[i] = local[i]
+            continue
+        dtype = local[buf.group.members[0]].dtype
+        chunk = torch.zeros(buf.group.shard_numel, dtype=dtype, device=unit.device)
+        for i, m, start in zip(buf.group.members, members, buf.group.shard_offsets):
+            rows = local[i].reshape(-1)
+            chunk[start:start + rows.numel()].copy_(rows)
+        every = torch.empty(buf.world * buf.group.shard_numel, dtype=dtype, device=unit.device)
+        all_gather_tensor(every, chunk, group=unit.comm.shard)
+        by_rank = every.view(buf.world, buf.group.shard_numel)
+        for i, m, start in zip(buf.group.members, members, buf.group.shard_offsets):
+            whole = by_rank[:, start:start + m.local_numel].reshape(m.padded_rows, *m.shape[1:])
+            out[i] = whole[:m.rows]
+    return out
 
 
-def unit_tensors(unit: ShardUnit, full: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Split a unit's full flat parameter into its named parameters (aliases share the tensor)."""
+def named_tensors(unit: ShardUnit, tensors: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`tensors` (one per parameter of `unit`) under every name of each parameter (aliases share it)."""
     out = {}
-    for slot in unit.layout.slots:
-        t = full[slot.offset:slot.end].view(slot.shape)
-        for name in (slot.fqn, *slot.aliases):
-            out[name] = t
+    for shard, tensor in zip(unit.layout.params, tensors):
+        for name in (shard.fqn, *shard.aliases):
+            out[name] = tensor
     return out
 
 
 def full_state_dict(model: nn.Module, *, rank0_only: bool = True, cpu: bool = True) -> dict[str, torch.Tensor]:
     """Original names, full tensors (on CPU by default), on rank 0 (every rank with rank0_only=False).
 
-    Keys and order match the unsharded model's `state_dict()`, so `plain.load_state_dict(sd)` works.
+    Keys and order match the unsharded model's `state_dict()`, so `plain.load_state_dict(sd)` works;
+    names carry no `_orig_mod.` (torch.compile) or `_checkpoint_wrapped_module.` segments (`clean_name`).
     """
     runtime = runtime_of(model)
     keep = not rank0_only or dist.get_rank() == 0
     params: dict[str, torch.Tensor] = {}
     for unit in runtime.units:
-        full = gather_unit(unit)
+        whole = gather_params(unit)
         if keep:
-            if cpu:
-                full = full.cpu()
-            elif full is unit.shard:
-                full = full.clone()
-            params.update(unit_tensors(unit, full))
+            params.update(named_tensors(unit, [t.detach().to("cpu", copy=True) if cpu else t.clone() for t in whole]))
     if not keep:
         return {}
     out = {}
-    for name, value in model.state_dict(keep_vars=True).items():
+    for raw, value in model.state_dict(keep_vars=True).items():
+        name = clean_name(raw)
         if name in params:
             out[name] = params[name]
         else:
@@ -64,31 +78,31 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True, cpu: bool = Tr
 def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], *, strict: bool = True) -> None:
     """Copy full tensors (present on every rank) into the shards and buffers of a sharded model."""
     runtime = runtime_of(model)
-    expected = set(model.state_dict().keys())
+    expected = {clean_name(k) for k in model.state_dict()}
     missing = sorted(expected - state_dict.keys())
     unexpected = sorted(state_dict.keys() - expected)
     mis_shaped = []
     for unit in runtime.units:
-        for slot in unit.layout.slots:
-            value = state_dict.get(slot.fqn)
-            if value is not None and tuple(value.shape) != slot.shape:
-                mis_shaped.append(f"{slot.fqn}: checkpoint {tuple(value.shape)} vs model {slot.shape}")
+        for shard in unit.layout.params:
+            value = state_dict.get(shard.fqn)
+            if value is not None and tuple(value.shape) != shard.shape:
+                mis_shaped.append(f"{shard.fqn}: checkpoint {tuple(value.shape)} vs model {shard.shape}")
     if strict and (missing or unexpected or mis_shaped):
         raise ValueError(f"state dict does not match the model: missing {missing}, unexpected {unexpected}, "
                          f"mis-shaped {mis_shaped}; pass strict=False to load the matching part")
     with torch.no_grad():
         for unit in runtime.units:
-            rank = unit.groups.shard_rank if unit.layout.shard_world > 1 else 0
-            for slot, param in zip(unit.layout.slots, unit.shard_params):
-                value = state_dict.get(slot.fqn)
-                if value is None or tuple(value.shape) != slot.shape:
+            rank = unit.comm.shard_rank
+            for i, shard in enumerate(unit.layout.params):
+                value = state_dict.get(shard.fqn)
+                if value is None or tuple(value.shape) != shard.shape:
                     continue
-                if unit.layout.shard_world == 1:
-                    param.copy_(value)
-                    continue
-                piece = unit.layout.local_piece(slot, rank)
-                param.copy_(value.reshape(-1)[piece.param_start:piece.param_start + piece.numel])
-        buffers = {n: b for n, b in model.named_buffers()}
+                held = unit.held(i)
+                if shard.shape:
+                    start, stop = shard.held_rows(rank if shard.world > 1 else 0)
+                    value = value[start:stop]
+                held.copy_(value)
+        buffers = {clean_name(n): b for n, b in model.named_buffers()}
         for name, value in state_dict.items():
             if name in buffers:
                 buffers[name].copy_(value)

@@ -3,8 +3,9 @@
 Derived from the same objects `st.shard` uses (`parse_mixed_precision`, `parse_cpu_offload`,
 `Strategy`, the unit partition), following what it does with them:
 
-  stored       the sharded parameter the optimizer updates: the dtype the model was built in
-               (`flatten_and_shard` keeps it; a unit mixing dtypes is refused, as there)
+  stored       the sharded parameter the optimizer updates: the dtype the model was built in, except
+               that under mixed precision a trainable 16-bit parameter keeps an fp32 master
+               (`policy.storage_dtypes`, as st.shard does)
   compute      the unsharded parameters forward and backward use: `param_dtype`, else stored
                (the all-gather input is cast once, so the gather also runs in this dtype)
   grad         the gradients autograd produces for them: the compute dtype
@@ -14,8 +15,10 @@ Derived from the same objects `st.shard` uses (`parse_mixed_precision`, `parse_c
   optim state  torch optimizers allocate their state like the parameter (AdamW's two moments)
   buffers      floating buffers are cast to `buffer_dtype` when given; the others stay as built
 
-Units with no trainable parameter have no gradients and no optimizer state ("-"). A plain-text table
-(`str(audit)`) rather than `rich`, so it reads the same in logs, pipes and tests.
+Units with no trainable parameter have no gradients and no optimizer state ("-"). A unit whose
+parameters fall into several flat groups (a frozen bf16 base beside fp32 adapters, say) gets one row
+per group, `name [k/n]`. A plain-text table (`str(audit)`) rather than `rich`, so it reads the same in
+logs, pipes and tests.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ from torch import nn
 
 from ..policy import MixedPrecision, parse_cpu_offload, parse_mixed_precision
 from ..strategy import Strategy, parse_strategy
-from .units import UnitSpec, partition
+from ..core.layout import layout_of_unit
+from ..core.partition import partition
 
 _NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
 _LOW = (torch.bfloat16, torch.float16)
@@ -77,6 +81,7 @@ class PrecisionAudit:
     units: tuple[UnitPrecision, ...]
     notes: tuple[str, ...]
     offloaded_units: tuple[str, ...] = ()  # names of the units CPU offload puts on the host
+    unit_count: int = 0  # units of the partition (rows may be more: one per flat group)
 
     @property
     def communication(self) -> str:
@@ -101,9 +106,10 @@ class PrecisionAudit:
     @property
     def placement(self) -> str:
         """Where the stored shard, its gradient and the optimizer state live."""
-        if self.offloaded_units and len(self.offloaded_units) < len(self.units):
+        total = self.unit_count or len(self.units)
+        if self.offloaded_units and len(self.offloaded_units) < total:
             names = ", ".join(self.offloaded_units)
-            return (f"host (CPU offload) for {len(self.offloaded_units)} of {len(self.units)} units ({names}): "
+            return (f"host (CPU offload) for {len(self.offloaded_units)} of {total} units ({names}): "
                     "stored shard, its gradient and the optimizer state; device: the other units' state, "
                     "and unsharded copies")
         if self.cpu_offload:
@@ -129,15 +135,6 @@ class PrecisionAudit:
         return "\n".join(out)
 
 
-def _stored_dtype(spec: UnitSpec) -> torch.dtype:
-    dtypes = {p.dtype for p in spec.params}
-    if len(dtypes) > 1:
-        names = ", ".join(f"{occ[0].fqn} ({dtype_name(p.dtype)})" for p, occ in zip(spec.params, spec.occurrences))
-        raise ValueError(f"unit '{spec.name or '<root>'}' mixes parameter dtypes: {names}; st.shard refuses this. "
-                         "Build the model in one dtype (fp32) and use mixed_precision= for lower-precision compute")
-    return dtypes.pop() if dtypes else torch.float32
-
-
 def _owner(path: str, unit_paths: set[str]) -> str:
     while path and path not in unit_paths:
         path = path.rpartition(".")[0]
@@ -158,12 +155,12 @@ def _buffers_by_unit(model: nn.Module, unit_paths: set[str], buffer_dtype: torch
 
 def _notes(units: tuple[UnitPrecision, ...], precision: MixedPrecision) -> list[str]:
     notes = []
-    stored = {u.stored for u in units}
+    stored = {u.stored for u in units if u.grad is not None}
     computes = {u.compute for u in units}
     if stored & set(_LOW):
-        notes.append(f"parameters are stored in {'/'.join(dtype_name(d) for d in stored & set(_LOW))}: the optimizer "
-                     "updates low-precision weights with no fp32 master copy; build the model in fp32 and pass "
-                     "mixed_precision='bf16' for low-precision compute")
+        notes.append(f"trainable parameters are stored in {'/'.join(dtype_name(d) for d in stored & set(_LOW))}: "
+                     "the optimizer updates low-precision weights with no fp32 master copy; pass "
+                     "mixed_precision='bf16' to keep fp32 masters and compute in bf16")
     if torch.float16 in computes:
         notes.append("fp16 gradients under- and overflow without loss scaling: step through st.GradScaler "
                      "(the Engine refuses fp16; use bf16 there)")
@@ -185,7 +182,7 @@ def audit_precision(model: nn.Module, *, wrap: Any = None, strategy: Any = "full
 
     Takes the arguments of `st.shard` (any device, the meta device included; no process group) and
     returns what st.shard would produce from them (see the module docstring). Raises ValueError for
-    what st.shard refuses: a unit that mixes parameter dtypes, an unknown strategy or precision.
+    what st.shard refuses: an unknown strategy or precision.
     """
     strategy = parse_strategy(strategy)
     precision = parse_mixed_precision(mixed_precision)
@@ -193,21 +190,29 @@ def audit_precision(model: nn.Module, *, wrap: Any = None, strategy: Any = "full
     parts = partition(model, wrap)
     on_host = offload_policy.select(spec.numel for spec in parts.units) if offload_policy else []
     buffers = _buffers_by_unit(model, {spec.name for spec in parts.units}, precision.buffer_dtype)
-    units = []
-    for spec in parts.units:
-        stored = _stored_dtype(spec)
-        compute = precision.param_dtype or stored
-        trains = any(p.requires_grad for p in spec.params)
-        units.append(UnitPrecision(
-            name=spec.name, params=spec.numel, stored=stored, compute=compute,
-            grad=compute if trains else None,
-            reduce=(precision.reduce_dtype or stored) if trains else None,
-            sharded_grad=stored if trains else None,
-            optimizer_state=stored if trains else None,
-            buffers=tuple(buffers[spec.name]),
-        ))
+    units, offloaded = [], []
+    for spec, on in zip(parts.units, on_host or [False] * len(parts.units)):
+        named = [(occ[0].fqn, (), p) for p, occ in zip(spec.params, spec.occurrences)]
+        layout = layout_of_unit(named, world=1, precision=precision)
+        groups = layout.groups or ()
+        for k, group in enumerate(groups or [None]):
+            members = [layout.params[i] for i in group.members] if group else []
+            trains = bool(group and group.trainable)
+            stored = group.dtype if group else torch.float32
+            name = spec.name if len(groups) <= 1 else f"{spec.name or '<root>'} [{k + 1}/{len(groups)}]"
+            units.append(UnitPrecision(
+                name=name, params=sum(m.numel for m in members), stored=stored,
+                compute=group.compute_dtype if group else stored,
+                grad=group.compute_dtype if trains else None,
+                reduce=(precision.reduce_dtype or stored) if trains else None,
+                sharded_grad=stored if trains else None,
+                optimizer_state=stored if trains else None,
+                buffers=tuple(buffers[spec.name]) if k == 0 else (),
+            ))
+        if on:
+            offloaded.append(spec.name or "<root>")
     units = tuple(units)
     return PrecisionAudit(model=type(model).__name__, strategy=strategy, precision=precision,
                           cpu_offload=offload_policy is not None, units=units,
                           notes=tuple(_notes(units, precision)) + parts.notes,
-                          offloaded_units=tuple(u.name or "<root>" for u, on in zip(units, on_host) if on))
+                          offloaded_units=tuple(offloaded), unit_count=len(parts.units))

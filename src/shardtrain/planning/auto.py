@@ -36,7 +36,7 @@ from .explain import explain
 from .report import checkpointing_label
 from .sizes import format_gib, parse_bytes
 from .speed import StepTime, step_time
-from .units import matching_paths
+from ..core.partition import matching_paths
 
 DEFAULT_STRATEGIES = ("full_shard", "shard_grad_op", "optimizer_only", "no_shard")
 SAFETY_MARGIN = 0.05

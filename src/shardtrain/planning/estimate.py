@@ -307,9 +307,9 @@ def _estimate(inputs: EstimateInputs) -> MemoryEstimate:
     resident = s.keeps_params_resident
     params_alias = p == MASTER_BYTES and (n == 1 or resident)  # unsharded params are views of the master
     grads_alias = p == GRAD_BYTES and n == 1  # unsharded grads land in the fp32 gradient itself
-    # Each unit's flat buffer is padded to a multiple of the shard group (core.flat.FlatLayout).
-    padding = sum(-(-u // n) * n - u for u in (m.root_params, *m.unit_params))
-    stored, trainable = m.num_params + padding, m.trainable_params + padding
+    # Each parameter's rows are padded to a multiple of the shard group (core.layout).
+    padding, trainable_padding = m.padding(n)
+    stored, trainable = m.num_params + padding, m.trainable_params + trainable_padding
     master = m.num_params * MASTER_BYTES if (resident and params_alias) else stored * MASTER_BYTES // n
     grads = trainable * GRAD_BYTES // n
     optim = int(trainable * inputs.optimizer_bytes / n)

@@ -15,6 +15,8 @@ activation and unit estimates; a parameter count the user gives is used as is fo
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -22,7 +24,7 @@ from torch import nn
 
 from ..models.llama import LLAMA_SIZES, Llama, LlamaConfig, default_units, splits_embedding
 from .sizes import format_count, parse_count
-from .units import partition
+from ..core.partition import partition
 
 DEFAULT_VOCAB = 128256
 HINTS = ("dim", "layers", "vocab", "ffn", "heads", "kv_heads", "tie_embeddings")
@@ -93,6 +95,13 @@ class ModelSpec:
     shape: LlamaShape | None
     lookup_params: tuple[int, ...] = ()
     notes: tuple[str, ...] = ()
+    param_rows: tuple[tuple[int, int, bool], ...] = ()  # per parameter: rows, elements per row, trainable
+
+    def padding(self, shard_size: int) -> tuple[int, int]:
+        """(all, trainable) padding elements when every parameter's rows are padded to a multiple of
+        `shard_size` (core.layout); 0 when the parameters' shapes are not known (a count or a shape)."""
+        pads = [((-(-rows // shard_size) * shard_size - rows) * row, trains) for rows, row, trains in self.param_rows]
+        return sum(p for p, _ in pads), sum(p for p, t in pads if t)
 
     def largest_units(self, count: int, *, lookups_gather: bool = True) -> int:
         """Parameters of the `count` largest inner units together; with `lookups_gather=False`, of the
@@ -287,6 +296,7 @@ def _from_module(module: nn.Module, wrap, hints: dict[str, Any]) -> ModelSpec:
         lookup_params=tuple(u.numel for u in inner if u.can_look_up),
         shape=shape,
         notes=tuple(notes),
+        param_rows=tuple((p.shape[0], math.prod(p.shape[1:]), p.requires_grad) for p in params if p.dim()),
     )
 
 

@@ -10,10 +10,10 @@ from typing import Any
 
 from torch import nn
 
-from ..core.flat import build_layout
+from ..core.layout import layout_of_unit
 from ..policy import parse_mixed_precision
 from ..strategy import Strategy, parse_strategy
-from .units import partition
+from ..core.partition import partition
 
 MIB = 1024 * 1024
 DOMINANT_FRACTION = 0.5
@@ -24,8 +24,9 @@ class UnitRow:
     name: str
     params: int
     padded: int
-    sharded_bytes: int  # per rank, the stored (fp32) shard
-    unsharded_bytes: int  # the gathered parameters in param dtype
+    sharded_bytes: int  # per rank, the stored shards (fp32 masters of trainable parameters)
+    grad_bytes: int  # per rank, the sharded gradients (trainable parameters only)
+    unsharded_bytes: int  # the gathered parameters in their compute dtypes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,16 +69,15 @@ def plan(model: nn.Module, *, wrap: Any = None, world_size: int = 1, strategy: A
     looks_up = shard_world > 1 and not strategy.keeps_params_resident
     rows, notes = [], list(parts.notes)
     for spec in parts.units:
-        layout = build_layout([(occ[0].fqn, p, ()) for p, occ in zip(spec.params, spec.occurrences)], shard_world)
-        stored = spec.params[0].element_size() if spec.params else 4
-        compute = precision.param_dtype.itemsize if precision.param_dtype else stored
+        named = [(occ[0].fqn, (), p) for p, occ in zip(spec.params, spec.occurrences)]
+        layout = layout_of_unit(named, world=shard_world, precision=precision)
         gathers = not (looks_up and spec.can_look_up)
         if not gathers:
             notes.append(f"unit '{spec.name}' is an nn.Embedding: it looks its rows up on the shards and is never "
                          "gathered (unless CPU-offloaded)")
         rows.append(UnitRow(name=spec.name, params=layout.numel, padded=layout.padded_numel,
-                            sharded_bytes=layout.shard_numel * stored,
-                            unsharded_bytes=layout.padded_numel * compute if gathers else 0))
+                            sharded_bytes=layout.shard_bytes(), grad_bytes=layout.grad_bytes(),
+                            unsharded_bytes=layout.unsharded_bytes() if gathers else 0))
     total = sum(r.params for r in rows)
     warnings = []
     if total and len(rows) > 0:

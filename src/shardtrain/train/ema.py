@@ -1,7 +1,8 @@
 """An exponential moving average of the weights, kept in host memory.
 
-Each rank averages only its own shards (what `model.parameters()` yields after sharding), so the
-EMA costs 4 bytes per parameter / world size of host memory and no communication. To evaluate it,
+Each rank averages only its own rows of every parameter (the local part of what `model.parameters()`
+yields after sharding), so the EMA costs 4 bytes per parameter / world size of host memory and no
+communication. To evaluate it,
 `swapped_in` copies the averages into the shards in place (the engine notices the change and
 re-gathers), and restores the trained weights afterwards.
 """
@@ -14,11 +15,13 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from ..core.sharded_param import local_of
+
 
 class WeightEMA:
     def __init__(self, model: nn.Module, *, decay: float) -> None:
         self.decay = decay
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.params = [local_of(p) for p in model.parameters() if p.requires_grad]
         self.averages = [p.detach().to("cpu", torch.float32, copy=True) for p in self.params]
 
     @torch.no_grad()

@@ -43,11 +43,8 @@ def check_batch(cfg: Config, world_size: int) -> int:
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """AdamW groups: weight decay on matrices, none on norms, biases and other vectors.
-
-    Decided from the unsharded shapes, so it must run before `Engine.setup` (after it, every
-    parameter is a flat piece of a shard).
-    """
+    """AdamW groups: weight decay on matrices, none on norms, biases and other vectors (by shape,
+    which sharded parameters keep)."""
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]

@@ -1,0 +1,71 @@
+"""The tensors the optimizer sees: one per original parameter, holding this rank's rows of it.
+
+Where a strategy cuts parameters, each one is an `nn.Parameter` wrapping a DTensor placed `Shard(0)`
+on the shard group's mesh (`(Replicate(), Shard(0))` on the two-dimensional mesh of a hybrid
+strategy; `Replicate()` for a 0-dim parameter, which every rank holds whole). Its `shape`, `dim()`,
+`numel()`, name, dtype and `requires_grad` are the original parameter's, so weight-decay groups
+chosen by `p.dim()` and parameter counts behave as on the unsharded model; `to_local()` is the
+rank's real rows, a view of the unit's shard, so an optimizer step updates the shard in place; and
+`torch.distributed.checkpoint`, `full_tensor()` and DTensor-aware optimizers understand it. Its
+`.grad` is a DTensor of the same placement over a view of the unit's sharded gradient.
+
+no_shard keeps plain parameters of the full shape, as DDP does: nothing is cut.
+
+Why DTensors rather than plain tensors of the local rows: a plain tensor reports the local shape, so
+`sum(p.numel())`, matrix optimizers and `save_pretrained` silently see pieces; a DTensor reports the
+global shape and computes correctly (if slowly) wherever an optimizer needs the whole matrix. The
+price is DTensor's dispatch in the optimizer step, measured small (docs/design.md).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+from .layout import ParamShard
+
+
+class ParamFactory:
+    """Makes the optimizer-visible parameter and gradient of each `ParamShard` from local views.
+
+    `mesh` None: plain tensors (no_shard). A one-dimensional mesh is the shard group; a two-dimensional
+    one is (replicate, shard).
+    """
+
+    def __init__(self, *, mesh: DeviceMesh | None) -> None:
+        self.mesh = mesh
+        self._specs: dict[tuple, DTensorSpec] = {}
+
+    @property
+    def distributed(self) -> bool:
+        return self.mesh is not None
+
+    def _spec(self, shard: ParamShard, dtype: torch.dtype) -> DTensorSpec:
+        key = (shard.shape, dtype, bool(shard.shape))
+        spec = self._specs.get(key)
+        if spec is None:
+            placement = Shard(0) if shard.shape else Replicate()
+            placements = (placement,) if self.mesh.ndim == 1 else (Replicate(), placement)
+            stride = torch.empty(shard.shape, device="meta").stride()
+            spec = DTensorSpec(self.mesh, placements, tensor_meta=TensorMeta(torch.Size(shard.shape), stride, dtype))
+            self._specs[key] = spec
+        return spec
+
+    def wrap(self, local: torch.Tensor, shard: ParamShard) -> torch.Tensor:
+        """`local` (this rank's real rows) as the tensor the optimizer sees: a DTensor, or itself."""
+        if self.mesh is None:
+            return local
+        # Note: DTensor's own constructor with a prepared spec, as torch FSDP2 does: from_local() runs
+        # an autograd function and checks the arguments, which costs host time once per gradient per step.
+        return DTensor(local, self._spec(shard, local.dtype), requires_grad=False)
+
+    def parameter(self, local: torch.Tensor, shard: ParamShard) -> nn.Parameter:
+        return nn.Parameter(self.wrap(local, shard), requires_grad=shard.requires_grad)
+
+
+def local_of(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of an optimizer-visible tensor (a DTensor's local tensor, or the tensor)."""
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor

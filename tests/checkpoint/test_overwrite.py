@@ -1,6 +1,8 @@
 """What a save may replace, what a load may follow, and what a crash while replacing a checkpoint
 leaves behind. One process, no process group: the commit runs on rank 0 alone either way."""
 
+import json
+import os
 from pathlib import Path
 
 import pytest
@@ -8,6 +10,7 @@ import torch
 
 import shardtrain as st
 from shardtrain.checkpoint import commit
+from shardtrain.checkpoint.tensorfile import FileRecord
 
 
 class Counter:
@@ -128,3 +131,20 @@ def test_latest_must_name_a_checkpoint_inside_the_folder(tmp_path, pointer):
         load(run)
     assert load(run / "step1") == 1
 
+
+def test_a_pickle_in_a_rank_file_is_refused_as_untrusted(tmp_path):
+    path = save(tmp_path / "ckpt", 1)
+    rank_file = path / "rank-00000.pt"
+    torch.save({"objects": {"counter": {"value": Counter()}}, "rng": {}}, rank_file)  # a pickled class instance
+    metadata = json.loads((path / "metadata.json").read_text())
+    record = FileRecord.of(rank_file)
+    metadata["files"]["rank-00000.pt"] = {"bytes": record.bytes, "sha256": record.sha256}
+    (path / "metadata.json").write_text(json.dumps(metadata))
+    with pytest.raises(ValueError) as info:
+        load(path)
+    message = str(info.value)
+    assert message == (f"{rank_file} holds a pickled {__name__}.Counter, where a checkpoint holds only tensors and "
+                       "primitives: the file is untrusted and cannot be loaded safely; load a checkpoint written by "
+                       "st.save_checkpoint")
+    assert "weights_only=False" not in message and "\n" not in message
+    assert os.path.exists(rank_file)

@@ -16,6 +16,8 @@ import hashlib
 import json
 import math
 import os
+import pickle
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -146,7 +148,17 @@ class CheckpointFiles:
         return self._open[name]
 
     def torch_file(self, name: str) -> Any:
-        return torch.load(self.verified(name), map_location="cpu", weights_only=True)
+        """A torch file read with `weights_only=True`: tensors and primitives, never code."""
+        path = self.verified(name)
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as exc:
+            blocked = re.search(r"GLOBAL (\S+)", str(exc))
+            what = f"a pickled {blocked[1]}" if blocked else "pickled objects"
+            raise ValueError(f"{path} holds {what}, where a checkpoint holds only tensors and primitives: the file is "
+                             "untrusted and cannot be loaded safely; load a checkpoint written by "
+                             "st.save_checkpoint") from None
+
 
 
 def read_flat(handle, name: str, start: int, numel: int) -> torch.Tensor:

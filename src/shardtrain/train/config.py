@@ -57,7 +57,8 @@ class DataConfig:
                              "own .py files)", None)
     pattern: str = _help("glob of the files to read under a directory", "**/*.py")
     seq_len: int = _help("tokens per training sequence", 256)
-    val_fraction: float = _help("fraction of the files held out for evaluation", 0.02)
+    val_fraction: float = _help("fraction of the files held out for evaluation (of the tokens where there are too "
+                                "few files, e.g. a single one: its last part)", 0.02)
     cache_dir: str | None = _help("where the tokenized corpus is cached (default: ~/.cache/shardtrain)", None)
 
     def __post_init__(self) -> None:

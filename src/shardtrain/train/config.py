@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import tomllib
 import types
 import typing
@@ -216,13 +217,18 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             except ValueError:
                 pass
     elif tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
+            number = float(value)
+        elif isinstance(value, str):
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
+        if number is not None and not math.isfinite(number):
+            raise ConfigError(f"{key}={value!r} is not a finite number; give a finite value such as 0.001")
+        if number is not None:
+            return number
     elif tp is str and isinstance(value, str):
         return value
     raise ConfigError(f"{key}={value!r}: expected {_type_name(tp)}")

@@ -132,6 +132,11 @@ def _prepare(cfg: Config, engine: Engine) -> tuple[BuiltModel, int, tuple]:
     corpus = corpus_files(cfg.data.path, cfg.data.pattern)
     if cfg.run.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ValueError("run.tensorboard=true needs the tensorboard package: pip install 'shardtrain[tensorboard]'")
+    out_dir = Path(cfg.run.out_dir)
+    blocker = next((p for p in (out_dir, *out_dir.parents) if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise ValueError(f"run.out_dir={cfg.run.out_dir!r}: {str(blocker)!r} is an existing file, not a directory; "
+                         "pass a directory for the runs (it is created if missing), e.g. --run.out_dir runs")
     if cfg.run.resume and not Path(cfg.run.resume).exists():
         raise ValueError(f"run.resume={cfg.run.resume!r} does not exist; pass a checkpoint directory "
                          "(runs/<name>/checkpoints/step_NNNNNN, or runs/<name>/checkpoints for the latest)")

@@ -38,6 +38,8 @@ def test_train_help_lists_every_key(capsys):
         cli.main(["train", "--help"])
     out = capsys.readouterr().out
     assert "--train.steps" in out and "--model.kwargs" in out and "--resume" in out
+    # A factory name runs code: --help says so, where model.name is described and up front.
+    assert out.count("imports that module and") == 2 and "runs the function" in " ".join(out.split())
 
 
 def _records(run_dir: Path) -> list[dict]:

@@ -19,7 +19,8 @@ def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "train", help="train a model (built-in default: a small Llama on the Python standard library)",
         description="Train a model. Arguments: an optional CONFIG file (.toml or .yaml), then "
-                    "--section.key value overrides.",
+                    "--section.key value overrides. A model.name of the form 'package.module:function' imports "
+                    "that module and runs the function: train only with configs you trust.",
         epilog=describe(), formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False,
     )
     parser.add_argument("--resume", metavar="CHECKPOINT", help="resume from a checkpoint directory (= --run.resume)")

@@ -40,7 +40,8 @@ def _require(ok: bool, key: str, value: Any, remedy: str) -> None:
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     name: str = _help("built-in 'llama-<size>' (tiny, 2m, 7m, 34m, 125m, 1.5b, 8b, ...), 'hf' for a "
-                      "Hugging Face causal LM from model.hf_config, or 'package.module:factory'", "llama-2m")
+                      "Hugging Face causal LM from model.hf_config, or 'package.module:factory' (this imports that "
+                      "module and calls the function: it runs that code, so use only a config you trust)", "llama-2m")
     kwargs: dict[str, Any] = _help("overrides: LlamaConfig fields, Hugging Face config fields, or factory "
                                    "keyword arguments (e.g. --model.kwargs.n_layers 2)", default_factory=dict)
     hf_config: str | None = _help("Hugging Face config: a config.json or a directory holding one "

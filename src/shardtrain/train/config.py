@@ -95,8 +95,12 @@ class TrainConfig:
     log_every: int = _help("log the training loss every N steps", 10)
     ema_decay: float = _help("keep an exponential moving average of the weights on CPU (0: off)", 0.0)
     seed: int = _help("seed of the model initialisation and the data order", 0)
+    on_nonfinite: str = _help("a non-finite loss or gradient norm: 'stop' (exit with an error naming the step, before "
+                              "any checkpoint of it) or 'skip' (skip that optimizer step on every rank and count it; "
+                              "costs a host sync per step)", "stop")
 
     def __post_init__(self) -> None:
+        _require(self.on_nonfinite in ("stop", "skip"), "train.on_nonfinite", self.on_nonfinite, "use stop or skip")
         for key in ("steps", "batch_size", "grad_accum", "eval_batches", "log_every"):
             value = getattr(self, key)
             _require(value >= 1, f"train.{key}", value, "use 1 or more")

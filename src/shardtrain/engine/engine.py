@@ -24,6 +24,7 @@ from torch import nn
 from ..policy import is_auto, parse_cpu_offload, parse_mixed_precision, resolve_module_policy
 from ..strategy import parse_strategy
 from . import launch as _launch
+from .lifeline import die_with_launcher
 from .devices import (RankInfo, Topology, join_process_group, launched_externally, mark_failed, rank_info_from_env,
                       resolve_topology)
 
@@ -103,6 +104,7 @@ class Engine:
 
     def _join(self) -> None:
         if launched_externally():
+            die_with_launcher()  # a killed launcher (ours or torchrun's agent) takes its ranks along
             info = rank_info_from_env()
             if self._devices != "auto" and self._devices != info.local_world_size:
                 raise ValueError(

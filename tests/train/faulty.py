@@ -7,6 +7,7 @@ forward (1-based; with grad_accum 1, the n-th optimizer step).
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import torch
@@ -41,6 +42,7 @@ class _Sleepy(_Faulty):
         self.seconds = seconds
 
     def misbehave(self, logits: torch.Tensor) -> torch.Tensor:
+        print(f"faulty: rank {self.rank} sleeps {self.seconds}s from {time.time()}", file=sys.stderr, flush=True)
         time.sleep(self.seconds)
         return logits
 

@@ -121,9 +121,13 @@ class EngineConfig:
     precision: str = _help("'auto' (bf16-mixed on GPU, 32-true on CPU), 'bf16-mixed' or '32-true'", "auto")
     auto_trials: int = _help("with strategy 'auto': train this many of the best predicted configurations for a few "
                              "steps each, in fresh processes, and keep the fastest measured (0: trust the prediction)", 0)
+    timeout: float = _help("seconds a rank waits in a collective for its peers before the job stops, naming the "
+                           "rank that did not arrive (raise it for a first step or a tokenization that takes longer)",
+                           300.0)
 
     def __post_init__(self) -> None:
         _require(self.auto_trials >= 0, "engine.auto_trials", self.auto_trials, "use 0 (no trials) or more")
+        _require(self.timeout > 0, "engine.timeout", self.timeout, "use a positive number of seconds, e.g. 300")
         _require(isinstance(self.cpu_offload, bool) or 0 < self.cpu_offload <= 1, "engine.cpu_offload",
                  self.cpu_offload, "use true, false, or a share of the parameters in (0, 1]")
 

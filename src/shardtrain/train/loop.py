@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ..engine import Engine
+from ..engine.health import heartbeat
 from ..planning.auto import checkpoint_policy
 from .config import Config, save_config
 from .data import ByteTokenizer, TokenBatches, build_cache, corpus_files
@@ -196,6 +197,7 @@ def build_job(cfg: Config, engine: Engine) -> tuple[_Job, str]:
 def run(cfg: Config, engine: Engine) -> Summary:
     """Train as configured on this rank; rank 0 writes the run directory. Returns the run's summary."""
     start = time.perf_counter()
+    heartbeat(0, "setup")
     job, description = build_job(cfg, engine)
     first_step = job.resume(cfg.run.resume) if cfg.run.resume else 0
     return _loop(job, _run_dir(cfg, engine), first_step=first_step, description=description, start=start)
@@ -215,6 +217,7 @@ def _loop(job: _Job, run_dir: Path, *, first_step: int, description: str, start:
     loss_sum, loss_count, norm = torch.zeros((), device=engine.device), 0, None
     interval_start, interval_steps, train_time, train_tokens = time.perf_counter(), 0, 0.0, 0
     for step in range(first_step, cfg.train.steps):
+        heartbeat(step + 1, "train")
         loss, norm, skipped = job.train_step(step)
         if not skipped:
             loss_sum += loss
@@ -248,6 +251,7 @@ def _loop(job: _Job, run_dir: Path, *, first_step: int, description: str, start:
             loss_sum.zero_()
             loss_count, interval_steps, interval_start = 0, 0, time.perf_counter()
         if evaluates:
+            heartbeat(done, "eval")
             pause = time.perf_counter()
             last_eval = job.evaluate(done, pause - start)
             if log:
@@ -256,6 +260,7 @@ def _loop(job: _Job, run_dir: Path, *, first_step: int, description: str, start:
                 bar.write(f"step {done}: held-out loss {last_eval['eval_loss']:.4f}")
             interval_start += time.perf_counter() - pause
         if saves:
+            heartbeat(done, "checkpoint")
             pause = time.perf_counter()
             job.save(run_dir, done)
             interval_start += time.perf_counter() - pause

@@ -27,14 +27,16 @@ def test_a_stuck_rank_is_named_and_the_job_exits_soon_after_the_timeout(tmp_path
                          "--data.path", str(_one_file(tmp_path)), "--data.cache_dir", str(tmp_path / "cache"),
                          "--run.out_dir", str(tmp_path)])
     assert run.returncode == 1, run.stderr
-    assert re.search(r"shardtrain train: rank 0 stopped: rank 1 did not arrive at a collective within "
-                     rf"engine.timeout={TIMEOUT_S}s \(rank 1 last reported step 3 \(train\) [\d.]+ s ago\); it is stuck "
-                     r"outside the collectives or slow: raise --engine.timeout if it is only slow", run.stderr), run.stderr
+    expected = (r"shardtrain train: rank 0 stopped: rank 1 did not arrive at a collective within "
+                rf"engine.timeout={TIMEOUT_S}s \(rank 1 last reported step 3 \(train\) [\d.]+ s ago\); it is stuck "
+                r"outside the collectives or slow: raise --engine.timeout if it is only slow")
+    assert re.search(expected, run.stderr), run.stderr
     assert "Traceback" not in run.stderr
     stalled = float(re.search(r"faulty: rank 1 sleeps 300s from ([\d.]+)", run.stderr)[1])
     assert ended - stalled < TIMEOUT_S + 6, f"exited {ended - stalled:.1f}s after rank 1 stalled"
 
 
+@pytest.mark.slow  # test_explain_names_the_failed_or_missing_rank covers the logic in the default tier
 def test_the_peer_of_a_rank_that_failed_alone_names_it_in_one_line(tmp_path):
     (tmp_path / "tiny.txt").write_text("short\n")  # rank 0 finds it too short while rank 1 waits for the cache
     run, _ = _train([*TINY, "--data.path", str(tmp_path / "tiny.txt"), "--data.cache_dir", str(tmp_path / "cache"),
@@ -73,6 +75,7 @@ def _explain_cases() -> dict:
     dist.barrier()
     if rank == 0:  # rank 1 is "stuck": it does not report waiting
         out["stuck"] = health.explain(RuntimeError("Timed out waiting 5000ms for recv"), timeout_s=5)
+        out["closed"] = health.explain(RuntimeError("Application timeout caused pair closure"), timeout_s=5)
         out["gone"] = health.explain(RuntimeError("Connection closed by peer [127.0.0.1]:4242"), timeout_s=5)
     dist.barrier()
     _clear(store, 2)
@@ -86,6 +89,7 @@ def test_explain_names_the_failed_or_missing_rank(pools):
     assert re.fullmatch(r"rank 1 did not arrive at a collective within engine.timeout=5s \(rank 1 last reported step 7 "
                         r"\(eval\) [\d.]+ s ago\); it is stuck outside the collectives or slow: raise --engine.timeout "
                         r"if it is only slow", out["stuck"]), out["stuck"]
+    assert out["closed"].startswith("rank 1 did not arrive at a collective within engine.timeout=5s"), out["closed"]
     assert out["gone"] == ("a peer rank exited without reporting an error (killed, out of memory, or a crash outside "
                            "Python): Connection closed by peer [127.0.0.1]:4242")
 

@@ -18,12 +18,16 @@ and the caller reports the plain error.
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import torch.distributed as dist
 
-_BEAT, _FAILED, _WAITING = "shardtrain/beat/", "shardtrain/failed/", "shardtrain/waiting/"
+# Keys per attempt: under torchrun --max-restarts the store outlives a failed attempt and its reports.
+_ATTEMPT = f"shardtrain/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+_BEAT, _FAILED, _WAITING = f"{_ATTEMPT}beat/", f"{_ATTEMPT}failed/", f"{_ATTEMPT}waiting/"
 GRACE_S = 1.5  # how long a timed-out rank waits for the other waiting ranks to say so
+_TIMED_OUT = ("timed out", "timeout")  # Gloo: "Timed out waiting 5000ms ...", "Application timeout caused ..."
 _PEER_GONE = ("by peer", "Broken pipe", "Connection refused")
 
 
@@ -64,7 +68,8 @@ def heartbeat(step: int, phase: str) -> None:
 def report_failure(message: str) -> None:
     """Record why this rank is stopping, for its peers' `explain` (call before exiting)."""
     if dist.is_initialized():
-        _put(f"{_FAILED}{dist.get_rank()}", {"message": message.splitlines()[0] if message else "", "time": time.time()})
+        first_line = message.splitlines()[0] if message else ""
+        _put(f"{_FAILED}{dist.get_rank()}", {"message": first_line, "time": time.time()})
 
 
 def explain(error: BaseException, *, timeout_s: float | None) -> str | None:
@@ -75,7 +80,7 @@ def explain(error: BaseException, *, timeout_s: float | None) -> str | None:
     others = [r for r in range(world) if r != rank]
     text = str(error)
     failed = _read(_FAILED, others)
-    if not failed and "timed out" in text.lower():
+    if not failed and any(sign in text.lower() for sign in _TIMED_OUT):
         _put(f"{_WAITING}{rank}", {"time": time.time()})
         time.sleep(GRACE_S)
         failed = _read(_FAILED, others)

@@ -84,6 +84,7 @@ def _one_file(tmp_path: Path) -> Path:
     return path
 
 
+@pytest.mark.slow  # the Engine-level test (tests/engine) covers the scheduler fix in the default tier
 def test_fp16_with_the_scheduler_trains_on_a_single_file(tmp_path):
     run = _train([*TINY, "--engine.precision", "16-mixed", "--train.steps", "2", "--train.log_every", "1",
                   "--train.eval_batches", "1", "--data.path", str(_one_file(tmp_path)),

@@ -246,8 +246,8 @@ def _loop(job: _Job, run_dir: Path, *, first_step: int, description: str, start:
             if log:
                 log.write(record)
             if bar is not None:
-                bar.set_postfix(loss="skipped" if mean_loss is None else f"{mean_loss:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}",
-                                mem="/".join(format_bytes(b) for b in memory))
+                bar.set_postfix(loss="skipped" if mean_loss is None else f"{mean_loss:.3f}",
+                                tok_s=f"{record['tokens_per_s']:,.0f}", mem="/".join(format_bytes(b) for b in memory))
             loss_sum.zero_()
             loss_count, interval_steps, interval_start = 0, 0, time.perf_counter()
         if evaluates:

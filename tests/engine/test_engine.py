@@ -265,3 +265,34 @@ def test_fp16_engine_scales_losses_and_skips_overflow_on_every_rank(pools):
     assert out[0] == out[1], out  # every rank skips the same steps
     assert out[0]["skipped"][2] and not all(out[0]["skipped"]), out  # the injected overflow, seen by rank 1 only
     assert out[0]["halved_per_skip"] and out[0]["learned"] and out[0]["restored"], out
+
+
+def test_fp16_step_goes_through_the_scaler_and_an_lr_scheduler_can_wrap_it():
+    import warnings
+
+    from shardtrain.engine.engine import _step_through_scaler
+    from shardtrain.ops.grad_scaler import GradScaler
+    from shardtrain.train.schedule import make_scheduler
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    scaler = GradScaler("cpu", init_scale=4.0)
+    _step_through_scaler(opt, scaler)
+    scheduler = make_scheduler(opt, warmup_steps=2, total_steps=4, min_ratio=0.1)  # wraps opt.step.__func__
+    moved, lrs = [], []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # e.g. "lr_scheduler.step() before optimizer.step()"
+        for step in range(3):
+            scaler.scale(model(torch.ones(1, 4)).sum()).backward()
+            if step == 1:
+                model.weight.grad[0, 0] = float("inf")
+            before = model.weight.detach().clone()
+            opt.step()
+            scheduler.step()
+            opt.zero_grad()
+            moved.append(not torch.equal(before, model.weight))
+            lrs.append(scheduler.get_last_lr()[0])
+    assert moved == [True, False, True]  # the overflowing step is skipped
+    assert scaler.get_scale() == 2.0 and scheduler.last_epoch == 3
+    assert lrs == [pytest.approx(v) for v in (1.0, 1.0, 0.55)]

@@ -38,6 +38,8 @@ def test_train_help_lists_every_key(capsys):
         cli.main(["train", "--help"])
     out = capsys.readouterr().out
     assert "--train.steps" in out and "--model.kwargs" in out and "--resume" in out
+    # A factory name runs code: --help says so, where model.name is described and up front.
+    assert out.count("imports that module and") == 2 and "runs the function" in " ".join(out.split())
 
 
 def _records(run_dir: Path) -> list[dict]:
@@ -74,6 +76,25 @@ def test_short_run_writes_metrics_plot_and_config_and_resumes_exactly(tmp_path):
     replay = [{k: r.get(k) for k in keys} for r in _records(tmp_path / "resumed") if r["kind"] != "summary"]
     original = [r for r in records if (r["kind"] == "train" and r["step"] > 3) or (r["kind"] == "eval" and r["step"] >= 3)]
     assert replay == [{k: r.get(k) for k in keys} for r in original]
+
+
+def _one_file(tmp_path: Path) -> Path:
+    path = tmp_path / "one.txt"
+    path.write_text("".join(f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(3000)))
+    return path
+
+
+@pytest.mark.slow  # the Engine-level test (tests/engine) covers the scheduler fix in the default tier
+def test_fp16_with_the_scheduler_trains_on_a_single_file(tmp_path):
+    run = _train([*TINY, "--engine.precision", "16-mixed", "--train.steps", "2", "--train.log_every", "1",
+                  "--train.eval_batches", "1", "--data.path", str(_one_file(tmp_path)),
+                  "--data.cache_dir", str(tmp_path / "cache"), "--run.out_dir", str(tmp_path), "--run.name", "fp16"])
+    assert run.returncode == 0, run.stderr
+    assert "2 x cpu, full_shard, 16-mixed" in run.stdout
+    train = [r for r in _records(tmp_path / "fp16") if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [1, 2]
+    for r in train:  # the scheduler stepped once per optimizer step
+        assert r["lr"] == pytest.approx(3e-3 * warmup_cosine(r["step"], warmup_steps=10, total_steps=2, min_ratio=0.1))
 
 
 def test_user_errors_are_reported_by_every_rank():

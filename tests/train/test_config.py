@@ -66,6 +66,25 @@ def test_bad_values_name_key_and_fix(tokens, expected):
         load_config(None, tokens)
 
 
+@pytest.mark.parametrize("text, key, shown", [
+    ("optim:\n  lr: .inf\n", "optim.lr", "inf"),
+    ("optim:\n  grad_clip: .nan\n", "optim.grad_clip", "nan"),
+    ("train:\n  ema_decay: -.inf\n", "train.ema_decay", "-inf"),
+])
+def test_non_finite_numbers_in_a_file_are_refused(tmp_path, text, key, shown):
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value) == f"{key}={float(shown)!r} is not a finite number; give a finite value such as 0.001"
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "-Infinity"])
+def test_non_finite_numbers_on_the_command_line_are_refused(value):
+    with pytest.raises(ConfigError, match=f"^optim.lr='{value}' is not a finite number; give a finite value"):
+        load_config(None, ["--optim.lr", value])
+
+
 def test_missing_or_malformed_file(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.toml")

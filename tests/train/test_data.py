@@ -96,6 +96,31 @@ def test_cache_split_and_reuse(tmp_path):
     assert len(list((tmp_path / "cache").glob("*.uint8"))) == 2
 
 
+@pytest.mark.parametrize("names", [["one.txt"], ["a.txt", "b.txt"]])
+def test_too_few_files_split_by_tokens(tmp_path, names):
+    """A single file (or files that all hash to one side) holds out the last val_fraction of its tokens."""
+    texts = [(f"line {i} of {name}\n" * 50) for i, name in enumerate(names)]
+    for name, text in zip(names, texts):
+        (tmp_path / name).write_text(text)
+    path = tmp_path / names[0] if len(names) == 1 else tmp_path
+    root, files = corpus_files(str(path), "*.txt")
+    assert all(is_held_out(f.relative_to(root).as_posix(), 0.1) is False for f in files)
+    cache = build_cache(root=root, files=files, val_fraction=0.1, cache_dir=str(tmp_path / "cache"),
+                        tokenizer=ByteTokenizer(), progress=False)
+    stream = "".join(texts).encode()
+    assert len(cache.tokens) == len(stream) and len(cache.held_out) == int(len(stream) * 0.1)
+    assert bytes(cache.train) + bytes(cache.held_out) == stream
+
+
+def test_a_split_that_holds_out_nothing_names_the_fix(tmp_path):
+    (tmp_path / "tiny.txt").write_text("short\n")
+    root, files = corpus_files(str(tmp_path / "tiny.txt"), "*")
+    with pytest.raises(ValueError, match=r"data.val_fraction=0.1 of the 6 tokens in the 1 file\(s\) of .* holds out "
+                                         "no token; use more text or a larger --data.val_fraction"):
+        build_cache(root=root, files=files, val_fraction=0.1, cache_dir=str(tmp_path / "cache"),
+                    tokenizer=ByteTokenizer(), progress=False)
+
+
 def test_corpus_errors_name_the_fix(tmp_path):
     with pytest.raises(ValueError, match="does not exist.*leave data.path unset"):
         corpus_files(str(tmp_path / "missing"), "**/*.py")

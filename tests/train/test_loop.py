@@ -103,6 +103,12 @@ def _prepare_error(*overrides: str) -> str:
     (["--model.name", "llama-tiny"], "data.seq_len=256 exceeds the model's maximum sequence length 128"),
     (["--data.path", "/no/such/corpus"], "data.path='/no/such/corpus' does not exist"),
     (["--run.resume", "/no/such/ckpt"], "run.resume='/no/such/ckpt' does not exist"),
+    (["--run.out_dir", __file__], f"run.out_dir={__file__!r}: {__file__!r} is an existing file, not a directory; "
+                                  "pass a directory for the runs"),
+    (["--run.out_dir", f"{__file__}/runs"], f"run.out_dir='{__file__}/runs': {__file__!r} is an existing file"),
+    (["--model.name", "llama-tiny", "--model.kwargs.n_layers", "abc"],
+     "model.name='llama-tiny' does not build: model.kwargs.n_layers='abc' must be a positive integer "
+     "(LlamaConfig.n_layers); e.g. --model.kwargs.n_layers 4"),
 ])
 def test_user_errors_are_found_on_every_rank_before_any_communication(pools, overrides, message):
     for error in pools(2).run(_prepare_error, *overrides):

@@ -7,8 +7,12 @@ the oldest checkpoints of the parent. A crash at any moment leaves the last comm
 its `latest` pointer as they were; the abandoned staging directory is ignored by loads and removed
 by the next save into the same parent.
 
-Overwriting an existing `<path>` moves the old directory aside before the rename and deletes it
-after, so between those two renames `<path>` is briefly absent.
+Saving over an existing checkpoint `<path>` takes two renames: the old one moves aside to
+`<path>.old-<token>`, then the new one takes its name, then the aside copy is deleted. Between the
+renames `<path>` is absent, so loads fall back to the aside copy, and the next save into the parent
+renames it back (or deletes it once the new checkpoint holds the name): at every instant exactly one
+complete checkpoint answers to `<path>`. Anything at `<path>` that is not a shardtrain checkpoint
+(a file, a folder of notes) is refused before a byte is written.
 """
 
 from __future__ import annotations
@@ -20,13 +24,18 @@ import uuid
 from pathlib import Path
 from typing import Callable
 
-from .format import LATEST_FILE, METADATA_FILE, created_ns
+from .format import FORMAT_NAME, LATEST_FILE, METADATA_FILE, created_ns
 
 _STAGING = re.compile(r".+\.tmp-[0-9a-f]{32}$")
+_ASIDE = re.compile(r"(?P<name>.+)\.old-[0-9a-f]{32}$")
 
-# Test seam: called on every rank with (staging directory, rank) once its files are written, before
-# the commit. The crash-safety test pauses here and kills the writers.
+# Test seams. `before_commit_hook(staging, rank)`: on every rank once its files are written, before
+# the commit (the crash-safety test pauses here and kills the writers). `commit_hook(point)`: on
+# rank 0 at each step of replacing an existing checkpoint: "aside" (the old one moved aside, the new
+# one not yet renamed), "renamed" (the new one in place, the old one not yet deleted), "cleaned" (the
+# old one deleted, `latest` not yet pointed).
 before_commit_hook: Callable[[Path, int], None] | None = None
+commit_hook: Callable[[str], None] | None = None
 
 
 def new_token() -> str:
@@ -37,13 +46,56 @@ def staging_dir(final: Path, token: str) -> Path:
     return final.parent / f"{final.name}.tmp-{token}"
 
 
+def aside_dir(final: Path, token: str) -> Path:
+    return final.parent / f"{final.name}.old-{token}"
+
+
 def begin_staging(final: Path, token: str) -> Path:
-    """Rank 0: remove stale staging directories of earlier crashed saves, create this one."""
-    final.parent.mkdir(parents=True, exist_ok=True)
+    """Rank 0: finish or undo what an interrupted save left, refuse a `final` that is not ours to
+    replace, and create this save's staging directory."""
+    _make_parent(final)
+    recover(final.parent)
+    check_target(final)
     remove_stale(final.parent)
     staging = staging_dir(final, token)
     staging.mkdir()
     return staging
+
+
+def _make_parent(final: Path) -> None:
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        blocker = next((p for p in (final.parent, *final.parent.parents) if p.exists() and not p.is_dir()), None)
+        raise ValueError(f"cannot save the checkpoint {final}: {blocker or final.parent} is a file, not a directory; "
+                         "pass a path under a directory") from None
+
+
+def check_target(final: Path) -> None:
+    """Refuse to save over anything but a shardtrain checkpoint (or an empty directory): replacing it
+    would delete it."""
+    if not final.exists() and not final.is_symlink():
+        return
+    if not final.is_dir():
+        raise ValueError(f"cannot save the checkpoint at {final}: it is an existing file, which saving would "
+                         "replace; pass a new path, or move the file away")
+    if created_ns(final) is None and any(final.iterdir()):
+        raise ValueError(f"cannot save the checkpoint at {final}: it is an existing directory that is not a "
+                         f"shardtrain checkpoint (no {METADATA_FILE} of format {FORMAT_NAME!r}), which saving "
+                         f"would replace; pass a new path such as {final / 'checkpoint'}")
+
+
+def recover(parent: Path) -> None:
+    """Put back each checkpoint an interrupted save had moved aside, unless its replacement was
+    committed under its name (then the aside copy is deleted)."""
+    asides = [(m["name"], child) for child in parent.iterdir() if (m := _ASIDE.match(child.name)) and child.is_dir()]
+    for name, aside in sorted(asides, key=lambda item: created_ns(item[1]) or 0, reverse=True):
+        original = parent / name
+        if not original.exists() and created_ns(aside) is not None:
+            os.rename(aside, original)
+            _fsync_dir(parent)
+        else:
+            shutil.rmtree(aside)
 
 
 def remove_stale(parent: Path) -> None:
@@ -55,17 +107,29 @@ def remove_stale(parent: Path) -> None:
 def commit(staging: Path, final: Path, *, keep_last: int | None) -> None:
     """Rank 0, after metadata.json is in `staging`: make it the checkpoint at `final`."""
     _fsync_dir(staging)
-    aside = None
+    if final.is_dir() and not final.is_symlink() and not any(final.iterdir()):
+        final.rmdir()  # an empty directory holds nothing to keep
     if final.exists():
-        aside = staging_dir(final, new_token())
+        aside = aside_dir(final, new_token())
         os.rename(final, aside)
-    os.rename(staging, final)
-    _fsync_dir(final.parent)
-    if aside is not None:
+        _fsync_dir(final.parent)
+        _reached("aside")
+        os.rename(staging, final)
+        _fsync_dir(final.parent)
+        _reached("renamed")
         shutil.rmtree(aside)
+        _reached("cleaned")
+    else:
+        os.rename(staging, final)
+        _fsync_dir(final.parent)
     _point_latest(final)
     if keep_last is not None:
         _rotate(final, keep_last)
+
+
+def _reached(point: str) -> None:
+    if commit_hook is not None:
+        commit_hook(point)
 
 
 def _point_latest(final: Path) -> None:
@@ -97,18 +161,42 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _committed(directory: Path) -> Path | None:
+    """`directory` if it holds a checkpoint; while a save over it is interrupted between its two
+    renames, the old checkpoint it moved aside; else None."""
+    if (directory / METADATA_FILE).is_file():
+        return directory
+    if directory.exists() or not directory.parent.is_dir():
+        return None
+    asides = [child for child in directory.parent.iterdir()
+              if (m := _ASIDE.match(child.name)) and m["name"] == directory.name and created_ns(child) is not None]
+    return max(asides, key=created_ns, default=None)
+
+
+def _pointed(path: Path, pointer: Path) -> Path:
+    """The directory `pointer` names, which must be a checkpoint directly inside `path`."""
+    name = pointer.read_text(encoding="utf-8").strip()
+    target = path / name
+    if name in ("", ".", "..") or Path(name).name != name or target.resolve().parent != path.resolve():
+        raise ValueError(f"{pointer} names {name!r}, which is not a directory inside {path}; a {LATEST_FILE!r} "
+                         f"pointer holds the name of one checkpoint next to it: fix the file or pass the "
+                         "checkpoint directory itself")
+    found = _committed(target)
+    if found is None:
+        raise ValueError(f"{pointer} points to {name!r}, which is not a committed checkpoint; pass one "
+                         f"of the checkpoint directories in {path} instead")
+    return found
+
+
 def resolve(path: str | os.PathLike) -> Path:
     """The checkpoint directory `path` names: itself, or what its `latest` pointer names."""
     path = Path(path)
-    if (path / METADATA_FILE).is_file():
-        return path
+    found = _committed(path)
+    if found is not None:
+        return found
     pointer = path / LATEST_FILE
     if pointer.is_file():
-        target = path / pointer.read_text(encoding="utf-8").strip()
-        if not (target / METADATA_FILE).is_file():
-            raise ValueError(f"{pointer} points to {target.name!r}, which is not a committed checkpoint; pass one "
-                             f"of the checkpoint directories in {path} instead")
-        return target
+        return _pointed(path, pointer)
     if not path.exists():
         raise ValueError(f"checkpoint path {path} does not exist; pass a directory written by st.save_checkpoint")
     raise ValueError(f"{path} is not a checkpoint: it has neither {METADATA_FILE} nor a {LATEST_FILE!r} pointer; "

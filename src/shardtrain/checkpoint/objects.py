@@ -16,7 +16,7 @@ import torch
 
 from .format import rank_file
 from .rng import capture_rng, restore_rng
-from .tensorfile import CheckpointFiles, FileRecord
+from .tensorfile import CheckpointFiles, FileRecord, writing
 from .values import check_weights_only
 
 
@@ -33,7 +33,7 @@ def rank_payload(objects: dict[str, Any]) -> dict[str, Any]:
 def write_rank_file(directory: Path, rank: int, payload: dict[str, Any]) -> dict[str, FileRecord]:
     name = rank_file(rank)
     path = directory / name
-    with open(path, "wb") as f:
+    with writing(path), open(path, "wb") as f:
         torch.save(payload, f)
         f.flush()
         os.fsync(f.fileno())

@@ -3,13 +3,15 @@
 Three agreed steps (see collective.py): (1) every rank snapshots its optimizers and object state
 and checks they can be stored; (2) every rank writes its files (sharded: its own shards; full: all
 ranks gather, rank 0 writes) plus its rank file; (3) rank 0 writes metadata.json and commits.
-A failure on any rank in any step raises on every rank and leaves the last checkpoint untouched.
+A failure on any rank in any step raises on every rank, leaves the last checkpoint untouched and
+removes this save's staging directory (so a full disk is not left fuller).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -23,12 +25,13 @@ from ..core.shard import runtime_of
 from . import commit
 from .collective import Comm
 from .entries import Entries, classify
-from .format import FORMAT_NAME, FORMAT_VERSION, KINDS, dtype_code, params_record, write_metadata
+from .format import FORMAT_NAME, FORMAT_VERSION, KINDS, METADATA_FILE, dtype_code, params_record, write_metadata
 from .full import write_full
 from .local import persistent_buffers
 from .objects import rank_payload, write_rank_file
 from .optim_state import OptimizerSnapshot, snapshot
 from .sharded import write_shards
+from .tensorfile import writing
 from .values import encode
 
 
@@ -57,7 +60,8 @@ def save_checkpoint(path: str | os.PathLike, state: dict[str, Any], *, format: s
     def begin():
         values = {k: encode(v, f"state[{k!r}]") for k, v in entries.values.items()}
         token = commit.new_token()
-        commit.begin_staging(final, token)
+        with writing(commit.staging_dir(final, token)):
+            commit.begin_staging(final, token)
         return token, values
 
     snapshots, payload = comm.everyone(prepare)
@@ -74,15 +78,21 @@ def save_checkpoint(path: str | os.PathLike, state: dict[str, Any], *, format: s
             commit.before_commit_hook(staging, comm.rank)
         return {name: asdict(record) for name, record in records.items()}
 
-    per_rank = comm.everyone(write, gather=True)
-
-    def finish():
+    def finish(per_rank):
         files = {name: record for records in per_rank for name, record in sorted(records.items())}
         metadata = _metadata(entries, snapshots, kind=format, world=comm.world, values=values, files=files)
-        write_metadata(staging, metadata)
-        commit.commit(staging, final, keep_last=keep_last)
+        with writing(staging / METADATA_FILE):
+            write_metadata(staging, metadata)
+        with writing(final):
+            commit.commit(staging, final, keep_last=keep_last)
 
-    comm.on_rank0(finish)
+    try:
+        per_rank = comm.everyone(write, gather=True)
+        comm.on_rank0(lambda: finish(per_rank))
+    except Exception:
+        if comm.rank == 0:  # every rank has stopped writing: the partial files can go
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
     return final
 
 

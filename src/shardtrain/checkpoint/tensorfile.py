@@ -6,16 +6,20 @@ full checkpoint of a large model never needs more than one unit in host memory. 
 as it writes them, so the metadata can record every file's sha256 without reading it back.
 
 Readers check each file against the size and digest in metadata.json before opening it: a truncated
-or altered file fails with a clear error instead of loading garbage.
+or altered file fails with a clear error instead of loading garbage. Writers report an I/O error
+(a full disk, a read-only directory) as one line naming the file and the remedy.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import math
 import os
+import pickle
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +31,27 @@ from safetensors import SafetensorError, safe_open
 from .format import dtype_code
 
 _CHUNK = 64 << 20
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+class CheckpointWriteError(OSError):
+    """Writing a checkpoint file failed; the message names the path and the remedy."""
+
+
+@contextlib.contextmanager
+def writing(path: Path):
+    """Within this block, an OSError becomes a `CheckpointWriteError` naming `path` (kept as is when an
+    inner block already named a more precise path)."""
+    try:
+        yield
+    except CheckpointWriteError:
+        raise
+    except OSError as exc:
+        reason = exc.strerror or str(exc) or type(exc).__name__
+        remedy = ("free space on that filesystem or save to a directory on another one" if exc.errno in _NO_SPACE
+                  else "check that the directory exists and is writable, or save to another directory")
+        raise CheckpointWriteError(exc.errno, f"could not write {path}: {reason}; {remedy} (the last committed "
+                                   "checkpoint is untouched)") from exc
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,12 +99,14 @@ class SafetensorsWriter:
         self._specs = list(specs)
         self._next = 0
         self._digest = hashlib.sha256()
-        self._file = open(path, "wb")
+        with writing(path):
+            self._file = open(path, "wb")
         self._emit(struct.pack("<Q", len(raw)) + raw)
 
     def _emit(self, data) -> None:
         self._digest.update(data)
-        self._file.write(data)
+        with writing(self.path):
+            self._file.write(data)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         spec = self._specs[self._next]
@@ -95,9 +122,10 @@ class SafetensorsWriter:
         """Flush to disk (fsync) and return the file's record."""
         if self._next != len(self._specs):
             raise RuntimeError(f"{self.path.name}: closed after {self._next} of {len(self._specs)} tensors")
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
+        with writing(self.path):
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
         return FileRecord(bytes=self.path.stat().st_size, sha256=self._digest.hexdigest())
 
 
@@ -146,7 +174,16 @@ class CheckpointFiles:
         return self._open[name]
 
     def torch_file(self, name: str) -> Any:
-        return torch.load(self.verified(name), map_location="cpu", weights_only=True)
+        """A torch file read with `weights_only=True`: tensors and primitives, never code."""
+        path = self.verified(name)
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as exc:
+            blocked = re.search(r"GLOBAL (\S+)", str(exc))
+            what = f"a pickled {blocked[1]}" if blocked else "pickled objects"
+            raise ValueError(f"{path} holds {what}, where a checkpoint holds only tensors and primitives: the file is "
+                             "untrusted and cannot be loaded safely; load a checkpoint written by "
+                             "st.save_checkpoint") from None
 
 
 def read_flat(handle, name: str, start: int, numel: int) -> torch.Tensor:

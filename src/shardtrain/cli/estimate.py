@@ -6,7 +6,9 @@
 
 The model is a built-in Llama size, a Hugging Face config.json, or a parameter count (--params) with
 optional shape hints. The largest micro-batch is computed for --device-memory, by default the local
-GPU's memory, or 80 GiB where there is none (the output says which).
+GPU's memory, or 80 GiB where there is none (the output says which). Below the bill, one line per
+strategy shows the textbook arithmetic of the model states: fp32 parameters + fp32 gradients +
+optimizer state (16 B/param for AdamW), divided by the ranks a shard spans.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from types import SimpleNamespace
 
 from ..models.llama import LLAMA_SIZES
 from ..planning.compare import DEFAULT_STRATEGIES, compare_strategies
+from ..planning.estimate import MemoryEstimate
 from ..planning.sizes import GiB, format_gib, parse_bytes
 from ..policy import CPUOffload
 
@@ -108,8 +111,32 @@ def run(args: argparse.Namespace) -> int:
         return 2
     estimates = comparison.estimates
     print(estimates[0] if len(estimates) == 1 else comparison)
+    print(model_states_arithmetic(estimates))
     print(f"device memory: {format_gib(memory)} GiB ({source})")
     return 0
+
+
+def model_states_arithmetic(estimates: tuple[MemoryEstimate, ...]) -> str:
+    """One line per estimate: (4 B fp32 parameter + 4 B fp32 gradient + o B optimizer state) x P / N, the
+    model states each device holds (on the device, or in host memory when offloaded)."""
+    first = estimates[0].inputs
+    per_param = 8 + first.optimizer_bytes
+    lines = [f"model states per device = (4 B fp32 param + 4 B fp32 grad + {first.optimizer_bytes:g} B "
+             f"{first.optimizer} state = {per_param:g} B/param) x params / ranks per shard:"]
+    width = max(len(e.inputs.label) for e in estimates)
+    for estimate in estimates:
+        inputs = estimate.inputs
+        params, n = inputs.model.num_params, inputs.shard_size
+        lines.append(f"  {inputs.label:<{width}}  {per_param:g} B x {_count(params)} / {n} = "
+                     f"{format_gib(per_param * params / n)} GiB")
+    return "\n".join(lines)
+
+
+def _count(n: int) -> str:
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.3g}{suffix}"
+    return str(n)
 
 
 def _offload(fraction: float | None) -> CPUOffload | bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from datetime import timedelta
 
 from ..train.config import ConfigError, describe, load_config
 
@@ -19,7 +20,8 @@ def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "train", help="train a model (built-in default: a small Llama on the Python standard library)",
         description="Train a model. Arguments: an optional CONFIG file (.toml or .yaml), then "
-                    "--section.key value overrides.",
+                    "--section.key value overrides. A model.name of the form 'package.module:function' imports "
+                    "that module and runs the function: train only with configs you trust.",
         epilog=describe(), formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False,
     )
     parser.add_argument("--resume", metavar="CHECKPOINT", help="resume from a checkpoint directory (= --run.resume)")
@@ -81,7 +83,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"shardtrain train: error: {exc}", file=sys.stderr)
         return 2
     from ..engine import Engine
-    from ..engine.devices import mark_failed
     from ..train.loop import run as train
 
     try:
@@ -89,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
             cfg = _resolve_auto(cfg)
         engine = Engine(devices=cfg.engine.devices, accelerator=cfg.engine.accelerator,
                         strategy=cfg.engine.strategy, precision=cfg.engine.precision,
-                        cpu_offload=cfg.engine.cpu_offload)
+                        cpu_offload=cfg.engine.cpu_offload, timeout=timedelta(seconds=cfg.engine.timeout))
     except ValueError as exc:
         print(f"shardtrain train: error: {exc}", file=sys.stderr)
         return 2
@@ -97,14 +98,33 @@ def run(args: argparse.Namespace) -> int:
     try:
         summary = train(cfg, engine)
     except ValueError as exc:
-        print(f"shardtrain train: error on rank {engine.rank}: {exc}", file=sys.stderr, flush=True)
-        mark_failed(exc)
-        return 1
+        return _stop(exc, line=f"error on rank {engine.rank}: {exc}", reason=str(exc), code=1)
     except KeyboardInterrupt as exc:
-        mark_failed(exc)
-        return 130
+        return _stop(exc, line=None, reason="interrupted", code=130)
+    except Exception as exc:
+        from ..engine.health import explain
+
+        # A failed collective: name the rank responsible, where the heartbeats in the store can tell.
+        why = explain(exc, timeout_s=cfg.engine.timeout) if isinstance(exc, RuntimeError) else None
+        if why is None:
+            _stop(exc, line=None, reason=f"{type(exc).__name__}: {exc}", code=1)
+            raise  # not understood: the traceback is the report
+        return _stop(exc, line=f"rank {engine.rank} stopped: {why}", reason=why, code=1)
     if engine.rank == 0:
         from rich.console import Console
 
         Console().print(summary.table())
     return 0  # Note: the ranks finish together at exit (engine.devices._destroy_process_group)
+
+
+def _stop(exc: BaseException, *, line: str | None, reason: str, code: int) -> int:
+    """This rank stops on `exc`: print `line` (if any), leave `reason` in the store for its peers'
+    messages (engine.health), and skip the exit barrier (the peers are not coming)."""
+    from ..engine.devices import mark_failed
+    from ..engine.health import report_failure
+
+    if line is not None:
+        print(f"shardtrain train: {line}", file=sys.stderr, flush=True)
+    report_failure(reason)
+    mark_failed(exc)
+    return code

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import random
 import sys
+import types
 from datetime import timedelta
 from typing import Any, Callable, Iterator
 
@@ -24,6 +25,7 @@ from ..policy import is_auto, parse_cpu_offload, parse_mixed_precision, resolve_
 from ..strategy import parse_strategy
 from ..core.replaced import rebind
 from . import launch as _launch
+from .lifeline import die_with_launcher
 from .devices import (RankInfo, Topology, join_process_group, launched_externally, mark_failed, rank_info_from_env,
                       resolve_topology)
 
@@ -103,6 +105,7 @@ class Engine:
 
     def _join(self) -> None:
         if launched_externally():
+            die_with_launcher()  # a killed launcher (ours or torchrun's agent) takes its ranks along
             info = rank_info_from_env()
             if self._devices != "auto" and self._devices != info.local_world_size:
                 raise ValueError(
@@ -297,16 +300,25 @@ def _run_on_rank(engine: Engine, fn: Callable[..., Any], args: tuple) -> Any:
 
 
 def _step_through_scaler(optimizer: torch.optim.Optimizer, scaler) -> None:
-    """Make `optimizer.step()` skip overflowing steps and update the scale, as Fabric does for fp16."""
-    inner = optimizer.step
+    """Make `optimizer.step()` skip overflowing steps and update the scale, as Fabric does for fp16.
 
-    def step(*args: Any, **kwargs: Any):
-        optimizer.step = inner  # Note: the scaler calls optimizer.step() itself
+    The replacement is a bound method, as an LR scheduler built afterwards expects (it wraps
+    `optimizer.step.__func__`). The scaler calls `optimizer.step()` itself once it finds no inf/NaN:
+    that nested call (through whatever wraps the method by then) goes to the original step.
+    """
+    inner = optimizer.step
+    inside = False
+
+    def step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any):
+        nonlocal inside
+        if inside:
+            return inner(*args, **kwargs)
+        inside = True
         try:
-            result = scaler.step(optimizer, *args, **kwargs)
+            result = scaler.step(self, *args, **kwargs)
             scaler.update()
         finally:
-            optimizer.step = step
+            inside = False
         return result
 
-    optimizer.step = step
+    optimizer.step = types.MethodType(step, optimizer)

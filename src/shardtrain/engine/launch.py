@@ -9,7 +9,8 @@ Two modes, as in Lightning Fabric:
   in their environment and join the group instead of launching again.
 
 In both, the elastic agent watches the children: when one fails it stops the others, so a crashed
-rank never leaves its peers blocked in a collective.
+rank never leaves its peers blocked in a collective; and the children watch this process (see
+lifeline.py): killed, it takes them along.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import logging
 import sys
 import uuid
 from typing import Any, Callable, Iterator
+
+from .lifeline import mark_launcher
 
 _LAUNCHER_LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing")
 
@@ -59,6 +62,7 @@ def spawn(fn: Callable[..., Any], args: tuple, *, nprocs: int) -> dict[int, Any]
     """
     from torch.distributed.launcher.api import elastic_launch
 
+    mark_launcher()
     with _quiet_launcher():
         return elastic_launch(_launch_config(nprocs), fn)(*args)
 
@@ -83,6 +87,7 @@ def relaunch_script(*, nprocs: int) -> int:
     from torch.distributed.launcher.api import elastic_launch
 
     command = script_command()
+    mark_launcher()
     try:
         with _quiet_launcher():
             elastic_launch(_launch_config(nprocs), sys.executable)(*command)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import tomllib
 import types
 import typing
@@ -39,7 +40,8 @@ def _require(ok: bool, key: str, value: Any, remedy: str) -> None:
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     name: str = _help("built-in 'llama-<size>' (tiny, 2m, 7m, 34m, 125m, 1.5b, 8b, ...), 'hf' for a "
-                      "Hugging Face causal LM from model.hf_config, or 'package.module:factory'", "llama-2m")
+                      "Hugging Face causal LM from model.hf_config, or 'package.module:factory' (this imports that "
+                      "module and calls the function: it runs that code, so use only a config you trust)", "llama-2m")
     kwargs: dict[str, Any] = _help("overrides: LlamaConfig fields, Hugging Face config fields, or factory "
                                    "keyword arguments (e.g. --model.kwargs.n_layers 2)", default_factory=dict)
     hf_config: str | None = _help("Hugging Face config: a config.json or a directory holding one "
@@ -57,7 +59,8 @@ class DataConfig:
                              "own .py files)", None)
     pattern: str = _help("glob of the files to read under a directory", "**/*.py")
     seq_len: int = _help("tokens per training sequence", 256)
-    val_fraction: float = _help("fraction of the files held out for evaluation", 0.02)
+    val_fraction: float = _help("fraction of the files held out for evaluation (of the tokens where there are too "
+                                "few files, e.g. a single one: its last part)", 0.02)
     cache_dir: str | None = _help("where the tokenized corpus is cached (default: ~/.cache/shardtrain)", None)
 
     def __post_init__(self) -> None:
@@ -92,8 +95,12 @@ class TrainConfig:
     log_every: int = _help("log the training loss every N steps", 10)
     ema_decay: float = _help("keep an exponential moving average of the weights on CPU (0: off)", 0.0)
     seed: int = _help("seed of the model initialisation and the data order", 0)
+    on_nonfinite: str = _help("a non-finite loss or gradient norm: 'stop' (exit with an error naming the step, before "
+                              "any checkpoint of it) or 'skip' (skip that optimizer step on every rank and count it; "
+                              "costs a host sync per step)", "stop")
 
     def __post_init__(self) -> None:
+        _require(self.on_nonfinite in ("stop", "skip"), "train.on_nonfinite", self.on_nonfinite, "use stop or skip")
         for key in ("steps", "batch_size", "grad_accum", "eval_batches", "log_every"):
             value = getattr(self, key)
             _require(value >= 1, f"train.{key}", value, "use 1 or more")
@@ -114,9 +121,13 @@ class EngineConfig:
     precision: str = _help("'auto' (bf16-mixed on GPU, 32-true on CPU), 'bf16-mixed' or '32-true'", "auto")
     auto_trials: int = _help("with strategy 'auto': train this many of the best predicted configurations for a few "
                              "steps each, in fresh processes, and keep the fastest measured (0: trust the prediction)", 0)
+    timeout: float = _help("seconds a rank waits in a collective for its peers before the job stops, naming the "
+                           "rank that did not arrive (raise it for a first step or a tokenization that takes longer)",
+                           300.0)
 
     def __post_init__(self) -> None:
         _require(self.auto_trials >= 0, "engine.auto_trials", self.auto_trials, "use 0 (no trials) or more")
+        _require(self.timeout > 0, "engine.timeout", self.timeout, "use a positive number of seconds, e.g. 300")
         _require(isinstance(self.cpu_offload, bool) or 0 < self.cpu_offload <= 1, "engine.cpu_offload",
                  self.cpu_offload, "use true, false, or a share of the parameters in (0, 1]")
 
@@ -215,13 +226,18 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             except ValueError:
                 pass
     elif tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
+            number = float(value)
+        elif isinstance(value, str):
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
+        if number is not None and not math.isfinite(number):
+            raise ConfigError(f"{key}={value!r} is not a finite number; give a finite value such as 0.001")
+        if number is not None:
+            return number
     elif tp is str and isinstance(value, str):
         return value
     raise ConfigError(f"{key}={value!r}: expected {_type_name(tp)}")

@@ -4,7 +4,9 @@ Without a data path the corpus is the Python standard library's own `.py` source
 running interpreter: no download, present on every machine, tens of megabytes of real text.
 
 Files are split into train and held-out by a stable hash of their path (so held-out text is never
-seen in training, whatever the file order). The token stream is cut into non-overlapping windows of
+seen in training, whatever the file order). A corpus of too few files for that (a single file, or
+a handful that all hash to one side) is split by tokens instead: the last `val_fraction` of its
+token stream is held out. The token stream is cut into non-overlapping windows of
 `seq_len + 1` tokens; each epoch visits them in an order drawn from the seed. Sample `i` of the run
 is a pure function of (seed, i), and rank r of a micro-batch takes its own contiguous slice of the
 global batch: ranks read disjoint data, and resuming at a step reproduces exactly the same batches.
@@ -104,12 +106,12 @@ def build_cache(*, root: Path, files: list[Path], val_fraction: float, cache_dir
     """
     rel = [f.relative_to(root).as_posix() for f in files]
     held = [is_held_out(r, val_fraction) for r in rel]
-    if all(held) or not any(held):
-        raise ValueError(f"data.val_fraction={val_fraction} leaves {'no training' if all(held) else 'no held-out'} "
-                         f"file among the {len(files)} files of {str(root)!r}; adjust it or add files")
+    by_tokens = all(held) or not any(held)
+    if by_tokens:
+        held = [False] * len(files)
     order = [i for i in range(len(files)) if not held[i]] + [i for i in range(len(files)) if held[i]]
     stats = [files[i].stat() for i in order]
-    key = hashlib.sha256(json.dumps([CACHE_VERSION, str(root), val_fraction, tokenizer.vocab_size,
+    key = hashlib.sha256(json.dumps([CACHE_VERSION, str(root), val_fraction, by_tokens, tokenizer.vocab_size,
                                      [(rel[i], s.st_size, s.st_mtime_ns) for i, s in zip(order, stats)]]).encode())
     dtype = token_dtype(tokenizer.vocab_size)
     base = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
@@ -119,11 +121,22 @@ def build_cache(*, root: Path, files: list[Path], val_fraction: float, cache_dir
         base.mkdir(parents=True, exist_ok=True)
         num_train = _write_tokens(target, [files[i] for i in order], held=[held[i] for i in order],
                                   tokenizer=tokenizer, dtype=dtype, total=sum(s.st_size for s in stats), progress=progress)
+        if by_tokens:
+            num_train = _token_split(num_train, val_fraction, root=root, files=len(files))
         tmp_meta = meta.with_suffix(f".tmp{os.getpid()}")
         tmp_meta.write_text(json.dumps({"num_train": num_train, "root": str(root), "files": len(files)}))
         os.replace(tmp_meta, meta)
     num_train = json.loads(meta.read_text())["num_train"]
     return TokenCache(tokens=np.memmap(target, dtype=dtype, mode="r"), num_train=num_train)
+
+
+def _token_split(total: int, val_fraction: float, *, root: Path, files: int) -> int:
+    """Training tokens when the last `val_fraction` of `total` tokens is held out."""
+    held = int(total * val_fraction)
+    if held < 1:
+        raise ValueError(f"data.val_fraction={val_fraction} of the {total} tokens in the {files} file(s) of "
+                         f"{str(root)!r} holds out no token; use more text or a larger --data.val_fraction")
+    return total - held
 
 
 def _write_tokens(target: Path, files: list[Path], *, held: list[bool], tokenizer: ByteTokenizer, dtype: np.dtype,

@@ -5,7 +5,10 @@ sequence length) is checked on every rank before the first collective, so each r
 mistake itself and exits, and no rank waits in a collective for a peer that already gave up.
 
 One optimizer step = `grad_accum` micro-batches (all but the last without gradient sync), one
-gradient clip, one `optimizer.step()` and exactly one `scheduler.step()`.
+gradient clip, one `optimizer.step()` and exactly one `scheduler.step()`. A non-finite loss or
+gradient norm stops the run before any checkpoint of it, or skips that `optimizer.step()` on every
+rank (`train.on_nonfinite`, see finite.py); a skipped step still steps the schedule, so the learning
+rate stays a function of the step number.
 """
 
 from __future__ import annotations
@@ -21,10 +24,12 @@ import torch
 from torch import nn
 
 from ..engine import Engine
+from ..engine.health import heartbeat
 from ..planning.auto import checkpoint_policy
 from .config import Config, save_config
 from .data import ByteTokenizer, TokenBatches, build_cache, corpus_files
 from .ema import WeightEMA
+from .finite import NonFiniteGuard
 from .metrics import MetricsLog, Summary, format_bytes, memory_bytes, plot_metrics
 from .models import BuiltModel, build_model, lm_loss
 from .schedule import make_scheduler
@@ -63,12 +68,14 @@ class _Job:
     eval_batches: TokenBatches
     vocab_size: int
     ema: WeightEMA | None
+    guard: NonFiniteGuard
 
     def to_device(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         return tuple(t.to(self.engine.device, non_blocking=True) for t in batch)
 
-    def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One optimizer step; returns (mean loss over its micro-batches, gradient norm before clipping)."""
+    def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+        """One optimizer step; returns (mean loss over its micro-batches, gradient norm before clipping,
+        whether the step was skipped for a non-finite loss or norm)."""
         accum = self.cfg.train.grad_accum
         total = torch.zeros((), device=self.engine.device)
         for micro in range(accum):
@@ -80,12 +87,14 @@ class _Job:
         norm = None
         if self.cfg.optim.grad_clip > 0:
             norm = self.engine.clip_gradients(self.model, self.optimizer, max_norm=self.cfg.optim.grad_clip)
-        self.optimizer.step()
+        skipped = self.guard.skips(step + 1, total, norm)
+        if not skipped:
+            self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if self.ema is not None:
+        if self.ema is not None and not skipped:
             self.ema.update()
-        return total, norm
+        return total, norm, skipped
 
     @torch.no_grad()
     def held_out_loss(self) -> float:
@@ -129,6 +138,11 @@ def _prepare(cfg: Config, engine: Engine) -> tuple[BuiltModel, int, tuple]:
     corpus = corpus_files(cfg.data.path, cfg.data.pattern)
     if cfg.run.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ValueError("run.tensorboard=true needs the tensorboard package: pip install 'shardtrain[tensorboard]'")
+    out_dir = Path(cfg.run.out_dir)
+    blocker = next((p for p in (out_dir, *out_dir.parents) if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise ValueError(f"run.out_dir={cfg.run.out_dir!r}: {str(blocker)!r} is an existing file, not a directory; "
+                         "pass a directory for the runs (it is created if missing), e.g. --run.out_dir runs")
     if cfg.run.resume and not Path(cfg.run.resume).exists():
         raise ValueError(f"run.resume={cfg.run.resume!r} does not exist; pass a checkpoint directory "
                          "(runs/<name>/checkpoints/step_NNNNNN, or runs/<name>/checkpoints for the latest)")
@@ -168,7 +182,9 @@ def build_job(cfg: Config, engine: Engine) -> tuple[_Job, str]:
                                         model, wrap=built.wrap, every=cfg.model.activation_checkpointing))
     scheduler = make_scheduler(optimizer, warmup_steps=cfg.optim.warmup_steps, total_steps=cfg.train.steps,
                                min_ratio=cfg.optim.min_lr_ratio)
-    job = _Job(cfg=cfg, engine=engine, model=model, optimizer=optimizer, scheduler=scheduler,
+    guard = NonFiniteGuard(engine, mode=cfg.train.on_nonfinite,
+                           check_norm=cfg.optim.grad_clip > 0 and engine.grad_scaler is None)
+    job = _Job(cfg=cfg, engine=engine, model=model, optimizer=optimizer, scheduler=scheduler, guard=guard,
                ema=WeightEMA(model, decay=cfg.train.ema_decay) if cfg.train.ema_decay > 0 else None,
                train_batches=TokenBatches(cache.train, shuffle=True, **common),
                eval_batches=TokenBatches(cache.held_out, shuffle=False, **common), vocab_size=tokenizer.vocab_size)
@@ -178,6 +194,7 @@ def build_job(cfg: Config, engine: Engine) -> tuple[_Job, str]:
 def run(cfg: Config, engine: Engine) -> Summary:
     """Train as configured on this rank; rank 0 writes the run directory. Returns the run's summary."""
     start = time.perf_counter()
+    heartbeat(0, "setup")
     job, description = build_job(cfg, engine)
     first_step = job.resume(cfg.run.resume) if cfg.run.resume else 0
     return _loop(job, _run_dir(cfg, engine), first_step=first_step, description=description, start=start)
@@ -197,31 +214,41 @@ def _loop(job: _Job, run_dir: Path, *, first_step: int, description: str, start:
     loss_sum, loss_count, norm = torch.zeros((), device=engine.device), 0, None
     interval_start, interval_steps, train_time, train_tokens = time.perf_counter(), 0, 0.0, 0
     for step in range(first_step, cfg.train.steps):
-        loss, norm = job.train_step(step)
-        loss_sum += loss
-        loss_count += 1
+        heartbeat(step + 1, "train")
+        loss, norm, skipped = job.train_step(step)
+        if not skipped:
+            loss_sum += loss
+            loss_count += 1
         interval_steps += 1
         done = step + 1
         if bar is not None:
             bar.update(1)
-        if done % cfg.train.log_every == 0 or done == cfg.train.steps:
-            mean_loss = engine.all_reduce(loss_sum / loss_count).item()
+        logs = done % cfg.train.log_every == 0 or done == cfg.train.steps
+        evaluates = (cfg.train.eval_every and done % cfg.train.eval_every == 0) or done == cfg.train.steps
+        saves = cfg.run.checkpoint_every and (done % cfg.run.checkpoint_every == 0 or done == cfg.train.steps)
+        if logs or evaluates or saves:  # a host sync: the moment to stop on a bad step, before any checkpoint
+            job.guard.check()
+        if logs:
+            # Skipped steps are agreed by every rank, so loss_count is the same on all of them.
+            mean_loss = engine.all_reduce(loss_sum / loss_count).item() if loss_count else None
             memory = [int(b) for b in engine.all_gather(torch.tensor(memory_bytes(job.model, job.optimizer, engine.device)))]
             elapsed = time.perf_counter() - interval_start
             train_time += elapsed
             train_tokens += interval_steps * tokens_per_step
             record = {"kind": "train", "step": done, "loss": mean_loss, "lr": job.scheduler.get_last_lr()[0],
+                      "skipped_steps": job.guard.skipped,
                       "grad_norm": None if norm is None else float(norm), "tokens": done * tokens_per_step,
                       "tokens_per_s": interval_steps * tokens_per_step / elapsed,
                       "elapsed_s": round(time.perf_counter() - start, 3), "memory_bytes": memory}
             if log:
                 log.write(record)
             if bar is not None:
-                bar.set_postfix(loss=f"{mean_loss:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}",
-                                mem="/".join(format_bytes(b) for b in memory))
+                bar.set_postfix(loss="skipped" if mean_loss is None else f"{mean_loss:.3f}",
+                                tok_s=f"{record['tokens_per_s']:,.0f}", mem="/".join(format_bytes(b) for b in memory))
             loss_sum.zero_()
             loss_count, interval_steps, interval_start = 0, 0, time.perf_counter()
-        if (cfg.train.eval_every and done % cfg.train.eval_every == 0) or done == cfg.train.steps:
+        if evaluates:
+            heartbeat(done, "eval")
             pause = time.perf_counter()
             last_eval = job.evaluate(done, pause - start)
             if log:
@@ -229,7 +256,8 @@ def _loop(job: _Job, run_dir: Path, *, first_step: int, description: str, start:
             if bar is not None:
                 bar.write(f"step {done}: held-out loss {last_eval['eval_loss']:.4f}")
             interval_start += time.perf_counter() - pause
-        if cfg.run.checkpoint_every and (done % cfg.run.checkpoint_every == 0 or done == cfg.train.steps):
+        if saves:
+            heartbeat(done, "checkpoint")
             pause = time.perf_counter()
             job.save(run_dir, done)
             interval_start += time.perf_counter() - pause
@@ -241,7 +269,7 @@ def _loop(job: _Job, run_dir: Path, *, first_step: int, description: str, start:
         steps=cfg.train.steps - first_step, tokens=train_tokens, wall_s=time.perf_counter() - start,
         tokens_per_s=train_tokens / train_time if train_time else math.nan,
         first_eval_loss=first_eval["eval_loss"], final_eval_loss=last_eval["eval_loss"],
-        memory_per_rank=memory, memory_label=memory_label,
+        memory_per_rank=memory, memory_label=memory_label, skipped_steps=job.guard.skipped,
     )
     if log:
         log.write({"kind": "summary", "step": cfg.train.steps, "wall_s": round(summary.wall_s, 3),

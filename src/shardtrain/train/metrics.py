@@ -5,6 +5,7 @@ and the summary table printed at the end. Only rank 0 writes; every rank measure
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,7 +76,9 @@ def plot_metrics(records: list[dict[str, Any]], path: Path, *, memory_label: str
     train = [r for r in records if r["kind"] == "train"]
     evals = [r for r in records if r["kind"] == "eval"]
     fig, (ax_loss, ax_speed, ax_mem) = plt.subplots(1, 3, figsize=(15, 4))
-    ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], label="train")
+    # A log interval whose every step was skipped (train.on_nonfinite=skip) has no loss: a gap.
+    ax_loss.plot([r["step"] for r in train], [math.nan if r["loss"] is None else r["loss"] for r in train],
+                 label="train")
     ax_loss.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="held-out")
     if any("eval_loss_ema" in r for r in evals):
         ax_loss.plot([r["step"] for r in evals], [r["eval_loss_ema"] for r in evals], "s--", label="held-out (EMA)")
@@ -108,6 +111,7 @@ class Summary:
     final_eval_loss: float
     memory_per_rank: list[int]
     memory_label: str
+    skipped_steps: int = 0  # optimizer steps skipped for a non-finite loss or gradient norm
 
     @property
     def eval_loss_drop(self) -> float:
@@ -121,7 +125,8 @@ class Summary:
         rows = [
             ("model", self.model),
             ("world", self.world),
-            ("steps", f"{self.steps:,}"),
+            ("steps", f"{self.steps:,}" + (f" ({self.skipped_steps:,} skipped: non-finite loss or gradient norm)"
+                                           if self.skipped_steps else "")),
             ("tokens", f"{self.tokens:,}"),
             ("job time", f"{self.wall_s:.1f} s (from launch to the end, on rank 0)"),
             ("throughput", f"{self.tokens_per_s:,.0f} tokens/s"),

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import math
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -70,6 +72,7 @@ def build_model(cfg: ModelConfig, *, init_context) -> BuiltModel:
 def _build_llama(size: str, kwargs: dict[str, Any], init_context) -> BuiltModel:
     if size.lower() not in LLAMA_SIZES:
         raise ValueError(f"unknown Llama size {size!r}; built-in sizes: {', '.join(LLAMA_PREFIX + s for s in LLAMA_SIZES)}")
+    _check_llama_kwargs(kwargs)
     try:
         cfg = llama_config(size, **kwargs)
     except TypeError as exc:
@@ -79,6 +82,27 @@ def _build_llama(size: str, kwargs: dict[str, Any], init_context) -> BuiltModel:
         module = Llama(cfg)
     return BuiltModel(module=module, wrap=default_units(cfg), max_seq_len=cfg.max_seq_len,
                       description=f"Llama {size} ({cfg.num_params() / 1e6:.2f}M params, {cfg.n_layers} layers, dim {cfg.dim})")
+
+
+def _check_llama_kwargs(kwargs: dict[str, Any]) -> None:
+    """Each override of a LlamaConfig field must have the field's type (and sizes be positive), so a typo
+    such as `--model.kwargs.n_layers abc` fails here, naming the key, not deep inside the model."""
+    hints = typing.get_type_hints(LlamaConfig)
+    defaults = {f.name: f.default for f in dataclasses.fields(LlamaConfig)}
+    for key, value in kwargs.items():
+        tp = hints.get(key)
+        if tp is bool:
+            ok = isinstance(value, bool)
+        elif tp is int:
+            ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+        elif tp is float:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+        else:
+            continue  # not a field: llama_config names the valid ones
+        if not ok:
+            kind = {bool: "true or false", int: "a positive integer", float: "a positive finite number"}[tp]
+            raise ValueError(f"model.kwargs.{key}={value!r} must be {kind} (LlamaConfig.{key}); "
+                             f"e.g. --model.kwargs.{key} {str(defaults[key]).lower()}")
 
 
 def _build_hf(cfg: ModelConfig) -> BuiltModel:

@@ -1,0 +1,41 @@
+"""`shardtrain estimate` shows the model-state arithmetic behind its bill, one line per strategy."""
+
+import argparse
+
+from shardtrain.cli import estimate as cli_estimate
+
+
+def _estimate(argv: list[str], capsys) -> list[str]:
+    parser = argparse.ArgumentParser(prog="shardtrain")
+    cli_estimate.register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["estimate", *argv])
+    assert args.func(args) == 0
+    return capsys.readouterr().out.splitlines()
+
+
+def _arithmetic(lines: list[str]) -> list[str]:
+    start = next(i for i, line in enumerate(lines) if line.startswith("model states per device"))
+    return lines[start:-1]
+
+
+def test_model_states_are_16_bytes_per_param_over_the_shard(capsys):
+    # 7B on 4 GPUs: 16 x 7e9 / 4 B = 26.08 GiB where a shard spans all 4, x4 for no_shard, x2 for groups of 2.
+    lines = _arithmetic(_estimate(["--params", "7B", "--gpus", "4"], capsys))
+    assert lines == [
+        "model states per device = (4 B fp32 param + 4 B fp32 grad + 8 B adamw state = 16 B/param) x params / "
+        "ranks per shard:",
+        "  full_shard       16 B x 7B / 4 = 26.08 GiB",
+        "  shard_grad_op    16 B x 7B / 4 = 26.08 GiB",
+        "  optimizer_only   16 B x 7B / 4 = 26.08 GiB",
+        "  no_shard         16 B x 7B / 1 = 104.31 GiB",
+        "  hybrid_shard(2)  16 B x 7B / 2 = 52.15 GiB",
+    ]
+    assert 16 * 7e9 / 4 / 2**30 == 26.077032089233398 and 16 * 7e9 / 2**30 == 104.30812835693359
+
+
+def test_other_optimizers_change_the_bytes_per_param(capsys):
+    lines = _arithmetic(_estimate(["--model", "8b", "--gpus", "8", "--strategy", "full_shard", "--optimizer", "sgd"],
+                                  capsys))
+    assert lines[0].startswith("model states per device = (4 B fp32 param + 4 B fp32 grad + 4 B sgd state = "
+                               "12 B/param)")
+    assert lines[1:] == [f"  full_shard  12 B x 8.03B / 8 = {12 * 8_030_261_248 / 8 / 2**30:.2f} GiB"]

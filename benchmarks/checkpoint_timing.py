@@ -1,4 +1,4 @@
-"""Checkpoint save stall and host memory, for issue 4's acceptance numbers.
+"""Checkpoint save stall and host memory (BENCHMARKS.md, "Checkpoint save time").
 
 Builds a built-in Llama on the meta device, shards it (full_shard, wrap={Block}, bf16 on CUDA),
 trains 2 steps with AdamW, then times `st.save_checkpoint` in the sharded and the full format: wall

@@ -8,7 +8,7 @@ beside them (wall time around a whole-device synchronize, so every stream's work
 so for NCCL's ring all-gather, for the same all-gathers issued two at a time as one NCCL group
 (one kernel for two units' gathers), and for torch's copy-engine all-gather on symmetric memory
 (`torch.ops.symm_mem._low_contention_all_gather`), and checks that they deliver the same bytes.
-Results of 2026-11-30 are in `results/2026-11-30-h200x2/session5/collectives_beside_gemms.txt`.
+Results of 2026-11-30 are in `results/2026-11-30-h200x2/collectives_beside_gemms.log` (BENCHMARKS.md).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU benchmark of issue 5 on 2 × H200, inside about 9 minutes, results in $OUT:
+# The standard GPU benchmark (BENCHMARKS.md) on 2 × H200, inside about 9 minutes, results in $OUT:
 #
 #   1.5B, batch 2 × 4096, no activation checkpointing: shardtrain full_shard, torch FSDP2,
 #        FSDP2 without resharding, shardtrain shard_grad_op, torch FSDP1, DDP, and the ideal step;

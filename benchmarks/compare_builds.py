@@ -8,8 +8,8 @@ For every repeat, for every config, each build runs `python -m shardtrain bench 
 shardtrain --repeats 1` in fresh processes with its tree first on PYTHONPATH, old and new
 alternating, so that drifts of the machine hit both builds alike. Extra engines of a config (e.g.
 `--engines shardtrain,fsdp2`) run under the new build only. Writes OUT/compare.json (every run) and
-prints one line per config and build: tokens/s per GPU (median over runs of each run's median),
-peak allocated memory, and new / old.
+prints one line per config, build and engine: tokens/s per GPU (median over runs of each run's
+median), peak allocated memory, the first run's last loss, and new / old.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def main() -> int:
                 for row in rows:
                     results.append({"config": name, "build": build, "repeat": repeat, **row})
                 (out / "compare.json").write_text(json.dumps(results, indent=1))
-    print(f"\n{'config':<8} {'build':<5} {'engine':<22} {'tokens/s/GPU':>14} {'GiB':>7} {'runs':>5}  new/old")
+    print(f"\n{'config':<8} {'build':<5} {'engine':<28} {'tokens/s/GPU':>14} {'GiB':>7} {'loss':>9} {'runs':>5}  new/old")
     for name, _ in configs:
         medians = {}
         for build in ("old", "new"):
@@ -71,7 +71,8 @@ def main() -> int:
                 ratio = ""
                 if build == "new" and ("old", label) in medians:
                     ratio = f"{tokens / medians[('old', label)]:.3f}"
-                print(f"{name:<8} {build:<5} {label:<22} {tokens:>14,.0f} {memory:>7.2f} {len(rows):>5}  {ratio}")
+                loss = rows[0].get("loss") or float("nan")
+                print(f"{name:<8} {build:<5} {label:<28} {tokens:>14,.0f} {memory:>7.2f} {loss:>9.4f} {len(rows):>5}  {ratio}")
     return 0
 
 

@@ -90,9 +90,16 @@ class GatheredUnit(ShardUnit):
     def _stale(self) -> bool:
         return self.shard_changed or [buf.version for buf in self.buffers] != self._gathered_versions
 
+    def _needs_unshard(self) -> bool:
+        return self.state is UnitState.SHARDED or (self.behaviour.resident and self._stale())
+
+    def will_gather(self) -> bool:
+        """Whether `unshard()` would issue a collective now (the order check announces it first)."""
+        return self._needs_unshard() and not self.aliased and any(buf.world > 1 for buf in self.buffers)
+
     def unshard(self) -> None:
         """Issue the all-gather (asynchronously) unless the unsharded parameters are current."""
-        if self.state is not UnitState.SHARDED and not (self.behaviour.resident and self._stale()):
+        if not self._needs_unshard():
             return
         self.shard_changed = False
         versions = [buf.version for buf in self.buffers]

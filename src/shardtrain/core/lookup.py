@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .collectives import all_gather_tensor, reduce_scatter_tensor
+from .order_check import Collective
 from .partition import UnitSpec
 from .unit import ShardUnit, UnitBehaviour
 
@@ -129,6 +130,7 @@ class LookupUnit(ShardUnit):
     # ------------------------------------------------------------------ backward
     def take_output_grad(self, grad: torch.Tensor, rows: torch.Tensor) -> None:
         """Turn every rank's output gradient into this rank's averaged shard gradient."""
+        self.runtime.check_one(Collective.LOOKUP_BACKWARD, self)
         world = self.comm.shard_world
         longest = rows.numel() // world
         grad = grad.reshape(-1, self.dim)

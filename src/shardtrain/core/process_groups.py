@@ -104,6 +104,17 @@ def _hybrid_groups(world_group, mesh, device: torch.device) -> DataParallelGroup
     return DataParallelGroups(shard=shard_group, replicate=replicate_group, mesh=device_mesh)
 
 
+def order_group(process_group) -> dist.ProcessGroup | None:
+    """A Gloo group of its own for the order check (core/order_check.py); None when there is nothing to
+    compare (one rank) or the check is turned off."""
+    from .order_check import enabled
+
+    group = process_group or dist.group.WORLD
+    if dist.get_world_size(group) == 1 or not enabled():
+        return None
+    return dist.new_group(dist.get_process_group_ranks(group), backend="gloo")
+
+
 def control_group(process_group) -> dist.ProcessGroup | None:
     """A Gloo group over the same ranks, for small host-side agreements that must not sync the GPU."""
     group = process_group or dist.group.WORLD

@@ -30,7 +30,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 from ..strategy import Strategy
 from .collectives import all_reduce
 from .comm import Pending, UnitComm
-from .gathered import GatheredUnit, UnitState
+from .gathered import GatheredUnit
+from .order_check import Collective, OrderCheck
 from .unit import ShardUnit
 
 if TYPE_CHECKING:
@@ -45,7 +46,8 @@ class TrainingState(enum.Enum):
 
 class Runtime:
     def __init__(self, *, strategy: Strategy, comm: UnitComm, prefetch: int, cast_inputs_to: torch.dtype | None,
-                 control_group: dist.ProcessGroup | None, pinned: PinnedBuffers | None = None) -> None:
+                 control_group: dist.ProcessGroup | None, order_group: dist.ProcessGroup | None,
+                 pinned: PinnedBuffers | None = None) -> None:
         self.strategy = strategy
         self.pinned = pinned  # host buffers of the offloaded units (None: nothing offloaded)
         self.comm = comm
@@ -62,6 +64,9 @@ class Runtime:
         self._next_backward: dict[int, list[GatheredUnit]] = {}
         self._last_reduce: Pending | None = None
         self._deferred: tuple[ShardUnit, list] | None = None
+        # None: nothing to compare (one rank, or SHARDTRAIN_CHECK_ORDER=0)
+        self.order = OrderCheck(group=order_group, unit_name=lambda i: self.units[i].label, slots=2 + prefetch) \
+            if order_group is not None else None
 
     @property
     def root(self) -> ShardUnit:
@@ -76,6 +81,8 @@ class Runtime:
     def _begin_iteration(self) -> None:
         """The first unit of a new forward runs: free gradients the user cleared since the last step."""
         self.state = TrainingState.FORWARD
+        if self.order is not None:
+            self.order.iteration += 1
         for u in self.units:
             u.release_cleared_grads()
         if not self._order_recorded:
@@ -88,11 +95,14 @@ class Runtime:
             self._begin_iteration()
         if not self._order_recorded and not in_backward and unit not in self._forward_order:
             self._forward_order.append(unit)
-        if isinstance(unit, GatheredUnit):
-            unit.unshard()
-        if self._order_recorded and not in_backward:
-            for nxt in self._next_forward.get(unit.index, ()):
-                nxt.unshard()
+        ahead = self._next_forward.get(unit.index, []) if self._order_recorded and not in_backward else []
+        entries = self._gathers([unit, *ahead])
+        if not unit.gathers:
+            entries.append((Collective.LOOKUP, unit.index))  # its forward exchanges ids and rows
+        self._check(entries)
+        for u in (unit, *ahead):
+            if isinstance(u, GatheredUnit):
+                u.unshard()
         unit.begin_compute(in_backward=in_backward)
         if self.cast_inputs_to is not None:
             args, kwargs = _cast_floats((args, kwargs), self.cast_inputs_to)
@@ -127,15 +137,15 @@ class Runtime:
 
     @torch._dynamo.disable
     def _pre_backward(self, unit: ShardUnit) -> None:
-        self._issue_deferred()
         if self.state is not TrainingState.BACKWARD:
             self.state = TrainingState.BACKWARD
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-        if isinstance(unit, GatheredUnit):
-            unit.unshard()
-        if self._order_recorded:
-            for nxt in self._next_backward.get(unit.index, ()):
-                nxt.unshard()
+        ahead = self._next_backward.get(unit.index, []) if self._order_recorded else []
+        self._check(self._deferred_entry() + self._gathers([unit, *ahead]))
+        self._issue_deferred()
+        for u in (unit, *ahead):
+            if isinstance(u, GatheredUnit):
+                u.unshard()
         unit.begin_compute(in_backward=True)
 
     # ------------------------------------------------------------------ gradient reduction
@@ -146,6 +156,7 @@ class Runtime:
         the reduce-scatter (and allocating its output) only then keeps them from coexisting, which
         matters for the root unit at the end of backward, the step's memory peak from 8B up.
         """
+        self._check(self._deferred_entry())
         self._issue_deferred()
         self._deferred = (unit, flats)
 
@@ -154,6 +165,22 @@ class Runtime:
             unit, flats = self._deferred
             self._deferred = None
             unit.issue_reduce(flats)
+
+    # ------------------------------------------------------------------ order of collectives
+    def _check(self, entries: list[tuple[Collective, int]]) -> None:
+        """Every rank is about to issue `entries`; raise unless all announce the same (core/order_check.py)."""
+        if self.order is not None and entries:
+            self.order.check(entries)
+
+    def check_one(self, what: Collective, unit: ShardUnit) -> None:
+        self._check([(what, unit.index)])
+
+    def _deferred_entry(self) -> list[tuple[Collective, int]]:
+        return [(Collective.REDUCE, self._deferred[0].index)] if self._deferred is not None else []
+
+    def _gathers(self, units: list[ShardUnit]) -> list[tuple[Collective, int]]:
+        phase = Collective.BACKWARD_GATHER if self.state is TrainingState.BACKWARD else Collective.FORWARD_GATHER
+        return [(phase, u.index) for u in units if isinstance(u, GatheredUnit) and u.will_gather()]
 
     def track_reduce(self, unit: ShardUnit, pending: Pending) -> None:
         """Keep at most one reduction in flight beyond the newest (bounds the gradient memory)."""
@@ -171,6 +198,7 @@ class Runtime:
 
     @torch._dynamo.disable
     def _finish_backward(self) -> None:
+        self._check(self._deferred_entry() + [(Collective.END_OF_BACKWARD, -1)])
         self._issue_deferred()
         self._finish_reduces()
         if self.comm.cuda and any(u.behaviour.offload for u in self.units):
@@ -198,10 +226,6 @@ class Runtime:
             out.append(flat[i:i + n])
             i += n
         return out
-
-    def unsharded_units(self) -> list[GatheredUnit]:
-        """Units whose unsharded parameters are allocated now (tests and diagnostics)."""
-        return [u for u in self.units if isinstance(u, GatheredUnit) and u.state is not UnitState.SHARDED]
 
 
 def _cast_floats(tree, dtype: torch.dtype):

@@ -22,7 +22,7 @@ from .lookup import LookupUnit, runs_sharded_lookup
 from .materialize import Materializer, current_tensors, cut_shards
 from .partition import Occurrence, UnitSpec, matching_paths, partition
 from .pinned import PinnedBuffers
-from .process_groups import control_group, require_process_group, resolve_device, resolve_groups
+from .process_groups import control_group, order_group, require_process_group, resolve_device, resolve_groups
 from .recompute import apply_activation_checkpointing
 from .runtime import Runtime
 from .sharded_param import ParamFactory
@@ -137,7 +137,8 @@ def shard(
     runtime = Runtime(
         strategy=strategy, comm=comm, prefetch=prefetch,
         cast_inputs_to=precision.param_dtype if precision.cast_forward_inputs else None,
-        control_group=control_group(process_group), pinned=PinnedBuffers() if any(offloaded) else None,
+        control_group=control_group(process_group), order_group=order_group(process_group),
+        pinned=PinnedBuffers() if any(offloaded) else None,
     )
     occurrences = {id(p): occ for spec in plan.units for p, occ in zip(spec.params, spec.occurrences)}
     materializer = Materializer(root=model, device=device, param_init_fn=param_init_fn, occurrences=occurrences)

@@ -16,12 +16,12 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 LOG="$OUT/suite.log"
 note() { echo "[$(date +%T) +${SECONDS}s] $*" | tee -a "$LOG"; }
 note "start; commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
-timeout 270 python3 tests/gpu/compile_forms.py 2>&1 | grep -v -i warn | tee "$OUT/forms.log"
+timeout 280 python3 tests/gpu/compile_forms.py 2>&1 | grep -v -i warn | tee "$OUT/forms.log"
 note "forms exit ${PIPESTATUS[0]}"
 bench() { python3 -m shardtrain bench --device cuda --nproc 1 --compile --repeats 1 "$@" 2>&1 | grep -v -i warn | tee -a "$LOG"; }
 bench --sizes 1.5b --batch 2 --seq 4096 --ac none --warmup 3 --steps 6 --engines shardtrain,fsdp2 --ideal \
-      --timeout 150 --deadline $((420 - SECONDS)) --json "$OUT/bench_compile_1.5b.json"
+      --timeout 140 --deadline $((430 - SECONDS)) --json "$OUT/bench_compile_1.5b.json"
 note "1.5b done"
 bench --sizes 8b --batch 1 --seq 4096 --ac all --warmup 2 --steps 5 --engines shardtrain,fsdp2 \
-      --timeout 200 --deadline $((560 - SECONDS)) --json "$OUT/bench_compile_8b.json"
+      --timeout 150 --deadline $((445 - SECONDS)) --json "$OUT/bench_compile_8b.json"
 note "8b done"

@@ -12,7 +12,7 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "shard": "shardtrain.core.shard",
+    "shard": "shardtrain.sharding",
     "Strategy": "shardtrain.strategy",
     "SizePolicy": "shardtrain.policy",
     "MixedPrecision": "shardtrain.policy",

@@ -22,7 +22,7 @@ from typing import Any
 
 from torch import nn
 
-from ..models.llama import LLAMA_SIZES, Llama, LlamaConfig, default_units, splits_embedding
+from ..models.llama_config import LLAMA_SIZES, LlamaConfig, splits_embedding
 from .sizes import format_count, parse_count
 from ..core.partition import partition
 
@@ -165,7 +165,7 @@ def _shape_for_count(params: int, hints: dict[str, Any]) -> LlamaShape:
 
 
 def _from_shape(name: str, shape: LlamaShape, *, params: int | None = None, notes=()) -> ModelSpec:
-    """Units of a Llama as `models.llama.default_units` cuts it: one unit per block, and the embedding
+    """Units of a Llama as the built-in Llama's `default_units` cuts it: one unit per block, and the embedding
     and the output head as units of their own with the final norm in the root when the table is at
     least a block's size (else, or with tied embeddings, all three are the root's)."""
     total = shape.num_params if params is None else params
@@ -249,10 +249,17 @@ def _apply_hints(shape: LlamaShape, hints: dict[str, Any]) -> LlamaShape:
     return replace(shape, **changes)
 
 
+def _llama_config(module: nn.Module) -> LlamaConfig | None:
+    """The configuration of a built-in Llama (a module whose `cfg` is a `LlamaConfig`), else None."""
+    cfg = getattr(module, "cfg", None)
+    return cfg if isinstance(cfg, LlamaConfig) else None
+
+
 def _default_wrap(module: nn.Module):
-    """Llama: `default_units`. Otherwise: the element classes of the largest nn.ModuleList."""
-    if isinstance(module, Llama):
-        return default_units(module.cfg)
+    """The model's own `default_units()` (the built-in Llama has one). Otherwise: the element classes of
+    the largest nn.ModuleList."""
+    if callable(getattr(module, "default_units", None)):
+        return module.default_units()
     lists = [m for m in module.modules() if isinstance(m, nn.ModuleList) and len(m)]
     if not lists:
         return None
@@ -272,8 +279,8 @@ def _from_module(module: nn.Module, wrap, hints: dict[str, Any]) -> ModelSpec:
     total = sum(p.numel() for p in params)
     notes = list(parts.notes)
     shape = None
-    if isinstance(module, Llama):
-        shape = _apply_hints(_shape_from_llama(module.cfg), hints)
+    if _llama_config(module) is not None:
+        shape = _apply_hints(_shape_from_llama(_llama_config(module)), hints)
     elif hints.get("dim"):
         embeddings = [m for m in module.modules() if isinstance(m, nn.Embedding)]
         vocab = max((e.num_embeddings for e in embeddings), default=None)

@@ -1,0 +1,78 @@
+"""The packages form layers that import one way: each imports only from its own layer or those below.
+
+    descriptions   policy, strategy, compat, models      what users choose and the built-in model
+    engine         core                                  st.shard's machinery: units, runtime, comm
+    planning       planning                              plans and memory estimates (reads core's partition)
+    operations     ops, checkpoint                       around the step: norms, state dicts, checkpoints
+    entry          sharding, testing                     the public st.shard; the test pools
+    application    engine, train                         the Engine and `shardtrain train`
+    tools          bench, cli                            `shardtrain bench` and the commands
+
+Nothing below the tools imports `bench`: the benchmark is a tool, not part of the call chain.
+"""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "shardtrain"
+LAYERS = [
+    {"policy", "strategy", "compat", "models"},
+    {"core"},
+    {"planning"},
+    {"ops", "checkpoint"},
+    {"sharding", "testing"},
+    {"engine", "train"},
+    {"bench", "cli", "__main__", "__init__"},
+]
+RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
+ORDER = {"ops": 0, "checkpoint": 1, "engine": 0, "train": 1}  # within a layer: checkpoint uses ops, train the engine
+
+
+def _package(path: Path) -> str:
+    rel = path.relative_to(SRC).parts
+    return rel[0].removesuffix(".py")
+
+
+def _imported_packages(path: Path) -> set[str]:
+    """Top-level shardtrain packages `path` imports (absolute `shardtrain.x` or relative)."""
+    tree = ast.parse(path.read_text())
+    depth = len(path.relative_to(SRC).parts) - 1  # 0 for shardtrain/x.py, 1 for shardtrain/pkg/x.py
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level == 0:
+                parts = (node.module or "").split(".")
+                if parts[0] == "shardtrain" and len(parts) > 1:
+                    found.add(parts[1])
+            elif node.level > depth:  # `from .. import x` or `from ..pkg import y`
+                target = (node.module or "").split(".")[0]
+                found |= {target} if target else {alias.name for alias in node.names}
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                parts = alias.name.split(".")
+                if parts[0] == "shardtrain" and len(parts) > 1:
+                    found.add(parts[1])
+    return {p for p in found if p in RANK}
+
+
+def test_every_package_imports_only_from_its_layer_or_below():
+    wrong = []
+    for path in sorted(SRC.rglob("*.py")):
+        mine = _package(path)
+        for other in _imported_packages(path) - {mine}:
+            same_layer = RANK[other] == RANK[mine]
+            if RANK[other] > RANK[mine] or (same_layer and ORDER.get(other, 0) > ORDER.get(mine, 0)):
+                wrong.append(f"{path.relative_to(SRC)} ({mine}) imports {other}")
+            if other == "bench" and mine != "cli":
+                wrong.append(f"{path.relative_to(SRC)} imports the benchmark tool")
+    assert wrong == [], "\n".join(wrong)
+
+
+@pytest.mark.parametrize("package", sorted(p.name for p in SRC.iterdir() if p.is_dir() and (p / "__init__.py").exists()))
+def test_each_package_imports_alone(package):
+    run = subprocess.run([sys.executable, "-c", f"import shardtrain.{package}"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]

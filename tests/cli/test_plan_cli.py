@@ -7,7 +7,7 @@ import torch
 from shardtrain import cli
 from shardtrain.cli import train as cli_train
 from shardtrain.train.config import ConfigError, load_config
-from shardtrain.train.plan import planned_setup, resolve_auto_config
+from shardtrain.train.planned_config import planned_setup, resolve_auto_config
 
 TINY = ["--model.name", "llama-tiny", "--data.seq_len", "64", "--train.batch_size", "8", "--engine.devices", "2"]
 EIGHT_B = ["--model.name", "llama-8b", "--engine.accelerator", "cuda", "--engine.devices", "2",

@@ -1,4 +1,4 @@
-"""Engine names accepted by `shardtrain bench --engines`, and what each one builds.
+"""BenchEngine names accepted by `shardtrain bench --engines`, and what each one builds.
 
 `shardtrain` is full_shard; `shardtrain-<strategy>` takes any strategy name of `st.shard`
 (`shardtrain-zero2` = shard_grad_op, `shardtrain-no_shard`, ...); `shardtrain-auto` lets the planner
@@ -25,7 +25,7 @@ IDEAL = "ideal"
 
 
 @dataclass(frozen=True, kw_only=True)
-class Engine:
+class BenchEngine:
     name: str
     label: str
     build: Callable[[RunSpec, torch.device], Prepared]
@@ -33,20 +33,20 @@ class Engine:
 
 
 _FIXED = {
-    "fsdp2": Engine(name="fsdp2", label="torch FSDP2",
+    "fsdp2": BenchEngine(name="fsdp2", label="torch FSDP2",
                     build=functools.partial(build_fsdp2, reshard_after_forward=True)),
-    "fsdp2-noreshard": Engine(name="fsdp2-noreshard", label="torch FSDP2 (reshard_after_forward=False)",
+    "fsdp2-noreshard": BenchEngine(name="fsdp2-noreshard", label="torch FSDP2 (reshard_after_forward=False)",
                               build=functools.partial(build_fsdp2, reshard_after_forward=False)),
-    "fsdp2-split": Engine(name="fsdp2-split", label="torch FSDP2 (embedding, head apart)",
+    "fsdp2-split": BenchEngine(name="fsdp2-split", label="torch FSDP2 (embedding, head apart)",
                           build=functools.partial(build_fsdp2, reshard_after_forward=True, split_root=True)),
-    "fsdp1": Engine(name="fsdp1", label="torch FSDP1 (FULL_SHARD)", build=build_fsdp1),
-    "ddp": Engine(name="ddp", label="DDP", build=build_ddp),
-    "shardtrain-auto": Engine(name="shardtrain-auto", label="shardtrain auto", build=build_shardtrain_auto),
-    IDEAL: Engine(name=IDEAL, label="ideal step (1 GPU, no collectives)", build=build_ideal, single_process=True),
+    "fsdp1": BenchEngine(name="fsdp1", label="torch FSDP1 (FULL_SHARD)", build=build_fsdp1),
+    "ddp": BenchEngine(name="ddp", label="DDP", build=build_ddp),
+    "shardtrain-auto": BenchEngine(name="shardtrain-auto", label="shardtrain auto", build=build_shardtrain_auto),
+    IDEAL: BenchEngine(name=IDEAL, label="ideal step (1 GPU, no collectives)", build=build_ideal, single_process=True),
 }
 
 
-def resolve_engine(name: str) -> Engine:
+def resolve_engine(name: str) -> BenchEngine:
     """The engine called `name`; a clear error listing the valid names otherwise."""
     key = name.strip().lower()
     if key in _FIXED:
@@ -56,7 +56,7 @@ def resolve_engine(name: str) -> Engine:
             strategy = parse_strategy(key.partition("-")[2] or "full_shard")
         except ValueError as exc:
             raise ValueError(f"engine {name!r}: {exc}") from None
-        return Engine(name=key, label=f"shardtrain ({strategy.value})",
+        return BenchEngine(name=key, label=f"shardtrain ({strategy.value})",
                       build=functools.partial(build_shardtrain, strategy=strategy.value))
     raise ValueError(f"unknown engine {name!r}; use shardtrain, shardtrain-<strategy> (e.g. shardtrain-zero2), "
                      f"or one of {sorted(_FIXED)}")

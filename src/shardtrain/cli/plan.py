@@ -31,11 +31,11 @@ from ..planning.auto import local_device_memory
 from ..planning.candidates import accumulation_bytes, offload_label
 from ..planning.compare import default_shard_size
 from ..planning.estimate import estimate_memory
-from ..planning.plan import plan
+from ..planning.dry_run import plan
 from ..planning.sizes import format_gib, parse_bytes
 from ..strategy import parse_strategy
 from ..train.config import load_config
-from ..train.plan import AUTO, PlannedSetup, build_on_meta, planned_setup, resolve_auto_config
+from ..train.planned_config import AUTO, PlannedSetup, build_on_meta, planned_setup, resolve_auto_config
 from .train import split_config_path
 
 

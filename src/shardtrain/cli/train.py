@@ -38,7 +38,7 @@ def split_config_path(tokens: list[str]) -> tuple[str | None, list[str]]:
 def _resolve_auto(cfg):
     """engine.strategy='auto': the planner's choice, printed once, by the process that trains as rank 0."""
     from ..engine.devices import launched_externally
-    from ..train.plan import resolve_auto_config
+    from ..train.planned_config import resolve_auto_config
 
     planned, choice = resolve_auto_config(cfg)
     if cfg.engine.auto_trials:
@@ -55,7 +55,7 @@ def _confirm_by_trials(cfg, choice):
     ranks it starts (they re-run this command and plan identically) through TRIAL_CHOICE_ENV.
     """
     from ..engine.devices import launched_externally
-    from ..train.plan import apply_choice
+    from ..train.planned_config import apply_choice
     from ..train.trials import TRIAL_CHOICE_ENV, fastest, run_trials
 
     candidates = choice.alternatives()[:cfg.engine.auto_trials]

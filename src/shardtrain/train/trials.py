@@ -46,7 +46,7 @@ class Trial:
 def trial_config(cfg: Config, choice: AutoChoice, *, out_dir: Path, name: str) -> Config:
     """`cfg` running `choice` for TRIAL_STEPS steps, logging every step, with no checkpoints, no
     resume and a one-batch evaluation, into `out_dir / name`."""
-    from .plan import apply_choice
+    from .planned_config import apply_choice
 
     chosen = apply_choice(cfg, choice)
     return dataclasses.replace(

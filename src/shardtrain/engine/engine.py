@@ -40,6 +40,8 @@ class Engine:
         precision: "auto" (bf16-mixed on CUDA, 32-true on CPU, where bf16 matmuls are slow),
             "bf16-mixed", "32-true", or anything `st.shard(mixed_precision=...)` accepts.
         wrap, activation_checkpointing, cpu_offload, param_init_fn, sync_module_states: passed to `st.shard`.
+        compile: after sharding, `module.compile()` on each repeated block (`ops.compile.compile_blocks`),
+            after activation checkpointing, as torch.compile pays on a sharded model.
         timeout: the process group's collective timeout (None: torch's default).
     """
 
@@ -56,7 +58,11 @@ class Engine:
         param_init_fn: Callable[[nn.Module], None] | None = None,
         sync_module_states: bool = False,
         timeout: timedelta | None = None,
+        compile: bool = False,
     ) -> None:
+        if not isinstance(compile, bool):
+            raise TypeError(f"Engine(compile={compile!r}): use True or False")
+        self._compile = compile
         self._devices = devices
         self._topology: Topology = resolve_topology(accelerator=accelerator, devices=devices)
         # "auto" / st.AutoPolicy is resolved by st.shard at setup, when the model is known.
@@ -172,6 +178,10 @@ class Engine:
         if unknown:
             raise TypeError(f"Engine.setup got unknown settings {sorted(unknown)}; it accepts {sorted(self._shard_kwargs)}")
         shard(model, device=self.device, **{**self._shard_kwargs, **overrides})
+        if self._compile:
+            from ..ops.compile import compile_blocks
+
+            compile_blocks(model)
         fp16 = self._mixed_precision.param_dtype is torch.float16
         if optimizer is None:
             if fp16:

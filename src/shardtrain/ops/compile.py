@@ -1,0 +1,39 @@
+"""Compile a sharded model's repeated blocks, the way torch.compile pays on a sharded model.
+
+Each block's forward compiles into one graph shared by every block of its class (the engine's hooks
+run outside compiled regions), so compiling per block gives the fused kernels without graph breaks
+at unit boundaries inside a graph. Called after `st.shard`, so activation checkpointing (applied by
+st.shard) is inside the compiled forward and recomputation is compiled too.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from torch import nn
+
+from ..core.gathered import GatheredUnit
+from ..core.shard import runtime_of
+
+
+def compile_blocks(model: nn.Module, **compile_options: Any) -> list[str]:
+    """`module.compile(**compile_options)` on every unit whose class repeats (the blocks); where no class
+    repeats, on every unit but the root. Returns the compiled units' names."""
+    runtime = runtime_of(model)
+    modules = dict(model.named_modules())
+    units = [u for u in runtime.units[1:] if isinstance(u, GatheredUnit)]
+    counts = Counter(type(_module_of(modules, u.name)) for u in units)
+    repeated = [u for u in units if counts[type(_module_of(modules, u.name))] > 1] or units
+    for unit in repeated:
+        _module_of(modules, unit.name).compile(**compile_options)
+    return [u.name for u in repeated]
+
+
+def _module_of(modules: dict[str, nn.Module], name: str) -> nn.Module:
+    """The unit's module by its clean name (the path may hold `_orig_mod` segments)."""
+    if name in modules:
+        return modules[name]
+    from ..core.partition import clean_name
+
+    return next(m for path, m in modules.items() if clean_name(path) == name)

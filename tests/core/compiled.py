@@ -24,6 +24,11 @@ FORMS = ("torch.compile(block)", "block.compile() before", "block.compile() afte
          "torch.compile(model)", "model.compile()")
 
 
+def device() -> torch.device:
+    """Where a rank computes: its GPU under NCCL (tests/gpu/nccl_parity.py), else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
 def _llama() -> Llama:
     return Llama(llama_config("tiny", n_layers=3))
 
@@ -72,7 +77,7 @@ def train_form(form: str, strategy: str, *, precision: str | None = None, ac: bo
         generator = torch.Generator().manual_seed(11)
         losses = []
         for _ in range(steps):
-            tokens = torch.randint(0, 256, (2 * world, 17), generator=generator)[2 * rank:2 * rank + 2]
+            tokens = torch.randint(0, 256, (2 * world, 17), generator=generator)[2 * rank:2 * rank + 2].to(device())
             logits = call(tokens[:, :-1])
             loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
             loss.backward()

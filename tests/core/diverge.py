@@ -58,6 +58,11 @@ class TinyMoE(nn.Module):
         return self.out(y)
 
 
+def device() -> torch.device:
+    """Where a rank computes: its GPU under NCCL (tests/gpu/nccl_parity.py), else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
 def _train(model: nn.Module, step) -> dict:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     start = time.monotonic()
@@ -75,7 +80,7 @@ def skipped_blocks(skips: list[list[int]]) -> dict:
     """Rank r skips the blocks `skips[r]`."""
     torch.manual_seed(0)
     model = st.shard(SkippingLlama(set(skips[dist.get_rank()])), wrap={Block})
-    tokens = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(1)).to(device())
     return _train(model, lambda m: m.loss(tokens[:, :-1], tokens[:, 1:]))
 
 
@@ -86,6 +91,6 @@ def moe_with_an_idle_expert() -> dict:
     full = st.full_state_dict(model, rank0_only=False)
     pool = torch.randn(512, 8, generator=torch.Generator().manual_seed(2))
     choice = (pool @ full["router.weight"].T + full["router.bias"]).argmax(dim=-1)
-    x = pool[choice == 0][:16] if dist.get_rank() == 1 else pool[:16]
-    y = torch.randint(0, 3, (len(x),), generator=torch.Generator().manual_seed(3))
+    x = (pool[choice == 0][:16] if dist.get_rank() == 1 else pool[:16]).to(device())
+    y = torch.randint(0, 3, (len(x),), generator=torch.Generator().manual_seed(3)).to(device())
     return _train(model, lambda m: F.cross_entropy(m(x), y))

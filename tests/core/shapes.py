@@ -46,6 +46,11 @@ def _wrap(kind: str):
     return {LlamaDecoderLayer} if kind.startswith("hf_llama") else {GPT2Block}
 
 
+def device() -> torch.device:
+    """Where a rank computes: its GPU under NCCL (tests/gpu/nccl_parity.py), else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
 BUILDERS = {"llama": split_llama, "tied_llama": tiny_llama, "hf_llama": hf_llama,
             "hf_llama_tied": lambda: hf_llama(tie=True), "hf_gpt2": hf_gpt2}
 
@@ -95,7 +100,7 @@ def lora_training(strategy: str) -> dict:
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     torch.manual_seed(0)
-    base = hf_llama()
+    base = hf_llama().to(device())
     peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
                                                  lora_dropout=0.0))
     with torch.no_grad():  # B starts at zero; give it values so that A's gradient is not zero either
@@ -117,7 +122,7 @@ def lora_training(strategy: str) -> dict:
             reduced[-1] += c.numel
 
     for _ in range(3):
-        tokens = torch.randint(0, 96, (2 * world, 9), generator=generator)
+        tokens = torch.randint(0, 96, (2 * world, 9), generator=generator).to(device())
         reduced.append(0)
         with observe(count):
             loss = _lm_loss(model, tokens[2 * rank:2 * rank + 2])
@@ -165,7 +170,7 @@ class MixedUnit(nn.Module):
 def mixed_dtype_training(strategy: str) -> dict:
     """A unit that mixes dtypes trains like one process; its frozen bf16 base keeps its dtype."""
     torch.manual_seed(0)
-    plain = MixedUnit()
+    plain = MixedUnit().to(device())
     model = st.shard(copy.deepcopy(plain), strategy=strategy)
     world, rank = dist.get_world_size(), dist.get_rank()
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
@@ -173,8 +178,8 @@ def mixed_dtype_training(strategy: str) -> dict:
     generator = torch.Generator().manual_seed(3)
     worst_loss = 0.0
     for _ in range(4):
-        x = torch.randn(2 * world, 12, generator=generator)
-        y = torch.randint(0, 3, (2 * world,), generator=generator)
+        x = torch.randn(2 * world, 12, generator=generator).to(device())
+        y = torch.randint(0, 3, (2 * world,), generator=generator).to(device())
         loss = F.cross_entropy(model(x[2 * rank:2 * rank + 2]), y[2 * rank:2 * rank + 2])
         loss.backward()
         opt.step()
@@ -183,7 +188,7 @@ def mixed_dtype_training(strategy: str) -> dict:
         ref.backward()
         ref_opt.step()
         ref_opt.zero_grad()
-        gathered = [torch.zeros(()) for _ in range(world)]
+        gathered = [torch.zeros((), device=device()) for _ in range(world)]
         dist.all_gather(gathered, loss.detach())
         worst_loss = max(worst_loss, abs(sum(g.item() for g in gathered) / world - ref.item()))
     full = st.full_state_dict(model, rank0_only=False)

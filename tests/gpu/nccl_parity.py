@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from shardtrain.core.sharded_param import local_of  # noqa: E402
 from tests.core.parity import Case, run_case  # noqa: E402
 
 
@@ -49,6 +50,7 @@ def main() -> None:
             dist.barrier()
     failed += _offload_keeps_state_on_host()
     failed += _partial_offload_splits_units()
+    failed += _beyond_parity()
     if dist.get_rank() == 0:
         print(f"nccl parity: {len(cases) - failed} cases passed, {failed} failed on {dist.get_world_size()} GPUs")
     dist.destroy_process_group()
@@ -68,6 +70,7 @@ def _offload_keeps_state_on_host() -> int:
     opt.step()
     tensors = list(model.parameters()) + [p.grad for p in model.parameters() if p.grad is not None]
     tensors += [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()]
+    tensors = [local_of(t) for t in tensors]
     on_device = [t.shape for t in tensors if t.is_cuda]
     if on_device:
         print(f"rank {dist.get_rank()} FAILED offload: {len(on_device)} state tensors on the GPU", flush=True)
@@ -85,11 +88,44 @@ def _partial_offload_splits_units() -> int:
     model = st.shard(tiny_llama(), wrap={Block}, mixed_precision="bf16", cpu_offload=policy)
     units = runtime_of(model).units
     expected = policy.select(u.layout.numel for u in units)
-    placed = [not u.shard.is_cuda for u in units]
+    placed = [not u.buffers[0].shard.is_cuda for u in units]
     if placed != expected or all(placed) or not any(placed):
         print(f"rank {dist.get_rank()} FAILED partial offload: on host {placed}, expected {expected}", flush=True)
         return 1
     return 0
+
+
+def _beyond_parity() -> int:
+    """The per-parameter layout's cases on NCCL: a unit mixing a bf16 frozen base and fp32 parameters,
+    PEFT LoRA (no gradient traffic for the frozen base), compiled blocks (aot_eager: bit-equal to eager;
+    inductor within bf16 noise), and ranks that take different paths (stopped, not hung)."""
+    from tests.core import compiled, diverge, shapes
+
+    failed = 0
+    checks = [
+        ("mixed dtypes", lambda: shapes.mixed_dtype_training("full_shard"),
+         lambda r: r["worst"] < 1e-5 and r["worst_loss"] < 1e-5),
+        ("lora", lambda: shapes.lora_training("full_shard"),
+         lambda r: r["frozen_none"] and r["worst"] < 1e-4 and r["reduced_per_step"] == [r["padded_numel"]] * 3),
+        ("compiled blocks (aot_eager)", lambda: compiled.train_form("block.compile() after", "full_shard"),
+         lambda r: r["loss"] < 1e-6 and r["frames"] == 1),
+        ("compiled blocks (inductor, bf16)",
+         lambda: compiled.train_form("block.compile() after", "full_shard", precision="bf16", backend="inductor"),
+         lambda r: r["loss"] < 2e-3),
+        ("diverged ranks", lambda: diverge.skipped_blocks([[], [1]] + [[]] * (dist.get_world_size() - 2)),
+         lambda r: r["error"] is not None and "'layers.1'" in r["error"] and r["seconds"] < 60),
+    ]
+    for name, run, ok in checks:
+        try:
+            result = run()
+            good = ok(result)
+        except Exception:  # noqa: BLE001 - report every failing check, then fail
+            result, good = traceback.format_exc()[-1500:], False
+        if not good:
+            failed += 1
+            print(f"rank {dist.get_rank()} FAILED {name}: {result}", flush=True)
+        dist.barrier()
+    return failed
 
 
 if __name__ == "__main__":

@@ -4,8 +4,8 @@ Every adapter starts from the same meta-device Llama (`model.build_meta_model`),
 name (`model.NamedModel`), uses the same precision (bf16 compute with fp32 master weights and fp32
 gradient reduction, or fp32 throughout), the same activation checkpointing of every Block when asked,
 and fused AdamW at lr 1e-4. Units: shardtrain gets a unit per Block, the embedding and the output
-head (`models.llama.SHARD_UNITS`); FSDP2 as the issue sets it (per Block and
-the root, or `fsdp2-split` for shardtrain's units); FSDP1 per Block.
+head (`models.llama.SHARD_UNITS`); FSDP2 per Block and on the root (or `fsdp2-split` for
+shardtrain's units); FSDP1 per Block.
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def _shard(named, spec: RunSpec, device: torch.device, **options: Any) -> nn.Mod
 
 def build_fsdp2(spec: RunSpec, device: torch.device, *, reshard_after_forward: bool,
                 split_root: bool = False) -> Prepared:
-    """FSDP2 as the issue sets it: `fully_shard` per Block and on the root; `split_root` also gives the
+    """The FSDP2 baseline: `fully_shard` per Block and on the root; `split_root` also gives the
     embedding and the output head their own units, as shardtrain's plan does (torchtitan's recipe)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -128,7 +128,7 @@ def build_fsdp2(spec: RunSpec, device: torch.device, *, reshard_after_forward: b
 
 
 def build_fsdp1(spec: RunSpec, device: torch.device) -> Prepared:
-    """torch FSDP1 as ANCHORS.md ran it: FULL_SHARD, limit_all_gathers, use_orig_params, fp32 reduction."""
+    """torch FSDP1 in its usual setup: FULL_SHARD, limit_all_gathers, use_orig_params, fp32 reduction."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         CheckpointImpl,
         apply_activation_checkpointing,

@@ -1,7 +1,7 @@
 """The numbers a row reports: throughput statistics and model FLOPs utilisation.
 
-MFU follows ANCHORS.md: (6·(params − embedding) + 6·layers·dim·seq) FLOPs per token × tokens/s per
-GPU / peak FLOP/s, the peak being a stated bf16 matmul rate (790 TFLOP/s measured on one H200).
+MFU, as BENCHMARKS.md reports it: (6·(params − embedding) + 6·layers·dim·seq) FLOPs per token ×
+tokens/s per GPU / peak FLOP/s, the peak being a stated bf16 matmul rate (790 TFLOP/s for one H200).
 """
 
 from __future__ import annotations

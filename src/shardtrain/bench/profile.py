@@ -12,8 +12,9 @@ The four add up to the window, so they show what a faster engine must remove. `g
 the longest stretches with the compute stream idle, and what the other streams ran meanwhile.
 Two more numbers show what the hidden communication costs: how many NCCL kernels a step launches
 and how much of the compute ran beside one. Note: a GEMM that starts beside an NCCL kernel runs
-short of the SMs that kernel holds; on 2 x H200 each collective cost about 0.22 ms of GEMM time
-whatever its size (BENCHMARKS.md), so both numbers matter as much as the exposed time.
+short of the SMs that kernel holds, so each collective costs GEMM time whatever its size
+(BENCHMARKS.md, 'Collectives beside GEMMs (microbenchmark, 2 × H200)'), and both numbers matter as
+much as the exposed time.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """The narrow wire's arithmetic: the mean, in the reduction dtype, of the W chunks an exchange delivered.
 
 On CUDA it is one Triton kernel: each element read once per chunk, widened, summed and scaled, then
-written once. torch's `mean(dim=0, dtype=...)` over the `(W, n)` view computes the same values as a
-reduction kernel that took twice as long for an 8B block on an H200 (0.43 ms; the bandwidth floor of
-its 8 bytes per element is about 0.2 ms), and it runs beside the compute stream, which waits for the
-SMs it holds. Elsewhere (CPU, or no Triton) torch's mean does it.
+written once, at about the bandwidth floor of its bytes. torch's `mean(dim=0, dtype=...)` over the
+`(W, n)` view computes the same values with a general reduction kernel that runs well above that
+floor, and it runs beside the compute stream, which waits for the SMs it holds (timings:
+BENCHMARKS.md, 'Tried and rejected'). Elsewhere (CPU, or no Triton) torch's mean does it.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ class GatherMode(enum.Enum):
 
     @classmethod
     def for_backend(cls, backend: str) -> "GatherMode":
-        """The measured default of a backend; `SHARDTRAIN_GATHER=grouped|flat` overrides it (for benchmarks)."""
+        """Grouped on every backend, unless `SHARDTRAIN_GATHER=grouped|flat` overrides it (for benchmarks)."""
         override = os.environ.get("SHARDTRAIN_GATHER")
         if override:
             try:
@@ -96,7 +96,8 @@ class UnitComm:
             self.gather_stream = torch.cuda.Stream(device=device, priority=high)
             self.reduce_stream = torch.cuda.Stream(device=device, priority=high)
             # Note: the elementwise work gets streams of its own so that the next collective never
-            # queues behind it, at the compute stream's priority (raising it measured no gain).
+            # queues behind it, at the compute stream's priority (a higher one gains nothing:
+            # BENCHMARKS.md, 'Tried and rejected').
             self.cast_stream = torch.cuda.Stream(device=device)
             self.average_stream = torch.cuda.Stream(device=device)
 

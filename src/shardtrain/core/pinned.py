@@ -1,8 +1,8 @@
 """Page-locked host buffers of exactly the requested size, for offloaded shards and gradients.
 
 torch's pinned allocator (`pin_memory=True`) rounds every allocation up to a power of two: a 780 MB
-shard occupies 1 GiB, and at 18.7B with half the model offloaded host memory came out 20% above the
-16 bytes per offloaded parameter. `PinnedBuffers` allocates ordinary host memory of the exact size
+shard occupies 1 GiB (the effect on host memory: BENCHMARKS.md, 'CPU offload and the largest model
+that trains (2 × H200)'). `PinnedBuffers` allocates ordinary host memory of the exact size
 and page-locks it with `cudaHostRegister`, so host-to-device copies stay asynchronous at no extra
 memory. It keeps every buffer alive while it lives and unregisters them all when it is collected
 (with the model that owns it), so no page is ever freed while registered.

@@ -69,7 +69,7 @@ def splits_embedding(*, table_params: int, block_params: int) -> bool:
     """Whether the default cut gives the embedding and the head units of their own (`SHARD_UNITS`):
     when the table is at least a block's size. Smaller tables ride in the root unit: their own units
     would add a lookup's three collectives and the head's two, which at that size cost more in
-    latency than they save in bytes (2 CPU ranks, the 1.7M-parameter default: 4-10% slower)."""
+    latency than they save in bytes (BENCHMARKS.md, 'Tried and rejected')."""
     return table_params >= block_params
 
 

@@ -14,14 +14,13 @@ Saved for backward by one block without checkpointing, per token, in elements of
 
 so c * T * (4h + 3q + 2kv + 4f), i.e. s*b*[h*(14 + 4*kv_heads/heads) + 8*ffn] bytes in bf16, plus fp32
 statistics (log-sum-exp, 4 bytes per head, and two RMSNorm reciprocal std, 8 bytes). Counting the
-tensors gives 12h; the second copy of the attention output (2h more) was measured: on 2x H200 with
-torch 2.11 FSDP2, blocks of the 1.5B and 8B Llama kept 98,480 and 176,524 bytes per token, against
-98,376 and 176,264 here (0.1% apart).
+tensors once gives 12h; the second copy of the attention output adds 2h. The estimator's peaks
+against measured ones: BENCHMARKS.md, 'Memory estimator against measured peaks (2 × H200)'.
 
 In fp32 compute the flash / cuDNN kernels do not apply (they need 16-bit inputs; with grouped-query
 attention the memory-efficient kernel does not either), so torch's math kernel stores the softmax
-probabilities, 4 * heads * s bytes per token and block (measured: 458,774 bytes per token per block
-for the 1.5B in fp32, formula 458,824), and its backward allocates two more such matrices.
+probabilities, 4 * heads * s bytes per token and block, and its backward allocates two more such
+matrices.
 
 Activation checkpointing keeps only each checkpointed block's input (c * T * h) and recomputes one
 block's full activations at a time during backward. Checkpointing every k-th block checkpoints blocks

@@ -10,8 +10,8 @@ nothing fits without it, of a quarter, half, three quarters or all of the model 
 host step is priced per offloaded parameter, so the smallest share that fits usually wins.
 
 Safety margin: 5% of the device's memory on top of the estimator's own reserve (CUDA context, NCCL,
-5% fragmentation), because this engine measured up to 6% above the estimate (8B, batch 1, every
-block checkpointed: 72.04 GiB measured, 67.76 GiB estimated; see planning/estimate.py).
+5% fragmentation), because the estimator errs low against this engine's measured peaks (BENCHMARKS.md,
+'Memory estimator against measured peaks (2 × H200)').
 
 `resolve_auto(model, ...)` is the form `st.shard(strategy="auto")` needs: the caller's loop fixes the
 micro-batch, so only the strategy, checkpointing and offload are chosen, and the answer comes as
@@ -39,7 +39,7 @@ from .speed import StepTime, step_time
 from ..core.partition import matching_paths
 
 DEFAULT_STRATEGIES = ("full_shard", "shard_grad_op", "optimizer_only", "no_shard")
-SAFETY_MARGIN = 0.05
+SAFETY_MARGIN = 0.05  # covers the estimator's error against measured peaks (module docstring)
 RUNNERS_UP = 4  # fitting configurations kept after the best, for timed trials
 OFFLOAD_FRACTIONS = (0.25, 0.5, 0.75, 1.0)  # shares of the model weighed for CPU offload (whole units)
 _SEARCH_STEPS = 10  # remedies when nothing fits: up to 2**10 x the devices, down to seq_len / 2**10

@@ -6,8 +6,8 @@ unit, p / r the param / reduce dtype sizes, o the optimizer's bytes per paramete
 
   forward + loss   fp32 master P*4/N + optimizer state P*o/N, the saved activations of every block,
                    and the loss tensors at their peak (12 bytes per logit, see `activations`).
-                   The outermost unit is resharded after its forward (measured with FSDP2), so no
-                   unsharded parameters remain under full_shard; shard_grad_op keeps all of them, P*p.
+                   The outermost unit is resharded after its forward too (here as in torch FSDP2), so
+                   no unsharded parameters remain under full_shard; shard_grad_op keeps all of them, P*p.
   backward start   the same states and activations plus a checkpointed block's recomputation; the
                    outermost unit and `in_flight` inner units are gathered, p*(u_root + in_flight*u);
                    the unsharded gradients of the outermost unit and of the current unit, p*(u_root + u),
@@ -24,36 +24,20 @@ Gradients are allocated in backward and freed by `zero_grad()` (set_to_none), un
 (gradient accumulation, or zero_grad(set_to_none=False)). no_shard and optimizer_only keep the
 unsharded params resident in the param dtype (an alias of the master weights when both are fp32).
 
-Calibration: torch FSDP2 (one unit per block plus the root) on 2x H200, torch 2.11, bf16 params,
-fp32 reduce, fused AdamW, seq 4096; peak allocated GiB, measured / ANCHORS.md / this estimate:
+Calibration: the terms are fitted to torch FSDP2's peaks (one unit per block plus the root, bf16
+params, fp32 reduce, fused AdamW, seq 4096) and checked against this engine's; see BENCHMARKS.md,
+'Memory estimator against measured peaks (2 × H200)'. FSDP2 differs from this engine's design in two
+places, both outside those peaks: its all-gather copies out of the gathered buffer (a second
+unit-sized transient), and it holds gradients per parameter, not in one flat buffer per unit. This
+engine frees a unit's flat sharded gradients before the next forward once `zero_grad(set_to_none=True)`
+has cleared every `.grad` they back, so keep_grads=False describes it under the usual loop.
 
-    1.5B b2            32.46 / 33.1 / 32.62     8B b1 AC      64.79 / 64.8 / 64.81
-    1.5B b2 ZeRO-2     35.31 / 34.8 / 35.48     8B b2 AC      64.79 / 64.8 / 64.81
-    1.5B b2 AC         20.95 /  -   / 21.12     8B b1         72.42 / 74.8 / 72.65
-    1.5B b4            56.27 /  -   / 56.44     8B b2         99.87 /  -   / 100.02
-    1.5B b1 fp32       42.67 /  -   / 43.49     12.3B b1 AC   98.31 / 98.3 / 97.99
-    1.5B b1 fp32 AC    18.33 /  -   / 17.74     14.5B b1 AC  114.79 / 114.8 / 114.39
-
-(ZeRO-2 = reshard_after_forward=False. ANCHORS' 8B b1 row is 2.4 GiB above our own measurement of
-the same setup: its training loop differed; keeping the bf16 logits alive alone adds 1 GiB there.)
-FSDP2 differs from this engine's design in two places, both outside the peaks above: its all-gather
-copies out of the gathered buffer (a second unit-sized transient), and it holds gradients per
-parameter, not in one flat buffer per unit.
-
-This engine (st.shard, same setup, measured 2026-11-30) keeps its flat fp32 sharded gradients
-allocated between steps, so keep_grads=True describes it; measured / estimate with keep_grads=True:
-1.5B b2 full_shard 36.29 / 35.48, shard_grad_op 38.16 / 38.33, optimizer_only 38.16 / 38.33,
-no_shard 49.58 / 49.75, AC 24.78 / 23.97; 8B b1 AC 72.04 / 67.76, 8B b1 89.33 / 87.60;
-12.3B b1 AC 107.13 / 101.88. The rest of the gap: the engine keeps the outermost unit gathered after
-forward (2 B per root parameter) and holds more at the outermost unit's reduce than FSDP2.
-
-The `overhead` item (a constant) covers what the itemised terms leave out: cuBLAS and NCCL work
-buffers, rotary tables, optimizer step counters (0.07 GiB measured before the first forward, up to
-0.4 GiB at 12B-14B). Beyond the allocator's peak a device also needs the CUDA context and NCCL's own
-buffers (1.6 GiB measured) and room for the caching allocator's fragmentation: `reserve` adds those,
-and `fits` compares total + reserve with the device's memory. (With plenty of room the allocator
-reserved 13-35% more than the peak; near the limit it releases cached blocks and retries, and 14.5B
-ran with 115 GiB allocated on a 139 GiB device, so the reserve counts 5%.) A non-fused foreach
+The `overhead` item (OVERHEAD_BYTES) covers what the itemised terms leave out: cuBLAS and NCCL work
+buffers, rotary tables, optimizer step counters. Beyond the allocator's peak a device also needs the
+CUDA context and NCCL's own buffers (CONTEXT_BYTES) and room for the caching allocator's
+fragmentation (FRAGMENTATION of the peak): `reserve` adds those, and `fits` compares total + reserve
+with the device's memory. With room to spare the allocator caches well above the peak, but near the
+limit it releases cached blocks and retries, so the reserve counts only 5%. A non-fused foreach
 AdamW adds a transient copy of the second moments (4 B/param / N) in the optimizer step.
 """
 
@@ -74,7 +58,7 @@ from .sizes import GiB, parse_bytes
 MASTER_BYTES = 4  # fp32 master weights
 GRAD_BYTES = 4  # fp32 sharded gradients
 OPTIMIZER_BYTES = {"adamw": 8, "adam": 8, "sgd": 4}  # sgd: momentum buffer
-OVERHEAD_BYTES = GiB // 4
+OVERHEAD_BYTES = GiB // 4  # work buffers and small state the itemised terms leave out (calibrated)
 CONTEXT_BYTES = 3 * GiB // 2  # CUDA context + NCCL: device memory the caching allocator never sees
 FRAGMENTATION = 0.05  # fraction of the peak kept for the caching allocator's fragmentation
 MAX_MICRO_BATCH = 1 << 16

@@ -1,7 +1,7 @@
 """Predicted step time of a training configuration: the speed half of the automatic plan.
 
 The unit is a "token-time": the time one rank needs for one token's forward and backward FLOPs at the
-device's achievable matmul rate. One step of `tokens` tokens per rank costs
+device's achievable matmul rate (ACHIEVED_FLOPS). One step of `tokens` tokens per rank costs
 
     compute    tokens * (1 + recompute) / efficiency(tokens per micro-batch)
     gathers    micro-batches * exposed all-gathers per micro-batch * GATHER_EXPOSED_TOKENS
@@ -11,8 +11,8 @@ and `relative` = total / tokens: 1.0 would be the step's FLOPs at full efficienc
 recomputed, no exposed communication and no per-step overhead. Only ratios between configurations
 of the same model, world and batch are meaningful.
 
-FLOPs per token F = 6 * (params - embedding) + 6 * layers * dim * seq, the formula ANCHORS.md and
-`models.llama.flops_per_token` use for MFU (matmuls forward + backward, plus attention).
+FLOPs per token F = 6 * (params - embedding) + 6 * layers * dim * seq, the formula
+`models.llama.flops_per_token` and the bench's MFU use (matmuls forward + backward, plus attention).
 
 Recomputation: a checkpointed block runs its forward again in backward, a third of its FLOPs:
 2 * block params + 2 * dim * seq per token.
@@ -23,28 +23,26 @@ launches and loss; the curve is deliberately mild (an assumption, not a measurem
 
 All-gathers: gathering the parameters moves 2 bytes (bf16) per parameter while compute spends 6 FLOPs
 per parameter per token, so a gather's time relative to the compute of a micro-batch depends on its
-tokens and the hardware, not on the model size. On 2 x H200 (790 TFLOP/s, ~360 GB/s over NVLink) one
-gather of all parameters takes about 14% of the compute of 4,096 tokens, and prefetching hides most of
-it. Assumed: 3% of the compute of 4,096 tokens stays exposed for each gather that shard_grad_op does
-not do (the issue's 2-4%). full_shard and hybrid_shard gather every unit a second time in backward:
+tokens and the hardware, not on the model size. On an H200 pair (790 TFLOP/s, ~360 GB/s over NVLink)
+one gather of all parameters takes about 14% of the compute of 4,096 tokens, and prefetching hides
+most of it. Assumed: 3% of the compute of 4,096 tokens stays exposed for each gather that
+shard_grad_op does not do. full_shard and hybrid_shard gather every unit a second time in backward:
 one exposed gather per micro-batch; shard_grad_op, optimizer_only and no_shard: none. Nothing is
 gathered within a shard group of one.
 
 Step overhead: the optimizer step, gradient clipping, and the first all-gather and last
-reduce-scatter that no compute hides. Fitted to ANCHORS.md's torch FSDP2 8B rows (2 x H200, seq 4096,
-full shard; 0.604 s per step at batch 1 with checkpointing, 0.499 s without, 1.028 s at batch 2 with
-checkpointing): one token-time = 78 us (79% of the 790 TFLOP/s peak) and 2,075 token-times per step,
-of which 123 are the exposed backward gather; the batch-2 row is then predicted 0.7% off. Assumed the
-same in token-times for other models. Every configuration of one batch pays it, so it never changes
-which one wins; it keeps the predicted ratios honest (a third less compute is not a third less time).
+reduce-scatter that no compute hides. STEP_OVERHEAD_TOKENS and ACHIEVED_FLOPS are fitted together to
+torch FSDP2's full-shard 8B step times at seq 4096 (see BENCHMARKS.md, 'Llama 8B, every block
+checkpointed: full_shard on 2 × H200') and assumed the same in token-times for other models. Every
+configuration of one batch pays it, so it never changes which one wins; it keeps the predicted ratios
+honest (a third less compute is not a third less time).
 
 CPU offload (HOST_SECONDS_PER_PARAM): the host AdamW over the offloaded parameters of a rank, plus
 moving their gradients to the host and the shards back, grows with the parameters offloaded, not with
-the tokens. Measured on 2 x H200 with 16 host threads per process (BENCHMARKS.md, 8.0B, batch 1,
-every block checkpointed): full offload added 1.83 s to the step for 4.0B parameters per rank, half
-offload 0.82 s for 2.1B, so 0.45 ns per offloaded parameter; converted to token-times with the same
-78 us per 48 GFLOP token as above (ACHIEVED_FLOPS). The planner weighs offload only when nothing fits
-without it; the term then picks the smallest share of the model that must leave the device.
+the tokens. Calibrated against the 8.0B offload steps with each process's share of the host cores
+(BENCHMARKS.md, 'CPU offload and the largest model that trains (2 × H200)') and converted to
+token-times at ACHIEVED_FLOPS. The planner weighs offload only when nothing fits without it; the term
+then picks the smallest share of the model that must leave the device.
 """
 
 from __future__ import annotations
@@ -58,9 +56,9 @@ REFERENCE_TOKENS = 4096
 EFFICIENCY_TOKENS = 256
 GATHER_EXPOSED_FRACTION = 0.03
 GATHER_EXPOSED_TOKENS = GATHER_EXPOSED_FRACTION * REFERENCE_TOKENS
-STEP_OVERHEAD_TOKENS = 1950
-HOST_SECONDS_PER_PARAM = 0.45e-9
-ACHIEVED_FLOPS = 0.79 * 790e12  # one token-time is a token's training FLOPs at this rate
+STEP_OVERHEAD_TOKENS = 1950  # fitted with ACHIEVED_FLOPS to torch FSDP2's 8B steps (module docstring)
+HOST_SECONDS_PER_PARAM = 0.45e-9  # calibrated against the 8.0B offload steps (module docstring)
+ACHIEVED_FLOPS = 0.79 * 790e12  # one token-time is a token's training FLOPs at this rate (fitted)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -7,6 +7,7 @@ import pytest
 from shardtrain.cli import main
 
 
+@pytest.mark.slow
 def test_cpu_bench_shardtrain_and_fsdp2(tmp_path, capsys):
     out = tmp_path / "bench.json"
     code = main(["bench", "--sizes", "tiny", "--seq", "64", "--batch", "2", "--steps", "2", "--warmup", "1",

@@ -39,7 +39,7 @@ def load_format_v1(strategy: str) -> dict:
             "steps": {float(s["step"]) for s in opt.state.values()}}
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("world", [1, 2, pytest.param(3, marks=pytest.mark.slow)])
 def test_a_format_1_checkpoint_loads_at_any_world_size(pools, world):
     for strategy in ["full_shard", "no_shard"] if world == 2 else ["full_shard"]:
         for r in pools(world).run(load_format_v1, strategy):

@@ -21,7 +21,7 @@ def _plain_model_from(weights) -> torch.nn.Module:
     return model
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_full_weights_load_into_the_plain_model(pools, tmp_path, world):
     full, logits = pools(world).run(save_full_and_forward, str(tmp_path / "ckpt"), "full")[0]
     weights = tmp_path / "ckpt" / "model.safetensors"

@@ -1,5 +1,6 @@
 """hybrid_shard across two "nodes": two torchrun invocations of 2 processes each, on loopback."""
 
+import pytest
 import os
 import socket
 import subprocess
@@ -16,6 +17,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_hybrid_shard_over_two_torchrun_nodes():
     script = os.path.join(os.path.dirname(__file__), "two_nodes.py")
     port = _free_port()

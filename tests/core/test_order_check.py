@@ -27,7 +27,7 @@ def test_an_expert_without_tokens_on_one_rank(pools):
     _assert_named(pools(2).run(diverge.moe_with_an_idle_expert), "'experts.")
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_the_same_path_on_every_rank_trains(pools, world):
     for r in pools(world).run(diverge.skipped_blocks, [[1]] * world):
         assert r["error"] is None, r

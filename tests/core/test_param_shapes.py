@@ -11,7 +11,7 @@ import torch
 from tests.core import shapes
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("kind", ["llama", "tied_llama", "hf_llama", "hf_llama_tied", "hf_gpt2"])
 def test_parameters_keep_their_shapes_names_and_counts(pools, world, kind):
     for strategy in ["full_shard", "shard_grad_op", "no_shard"] if world == 2 else ["full_shard"]:
@@ -34,7 +34,7 @@ def test_lora_trains_like_one_process_and_the_frozen_base_costs_no_gradient(pool
         assert r["padded_numel"] < 0.1 * r["total_numel"]
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("world", [1, 2, pytest.param(3, marks=pytest.mark.slow)])
 def test_a_unit_mixing_a_frozen_bf16_base_and_fp32_parameters_trains_like_one_process(pools, world):
     for strategy in ["full_shard", "shard_grad_op", "no_shard"]:
         for r in pools(world).run(shapes.mixed_dtype_training, strategy):

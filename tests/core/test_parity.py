@@ -10,6 +10,7 @@ import pytest
 from tests.core.parity import Case, run_cases
 
 STRATEGIES = ["full_shard", "shard_grad_op", "no_shard"]
+SLOW = pytest.mark.slow  # the default tier runs worlds 1-2; the slow tier (CI runs both) adds 3-4
 
 
 def _matrix(optims, accums, acs):
@@ -17,7 +18,7 @@ def _matrix(optims, accums, acs):
             for s, o, a, ac in itertools.product(STRATEGIES, optims, accums, acs)]
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("world", [1, 2, pytest.param(3, marks=SLOW), pytest.param(4, marks=SLOW)])
 @pytest.mark.parametrize("kind", ["llama", "cnn", "frozen"])
 def test_parity_fp32(pools, world, kind):
     cases = _matrix(["sgd", "adamw"], ["none", "no_sync"], [False, True])
@@ -26,7 +27,7 @@ def test_parity_fp32(pools, world, kind):
     assert pools(world).run(run_cases, kind, cases) == [len(cases)] * world
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=SLOW)])
 def test_parity_optimizers_clip_and_plain_accumulation(pools, world):
     cases = [Case(strategy=s, optim=o, accum="plain", clip=0.05)
              for s in STRATEGIES for o in ["adamw_fused", "adam_foreach"]]
@@ -41,7 +42,7 @@ def test_parity_mixed_precision(pools, precision):
     assert pools(2).run(run_cases, "llama", cases) == [len(cases)] * 2
 
 
-@pytest.mark.parametrize("kind", ["llama", "frozen"])
+@pytest.mark.parametrize("kind", ["llama", pytest.param("frozen", marks=SLOW)])
 def test_parity_optimizer_only(pools, kind):
     cases = [Case(strategy="optimizer_only", optim=o, accum=a, ac=ac, precision=p)
              for o, a, ac, p in [("sgd", "none", False, None), ("adamw", "no_sync", True, None),
@@ -49,6 +50,7 @@ def test_parity_optimizer_only(pools, kind):
     assert pools(3).run(run_cases, kind, cases) == [len(cases)] * 3
 
 
+@SLOW
 def test_parity_hybrid_shard_on_a_two_by_two_mesh(pools):
     cases = [Case(strategy=s, optim=o, accum=a, mesh=(2, 2))
              for s in ["hybrid_shard", "hybrid_shard_zero2"] for o, a in [("sgd", "none"), ("adamw", "no_sync")]]
@@ -57,6 +59,7 @@ def test_parity_hybrid_shard_on_a_two_by_two_mesh(pools):
     assert pools(4).run(run_cases, "llama", cases) == [len(cases)] * 4
 
 
+@SLOW
 def test_parity_bf16_exchange_on_three_ranks(pools):
     # Note: SGD, not Adam: with three ranks the reference adds in another order, and Adam's first steps
     # turn last-bit differences of near-zero gradients into whole bf16 steps (the fp32 reduce-scatter
@@ -65,7 +68,7 @@ def test_parity_bf16_exchange_on_three_ranks(pools):
     assert pools(3).run(run_cases, "llama", cases) == [len(cases)] * 3
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=SLOW)])
 def test_parity_sharded_lookup(pools, world):
     # The embedding as a unit of its own looks rows up where they are held (core/lookup.py); three
     # ranks split the tiny Llama's rows between shards. Note: SGD on three ranks, for the reason of
@@ -83,6 +86,7 @@ def test_parity_sharded_lookup(pools, world):
     assert pools(world).run(run_cases, "split_llama", cases) == [len(cases)] * world
 
 
+@SLOW
 @pytest.mark.parametrize("world", [3, 4])
 def test_parity_sharded_lookup_with_a_padding_index_and_rows_across_shards(pools, world):
     cases = [Case(strategy="full_shard", optim="adamw"), Case(strategy="full_shard", optim="sgd", accum="no_sync"),

@@ -31,6 +31,7 @@ def _loss_lines(out: str) -> list[str]:
     return [line for line in out.splitlines() if line.startswith("step")]
 
 
+@pytest.mark.slow
 def test_plain_run_relaunches_itself_and_matches_torchrun(corpus, tmp_path):
     plain = _run([sys.executable, *_example_args(corpus, tmp_path)])
     assert plain.returncode == 0, plain.stderr

@@ -57,6 +57,7 @@ def test_negative_trials_rejected():
         load_config(None, ["--engine.auto_trials", "-1"])
 
 
+@pytest.mark.slow
 def test_auto_with_trials_trains_with_the_fastest_measured(tmp_path):
     args = ["--model.name", "llama-tiny", "--data.seq_len", "64", "--train.batch_size", "8", "--run.progress",
             "false", "--train.steps", "3", "--engine.strategy", "auto", "--engine.auto_trials", "2",

@@ -79,6 +79,11 @@ class GatheredUnit(ShardUnit):
         elif self.behaviour.resident:
             self.uninstall_views()
 
+    def publish_grads(self, used: list[bool]) -> None:
+        super().publish_grads(used)
+        # the optimizer step comes next; a resident copy is re-gathered after it
+        self.shard_changed = self.behaviour.resident
+
     def end_backward(self) -> None:
         if self.state is not UnitState.SHARDED and not self.behaviour.resident:
             self.reshard()

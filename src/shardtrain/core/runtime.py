@@ -186,14 +186,12 @@ class Runtime:
         """Keep at most one reduction in flight beyond the newest (bounds the gradient memory)."""
         if self._last_reduce is not None:
             self._last_reduce.wait()
-        unit.pending_reduces.append(pending)
+        unit.track(pending)
         self._last_reduce = pending
 
     def _finish_reduces(self) -> None:
         for unit in self.units:
-            for pending in unit.pending_reduces:
-                pending.wait()
-            unit.pending_reduces = []
+            unit.wait_reduces()
         self._last_reduce = None
 
     @torch._dynamo.disable
@@ -207,8 +205,6 @@ class Runtime:
             used = self._agree_on_used()
             for unit, mask in zip(self.units, used):
                 unit.publish_grads(mask)
-                if isinstance(unit, GatheredUnit):
-                    unit.shard_changed = unit.behaviour.resident  # the optimizer step comes next
         for unit in self.units:
             unit.end_backward()
         self.state = TrainingState.IDLE

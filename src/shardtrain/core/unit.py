@@ -66,7 +66,7 @@ class ShardUnit(ABC):
         self._grads: list[torch.Tensor | None] = [None] * len(layout.params)  # what `.grad` is when published
         self.used = [False] * len(layout.params)
         self._accumulated: dict[int, torch.Tensor] = {}  # group -> unsharded gradients kept under no_sync
-        self.pending_reduces: list[Pending] = []
+        self._pending_reduces: list[Pending] = []
 
     @property
     def label(self) -> str:
@@ -139,6 +139,16 @@ class ShardUnit(ABC):
             buf.grad = shard_grad if shard_grad.dtype == buf.group.dtype else shard_grad.to(buf.group.dtype)
         for i, view in zip(buf.group.trainable, buf.grad_views()):
             self._grads[i] = self.factory.wrap(view, self.layout.params[i])
+
+    def track(self, pending: Pending) -> None:
+        """A reduction of this unit's gradients is in flight."""
+        self._pending_reduces.append(pending)
+
+    def wait_reduces(self) -> None:
+        """Make every reduction of this unit usable where its gradients are read."""
+        for pending in self._pending_reduces:
+            pending.wait()
+        self._pending_reduces = []
 
     def owns_grads(self) -> bool:
         """Whether every published `.grad` is still the view of a flat sharded gradient."""

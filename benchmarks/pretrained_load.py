@@ -54,6 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=20, help="fine-tuning steps per phase")
     parser.add_argument("--warmup", type=int, default=3, help="first steps left out of tokens/s")
     parser.add_argument("--lora-rank", type=int, default=8)
+    parser.add_argument("--full-offload", type=float, default=0.0,
+                        help="full phase only: share of the parameters (whole units) whose fp32 masters, gradients "
+                             "and AdamW state live in host memory (0: none; 0.25 if that phase runs out of memory)")
     parser.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated subset of {','.join(PHASES)}")
     parser.add_argument("--fresh", action="store_true", help="rewrite the checkpoint even if one of this shape exists")
     parser.add_argument("--phase", default=None, help=argparse.SUPPRESS)  # a child process runs this one
@@ -154,12 +157,13 @@ def meta_model(args):
         return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.dir))
 
 
-def shard(model, device, init_fn=None):
+def shard(model, device, init_fn=None, offload: float = 0.0):
     import shardtrain as st
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     return st.shard(model, strategy="full_shard", wrap={LlamaDecoderLayer}, mixed_precision="bf16",
-                    activation_checkpointing={LlamaDecoderLayer}, device=device, param_init_fn=init_fn)
+                    activation_checkpointing={LlamaDecoderLayer}, device=device, param_init_fn=init_fn,
+                    cpu_offload=offload if offload else False)
 
 
 def sync(device) -> None:
@@ -281,9 +285,11 @@ def phase_full(args, device) -> dict:
     import shardtrain as st
 
     with HostPeak() as host:
-        model = shard(meta_model(args), device)
+        model = shard(meta_model(args), device, offload=args.full_offload)
         st.load_pretrained(model, args.dir)
     out = fine_tune(args, device, model, list(model.parameters()))
+    if args.full_offload and device.type == "cuda":  # st.shard keeps everything in place on a CPU device
+        out["note"] += f"; {args.full_offload:g} of the parameters offloaded"
     return {**out, "host_gib": gib(host.above)}
 
 
@@ -326,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.phase is not None:
         return run_phase(args)
     Path(args.dir).mkdir(parents=True, exist_ok=True)
-    forwarded = [a for a in (argv if argv is not None else sys.argv[1:]) if not a.startswith("--phases")]
+    forwarded = _without_phases(list(argv if argv is not None else sys.argv[1:]))
     results = []
     with tempfile.TemporaryDirectory() as scratch:
         for phase in args.phases.split(","):
@@ -338,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
             env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
                    "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1] / "src"),
                                                   os.environ.get("PYTHONPATH", "")])}
-            child = subprocess.run([sys.executable, __file__, *_without_phases(forwarded), "--phase", phase,
+            child = subprocess.run([sys.executable, __file__, *forwarded, "--phase", phase,
                                     "--scratch", scratch], stdout=subprocess.PIPE, text=True, env=env)
             sys.stdout.write("".join(l + "\n" for l in child.stdout.splitlines() if not l.startswith(RESULT)))
             line = next((l for l in child.stdout.splitlines() if l.startswith(RESULT)), None)
@@ -349,16 +355,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _without_phases(argv: list[str]) -> list[str]:
-    """`argv` without a `--phases X` pair (the child gets --phase instead)."""
+    """`argv` without `--phases X` / `--phases=X` (each child gets its --phase instead)."""
     out, skip = [], False
     for a in argv:
-        if skip:
+        if not skip and not a.startswith("--phases="):
+            if a == "--phases":
+                skip = True
+                continue
+            out.append(a)
+        else:
             skip = False
-            continue
-        if a == "--phases":
-            skip = True
-            continue
-        out.append(a)
     return out
 
 

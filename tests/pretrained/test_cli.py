@@ -67,7 +67,8 @@ def test_lora_trains_adapters_only_resumes_exactly_and_exports_merged(tmp_path, 
     assert "8 adapter parameters keep peft's initialisation" in run.stdout and f"{run_dir / 'hf'}" in run.stdout
     metadata = json.loads((run_dir / "checkpoints" / "step_000002" / "metadata.json").read_text())
     assert metadata["modules"]["model"]["saved"] == "trainable" and len(metadata["modules"]["model"]["params"]) == 8
-    assert set(metadata["optimizers"]["optimizer"]["state"]) == {p["fqn"] for p in metadata["modules"]["model"]["params"]}
+    saved = {p["fqn"] for p in metadata["modules"]["model"]["params"]}
+    assert set(metadata["optimizers"]["optimizer"]["state"]) == saved  # the optimizer holds the adapters only
 
     _shardtrain(*lora, "--run.name", "resumed", "--resume", str(run_dir / "checkpoints" / "step_000002"))
     replay = _records(tmp_path / "runs" / "resumed")

@@ -141,7 +141,10 @@ def plan_export(model: nn.Module, *, dtype: torch.dtype | None, merge_lora: bool
         raise ValueError(f"tensors {twice[:3]} would be written twice; the model holds a name both with and "
                          "without peft's prefix: export the base model or the peft model, not a mix")
     specs = [item.spec for item in items]
-    files = [FilePlan(name=ADAPTER_WEIGHTS, specs=tuple(specs))] if as_adapter else split_files(specs, max_bytes=max_bytes)
+    if as_adapter:
+        files = [FilePlan(name=ADAPTER_WEIGHTS, specs=tuple(specs))]
+    else:
+        files = split_files(specs, max_bytes=max_bytes)
     return ExportPlan(adapter=as_adapter, items=tuple(items), files=tuple(files))
 
 
@@ -176,45 +179,47 @@ def _wait_for_every_rank(group: dist.ProcessGroup | None, world: int) -> None:
 
 
 class _Rank0Writer:
-    """Rank 0's files, written in plan order. An I/O error stops the writing but not the loop over
-    units (the other ranks would wait in the next gather forever): `finish` raises it."""
+    """Rank 0's files. Each file is written in its planned order, opened at its first tensor and closed
+    at its last (a tensor larger than `max_shard_size` has a file of its own while the current one is
+    still open, as in transformers' split). An I/O error stops the writing but not the loop over units
+    (the other ranks would wait in the next gather forever): `finish` raises it."""
 
     def __init__(self, directory: Path, plan: ExportPlan) -> None:
         self.directory = directory
         self.plan = plan
         self._error: Exception | None = None
-        self._file = -1
-        self._writer: SafetensorsWriter | None = None
-        self._left = 0
+        self._file_of = {spec.name: k for k, f in enumerate(plan.files) for spec in f.specs}
+        self._left = [len(f.specs) for f in plan.files]
+        self._open: dict[int, SafetensorsWriter] = {}
 
     def _partial(self, name: str) -> Path:
         return self.directory / f".{name}.partial"
 
-    def _next_file(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-        self._file += 1
-        plan = self.plan.files[self._file]
-        self._writer = SafetensorsWriter(self._partial(plan.name), plan.specs)
-        self._left = len(plan.specs)
+    def _writer(self, k: int) -> SafetensorsWriter:
+        if k not in self._open:
+            plan = self.plan.files[k]
+            self._open[k] = SafetensorsWriter(self._partial(plan.name), plan.specs)
+        return self._open[k]
 
     def write(self, item: _Item, tensor: torch.Tensor) -> None:
         if self._error is not None:
             return
         try:
-            while self._left == 0:
-                self._next_file()
-            self._writer.write(item.spec.name, tensor)
-            self._left -= 1
+            k = self._file_of[item.spec.name]
+            self._writer(k).write(item.spec.name, tensor)
+            self._left[k] -= 1
+            if self._left[k] == 0:
+                self._open.pop(k).close()
         except Exception as exc:  # noqa: BLE001 - raised by finish(), after the loop over units
             self._error = exc
 
     def finish(self, model: nn.Module) -> None:
         if self._error is not None:
             raise self._error
-        while self._file < len(self.plan.files) - 1:  # a planned file without tensors (a model without any)
-            self._next_file()
-        self._writer.close()
+        for k, left in enumerate(self._left):
+            if left == 0 and not self.plan.files[k].specs:  # a file planned empty (a model without tensors)
+                self._writer(k)
+                self._open.pop(k).close()
         with writing(self.directory):
             for path in stale_files(self.directory, list(self.plan.files)):
                 path.unlink()

@@ -136,7 +136,8 @@ def _read_header(file: Path) -> list[TensorEntry]:
             out = []
             for key in handle.keys():
                 view = handle.get_slice(key)
-                out.append(TensorEntry(key=key, file=file, shape=tuple(view.get_shape()), dtype=_dtype(file, key, view)))
+                shape = tuple(view.get_shape())
+                out.append(TensorEntry(key=key, file=file, shape=shape, dtype=_dtype(file, key, view)))
             return out
     except (SafetensorError, OSError) as exc:
         raise ValueError(f"{file} is not a readable safetensors file ({exc}); the file is damaged or truncated: "

@@ -5,7 +5,8 @@ current one past `max_shard_size` (a tensor larger than that gets a file of its 
 `model.safetensors`, several are `model-0000i-of-0000n.safetensors` with a
 `model.safetensors.index.json` mapping every tensor to its file. The split is decided from names,
 shapes and dtypes alone, before any tensor exists, so every file's header is known up front and
-the tensors can be streamed into it.
+the tensors can be streamed into it (a tensor over the limit is filed on its own while the file
+being filled stays open, so a writer may have two files open at once).
 """
 
 from __future__ import annotations

@@ -79,14 +79,17 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike, *, strict: bool =
                         if key is None or held.numel() == 0:
                             continue
                         start, numel = held_range(unit, i)
-                        rows = _read_rows(handles, weights.tensors[key], start // max(shard.row_numel, 1),
-                                          numel // max(shard.row_numel, 1))
-                        # Note: an in-place copy bumps the shard's version, so a resident unsharded copy
-                        # (no_shard, optimizer_only) is gathered again before the next forward.
-                        held.copy_(rows.view(held.shape))
+                        rows = _read_rows(handles, weights.tensors[key], start // shard.row_numel,
+                                          numel // shard.row_numel).view(held.shape)
+                        # Note: the rows cross to the device in the file's dtype and are converted there
+                        # (copy_ would convert on the host first: twice the bytes over the bus for bf16
+                        # -> fp32, and a host temporary). An in-place copy bumps the shard's version, so
+                        # a resident unsharded copy (no_shard, optimizer_only) is gathered again.
+                        held.copy_(rows.to(held.device) if rows.device != held.device else rows)
             with _Handles() as handles:
                 for name, key in match.buffers.items():
-                    buffers[name].copy_(handles.open(weights.tensors[key].file).get_tensor(key))
+                    value = handles.open(weights.tensors[key].file).get_tensor(key)
+                    buffers[name].copy_(value.to(buffers[name].device))
         return LoadReport(path=weights.path, loaded=len(match.params) + len(match.buffers), missing=match.missing,
                           unexpected=match.unexpected, adapters=match.adapters)
 

@@ -153,11 +153,12 @@ def _build_hf(cfg: ModelConfig) -> BuiltModel:
         if not path.exists():
             raise ValueError(f"model.hf_config={cfg.hf_config!r} does not exist; pass a local config.json or a "
                              "directory holding one (nothing is downloaded)")
-        weights = weights_in_folder(path if path.is_dir() else path.parent)
+        folder = path if path.is_dir() else path.parent
+        weights = weights_in_folder(folder)
         if weights is not None:
             notice = (f"model.hf_config {path} sits beside weights ({weights.name}); training starts from random "
-                      f"initialisation, as model.hf_config asks: pass --model.pretrained {path if path.is_dir() else path.parent} "
-                      "to fine-tune from them")
+                      f"initialisation, as model.hf_config asks: pass --model.pretrained {folder} to fine-tune from "
+                      "them")
         hf_cfg = transformers.AutoConfig.from_pretrained(str(path), **kwargs)
     elif "model_type" in kwargs:
         hf_cfg = transformers.AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)

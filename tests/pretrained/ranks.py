@@ -33,11 +33,13 @@ def blocks(model: nn.Module) -> frozenset:
     return classes_by_name(model, tuple(model._no_split_modules))
 
 
-def sharded(folder, strategy: str, *, mesh=None, lora: dict | None = None, seed: int = 0) -> nn.Module:
-    """`folder`'s model on meta (with LoRA adapters when `lora` is given), sharded, weights loaded."""
+def sharded(folder, strategy: str, *, mesh=None, lora: dict | None = None, seed: int = 0,
+            embedding_unit: bool = False) -> nn.Module:
+    """`folder`'s model on meta (with LoRA adapters when `lora` is given), sharded, weights loaded.
+    `embedding_unit`: the embedding is a unit of its own (sharded, it looks rows up where they are held)."""
     torch.manual_seed(seed)
     model = meta_model(folder)
-    wrap = blocks(model)
+    wrap = blocks(model) | ({nn.Embedding} if embedding_unit else set())
     init = None
     if lora is not None:
         model = apply_lora(model, **lora)
@@ -58,7 +60,8 @@ def logits(model: nn.Module) -> torch.Tensor:
         return model(INPUT).logits
 
 
-def compare_with_from_pretrained(folder: str, strategies: list[str], mesh=None) -> dict[str, dict]:
+def compare_with_from_pretrained(folder: str, strategies: list[str], mesh=None,
+                                 embedding_unit: bool = False) -> dict[str, dict]:
     """Per strategy: the largest logit difference from `from_pretrained`'s model, whether every parameter
     and buffer (non-persistent rotary tables included) equals its own, and the rows of each tensor this
     rank read from the files beside the rows it holds."""
@@ -73,19 +76,19 @@ def compare_with_from_pretrained(folder: str, strategies: list[str], mesh=None) 
 
     load._read_rows = recording
     try:
-        return _compare(folder, strategies, mesh, reads)
+        return _compare(folder, strategies, mesh, reads, embedding_unit)
     finally:
         load._read_rows = read_rows
 
 
-def _compare(folder, strategies, mesh, reads) -> dict[str, dict]:
+def _compare(folder, strategies, mesh, reads, embedding_unit) -> dict[str, dict]:
     ref = reference(folder)
     expected = logits(ref)
     ref_state = {**dict(ref.named_parameters(remove_duplicate=False)), **dict(ref.named_buffers())}
     out = {}
     for strategy in strategies:
         reads.clear()
-        model = sharded(folder, strategy, mesh=mesh).eval()
+        model = sharded(folder, strategy, mesh=mesh, embedding_unit=embedding_unit).eval()
         diff = (logits(model) - expected).abs().max().item()
         full = st.full_state_dict(model, rank0_only=False)
         buffers = dict(model.named_buffers())
@@ -143,8 +146,8 @@ def lora_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {s.fqn: u.held(i).clone() for u in runtime.units for i, s in enumerate(u.layout.params) if s.requires_grad}
 
 
-def lora_setup(folder: str, strategy: str, *, seed: int):
-    model = sharded(folder, strategy, lora=LORA, seed=seed)
+def lora_setup(folder: str, strategy: str, *, seed: int, targets: tuple[str, ...] = LORA["targets"]):
+    model = sharded(folder, strategy, lora={**LORA, "targets": targets}, seed=seed)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-2, weight_decay=0.1)
     scheduler = make_scheduler(optimizer, warmup_steps=2, total_steps=6, min_ratio=0.1)
@@ -200,9 +203,10 @@ def lora_resume(folder: str, checkpoint: str, strategy: str) -> dict:
             "rows": {k: tuple(v.shape) for k, v in got.items()}}
 
 
-def lora_export(folder: str, merged: str, adapter: str, strategy: str) -> dict[str, torch.Tensor]:
+def lora_export(folder: str, merged: str, adapter: str, strategy: str,
+                targets: tuple[str, ...]) -> dict[str, torch.Tensor]:
     """Train LoRA 2 steps; export merged and as an adapter; return the full peft state (rank 0)."""
-    model, optimizer, scheduler = lora_setup(folder, strategy, seed=0)
+    model, optimizer, scheduler = lora_setup(folder, strategy, seed=0, targets=targets)
     train(model, optimizer, scheduler, 2, seed=5)
     st.save_pretrained(model, merged, merge_lora=True)
     model.save_pretrained(adapter)

@@ -27,6 +27,14 @@ def test_loads_what_from_pretrained_loads(pools, hf_folders, kind, world):
         assert all(results[r]["no_shard"]["read"][embed] == (0, 259) for r in range(3))
 
 
+@pytest.mark.parametrize("kind", ["llama_untied", "gpt2"])
+def test_loads_into_an_embedding_that_looks_rows_up_where_they_are_held(pools, hf_folders, kind):
+    results = pools(3).run(ranks.compare_with_from_pretrained, str(hf_folders[kind]), ["full_shard"],
+                           embedding_unit=True)
+    assert all(r["full_shard"]["diff"] <= 1e-6 and r["full_shard"]["same"] for r in results)
+    assert all(r["full_shard"]["read"] == r["full_shard"]["held"] for r in results)
+
+
 def test_hybrid_shard_reads_rows_per_shard_group(pools, hf_folders):
     results = pools(4).run(ranks.compare_with_from_pretrained, str(hf_folders["llama_untied"]), ["hybrid_shard"],
                            mesh=(2, 2))

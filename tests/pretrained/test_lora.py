@@ -40,13 +40,18 @@ def test_adapter_only_checkpoint_resumes_bit_for_bit_on_every_rank(pools, hf_fol
     assert all(".lora_A." in name or ".lora_B." in name for name in saved)
 
 
-def test_merged_export_equals_merge_and_unload_and_adapter_export_loads_in_peft(pools, hf_folders, tmp_path):
+@pytest.mark.parametrize("kind,targets,adapted", [
+    ("llama_tied", ("q_proj", "v_proj"), "model.layers.{i}.self_attn.{t}.weight"),
+    ("gpt2", ("c_attn",), "transformer.h.{i}.attn.{t}.weight"),  # Conv1D: fan_in_fan_out, B @ A transposed
+])
+def test_merged_export_equals_merge_and_unload_and_adapter_export_loads_in_peft(pools, hf_folders, tmp_path, kind,
+                                                                                 targets, adapted):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    folder = hf_folders["llama_tied"]
+    folder = hf_folders[kind]
     merged, adapter = tmp_path / "merged", tmp_path / "adapter"
-    state = pools(3).run(ranks.lora_export, str(folder), str(merged), str(adapter), "full_shard")[0]
+    state = pools(3).run(ranks.lora_export, str(folder), str(merged), str(adapter), "full_shard", targets)[0]
     assert sorted(p.name for p in adapter.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
     peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(folder), adapter)
     trained = {k: v for k, v in state.items() if ".lora_" in k}
@@ -56,5 +61,6 @@ def test_merged_export_equals_merge_and_unload_and_adapter_export_loads_in_peft(
     got = AutoModelForCausalLM.from_pretrained(merged).state_dict()
     assert set(got) == set(expected)
     assert max((got[k] - expected[k]).abs().max().item() for k in got) <= 1e-6
-    q = "model.layers.0.self_attn.q_proj.weight"
-    assert not torch.equal(got[q], AutoModelForCausalLM.from_pretrained(folder).state_dict()[q])
+    base = AutoModelForCausalLM.from_pretrained(folder).state_dict()
+    assert {k for k in base if not torch.equal(got[k], base[k])} == {adapted.format(i=i, t=t) for i in range(2)
+                                                                      for t in targets}

@@ -109,6 +109,9 @@ def plan_export(model: nn.Module, *, dtype: torch.dtype | None, merge_lora: bool
     if hf is None:
         raise ValueError(f"{type(model).__name__} is not a transformers model: a Hugging Face folder needs its "
                          "config; save it with st.save_checkpoint(..., format='full') instead")
+    if hf is not model and not hasattr(model, "peft_config"):
+        raise ValueError(f"{type(model).__name__} holds a transformers model ({type(hf).__name__}) inside it; its "
+                         "names would not be the ones from_pretrained expects: shard and export that model itself")
     adapters = adapter_params(model)
     if merge_lora and not adapters:
         raise ValueError("merge_lora=True, but the model has no LoRA adapters to merge; export without merging")

@@ -25,6 +25,7 @@ from ..checkpoint.collective import Comm
 from ..checkpoint.format import short_list
 from ..checkpoint.local import held_range, persistent_buffers
 from ..core.shard import runtime_of
+from .export import install_save_pretrained
 from .files import TensorEntry, WeightFiles, resolve_weights
 from .keys import KeyMatch, match_keys
 
@@ -94,8 +95,6 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike, *, strict: bool =
                           unexpected=match.unexpected, adapters=match.adapters)
 
     report = comm.everyone(load)
-    from .export import install_save_pretrained
-
     install_save_pretrained(model)
     return report
 

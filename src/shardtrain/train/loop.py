@@ -199,7 +199,11 @@ def build_job(cfg: Config, engine: Engine) -> tuple[_Job, str]:
                ema=WeightEMA(model, decay=cfg.train.ema_decay) if cfg.train.ema_decay > 0 else None,
                train_batches=TokenBatches(cache.train, shuffle=True, **common),
                eval_batches=TokenBatches(cache.held_out, shuffle=False, **common), vocab_size=tokenizer.vocab_size)
-    return job, built.description
+    description = built.description
+    if cfg.lora.rank:
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        description += f", LoRA r={cfg.lora.rank} on {','.join(cfg.lora.targets)}: {trainable / 1e6:.2f}M trainable"
+    return job, description
 
 
 def run(cfg: Config, engine: Engine) -> Summary:

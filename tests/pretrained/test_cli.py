@@ -99,6 +99,12 @@ def test_pretrained_builds_on_meta_and_names_bad_folders(hf_folders, tmp_path):
     with pytest.raises(ValueError, match=f"^model.pretrained='{tmp_path}' does not build: {tmp_path} holds a "
                                          "config.json but no model.safetensors"):
         build_model(load_config(None, ["--model.pretrained", str(tmp_path)]).model, init_context=None)
+    weights_only = tmp_path / "weights_only"
+    weights_only.mkdir()
+    (weights_only / "model.safetensors").write_bytes((hf_folders["gpt2"] / "model.safetensors").read_bytes())
+    with pytest.raises(ValueError, match=f"^model.pretrained='{weights_only}' does not build: {weights_only} is not a "
+                                         "Hugging Face model folder with a config.json"):
+        build_model(load_config(None, ["--model.pretrained", str(weights_only)]).model, init_context=None)
     with pytest.raises(ValueError, match="drop --model.name llama-tiny"):
         build_model(load_config(None, ["--model.pretrained", str(hf_folders["gpt2"]), "--model.name",
                                        "llama-tiny"]).model, init_context=None)

@@ -8,7 +8,9 @@ Phases, each in a fresh process (so that its peaks and timings are its own), wor
   st       model built on the meta device, st.shard (full_shard, bf16 compute, fp32 masters, every
            decoder layer activation-checkpointed), then st.load_pretrained: time, peak host RSS.
   hf       from_pretrained(dtype=bf16) into host memory, then the same st.shard: time, peak host RSS.
-           Its logits on a fixed input are compared with the st phase's (they must be equal).
+           Its fp32 masters must equal the st phase's (per-parameter float64 sums, bit for bit); the
+           largest logit difference on a fixed input is reported (rotary tables computed on another
+           device may differ in the last bit).
   full     --steps steps of full fine-tuning (fused AdamW on CUDA), batch 1 x --seq tokens.
   lora     --steps steps of LoRA (peft, r=8 on q_proj,v_proj; only the adapters train).
 
@@ -16,7 +18,7 @@ Peak host RSS is the process's peak resident size during the phase above its siz
 start (Linux VmHWM, reset at the start; elsewhere sampled). Tokens/s is over the steps after the
 first --warmup. Prints one table at the end; exits 1 if any phase failed.
 
-    python benchmarks/pretrained_load.py --dir /scratch/llama8b                 # one H200
+    python benchmarks/pretrained_load.py --dir /scratch/llama8b                 # one H200: 16 GB on disk
     python benchmarks/pretrained_load.py --dir /tmp/tiny-llama --device cpu --layers 2 --hidden 256 \
         --heads 4 --kv-heads 2 --intermediate 512 --vocab 1024 --seq 128 --steps 3 --warmup 1   # CPU dry run
 """
@@ -179,13 +181,17 @@ def gpu_peak(device) -> float | None:
     return gib(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
 
 
-def fixed_logits(model, args, device):
-    """Logits of a fixed 64-token input (compared between the st and hf phases)."""
+def fingerprint(model, args, device) -> dict:
+    """What the st and hf phases compare: each parameter's sum in float64 and the logits of a fixed input."""
     import torch
 
+    from shardtrain.core.shard import runtime_of
+
+    sums = {s.fqn: torch.sum(u.held(i), dtype=torch.float64).item()
+            for u in runtime_of(model).units for i, s in enumerate(u.layout.params)}
     tokens = torch.randint(0, args.vocab, (1, 64), generator=torch.Generator().manual_seed(0)).to(device)
     with torch.no_grad():
-        return model(tokens).logits.float().cpu()
+        return {"sums": sums, "logits": model(tokens).logits.float().cpu()}
 
 
 # ------------------------------------------------------------------------------------------ phases
@@ -222,7 +228,7 @@ def phase_st(args, device) -> dict:
         st.load_pretrained(model, args.dir)
         sync(device)
         done = time.perf_counter()
-    torch.save(fixed_logits(model, args, device), Path(args.scratch) / "st.pt")
+    torch.save(fingerprint(model, args, device), Path(args.scratch) / "st.pt")
     rate = folder_bytes(args.dir) / (done - sharded) / 2**30
     return {"time_s": done - start, "host_gib": gib(host.above), "gpu_gib": gpu_peak(device),
             "note": f"shard {sharded - start:.1f} s + load_pretrained {done - sharded:.1f} s ({rate:.2f} GiB/s)"}
@@ -239,15 +245,18 @@ def phase_hf(args, device) -> dict:
         shard(model, device)
         sync(device)
         done = time.perf_counter()
-    logits = fixed_logits(model, args, device)
+    mine = fingerprint(model, args, device)
     reference = Path(args.scratch) / "st.pt"
     if reference.is_file():
-        diff = (logits - torch.load(reference, weights_only=True)).abs().max().item()
-        if diff != 0:
-            raise RuntimeError(f"logits differ from the st phase's by {diff}: the loaded weights disagree")
-        same = "logits equal to st's"
+        theirs = torch.load(reference, weights_only=True)
+        differ = sorted(k for k in mine["sums"] if mine["sums"][k] != theirs["sums"].get(k))
+        if differ or set(theirs["sums"]) != set(mine["sums"]):
+            raise RuntimeError(f"the fp32 masters differ from the st phase's ({len(differ)} parameters, e.g. "
+                               f"{differ[:2]}): st.load_pretrained and from_pretrained disagree")
+        diff = (mine["logits"] - theirs["logits"]).abs().max().item()
+        same = f"masters equal to st's, logits max diff {diff:.2g}"
     else:
-        same = "st phase not run: logits not compared"
+        same = "st phase not run: nothing compared"
     return {"time_s": done - start, "host_gib": gib(host.above), "gpu_gib": gpu_peak(device),
             "note": f"from_pretrained {loaded - start:.1f} s + shard {done - loaded:.1f} s; {same}"}
 

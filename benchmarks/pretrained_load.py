@@ -160,8 +160,9 @@ def meta_model(args):
 
 
 def shard(model, device, init_fn=None, offload: float = 0.0):
-    import shardtrain as st
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    import shardtrain as st
 
     return st.shard(model, strategy="full_shard", wrap={LlamaDecoderLayer}, mixed_precision="bf16",
                     activation_checkpointing={LlamaDecoderLayer}, device=device, param_init_fn=init_fn,
@@ -355,8 +356,9 @@ def main(argv: list[str] | None = None) -> int:
                                                   os.environ.get("PYTHONPATH", "")])}
             child = subprocess.run([sys.executable, __file__, *forwarded, "--phase", phase,
                                     "--scratch", scratch], stdout=subprocess.PIPE, text=True, env=env)
-            sys.stdout.write("".join(l + "\n" for l in child.stdout.splitlines() if not l.startswith(RESULT)))
-            line = next((l for l in child.stdout.splitlines() if l.startswith(RESULT)), None)
+            lines = child.stdout.splitlines()
+            sys.stdout.write("".join(f"{text}\n" for text in lines if not text.startswith(RESULT)))
+            line = next((text for text in lines if text.startswith(RESULT)), None)
             results.append(json.loads(line[len(RESULT):]) if line else
                            {"phase": phase, "ok": False, "note": f"the process died (exit code {child.returncode})"})
     print(table(args, results))

@@ -36,9 +36,7 @@ _BASE_LAYER = "base_layer"
 
 def base_name(name: str) -> str:
     """`name` as the un-adapted model calls it: no peft prefix, no `base_layer` segments."""
-    if name.startswith(PEFT_PREFIX):
-        name = name[len(PEFT_PREFIX):]
-    return ".".join(part for part in name.split(".") if part != _BASE_LAYER)
+    return ".".join(part for part in name.removeprefix(PEFT_PREFIX).split(".") if part != _BASE_LAYER)
 
 
 def hf_model(model: nn.Module) -> nn.Module | None:

@@ -18,7 +18,6 @@ from typing import Callable
 import torch
 from torch import nn
 
-
 _META_INITS = (True, "gaussian")
 
 

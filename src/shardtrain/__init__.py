@@ -28,6 +28,8 @@ _EXPORTS = {
     "MemoryEstimate": "shardtrain.planning.estimate",
     "save_checkpoint": "shardtrain.checkpoint",
     "load_checkpoint": "shardtrain.checkpoint",
+    "load_pretrained": "shardtrain.pretrained",
+    "save_pretrained": "shardtrain.pretrained",
     "Engine": "shardtrain.engine",
     "GradScaler": "shardtrain.ops.grad_scaler",
 }

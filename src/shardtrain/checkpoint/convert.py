@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .commit import resolve
-from .format import dtype_of, full_file, read_metadata
+from .format import dtype_of, full_file, read_metadata, saved_params_kind
 from .sharded import sharded_source
 from .source import ModuleSource
 from .tensorfile import CheckpointFiles, SafetensorsWriter, TensorSpec
@@ -52,6 +52,10 @@ def convert_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, *,
     elif config is None:
         raise ValueError(f"output {out} does not end in .safetensors and the checkpoint holds no Hugging Face config; "
                          "name a .safetensors file, or pass --hf-config CONFIG_JSON to write a from_pretrained folder")
+    if config is not None and saved_params_kind(record) == "trainable":
+        raise ValueError(f"{directory} holds only the trainable parameters of {key!r} (e.g. LoRA adapters), not a "
+                         "whole model for from_pretrained; convert them to a .safetensors file, or export the model "
+                         "with --run.export_hf true")
     weights = out / "model.safetensors" if config is not None else out
     weights.parent.mkdir(parents=True, exist_ok=True)
     with CheckpointFiles(directory, metadata["files"]) as files:

@@ -25,6 +25,7 @@ FORMAT_VERSION = 2
 METADATA_FILE = "metadata.json"
 LATEST_FILE = "latest"
 KINDS = ("sharded", "full")
+PARAMS = ("all", "trainable")  # which parameters a module record (and its files) holds
 
 _DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -96,11 +97,23 @@ def dtype_of(code: str) -> torch.dtype:
 
 
 # ------------------------------------------------------------------------------------ layouts
-def params_record(runtime: Runtime) -> list[dict[str, Any]]:
-    """Every parameter of a sharded module, in unit order: name, aliases, shape, stored dtype, unit."""
+def params_record(runtime: Runtime, *, params: str = "all") -> list[dict[str, Any]]:
+    """The parameters of a sharded module that are saved (`params`: "all", or "trainable": those that
+    require gradients), in unit order: name, aliases, shape, stored dtype, unit."""
     return [{"fqn": s.fqn, "aliases": list(s.aliases), "shape": list(s.shape), "dtype": dtype_code(s.dtype),
              "requires_grad": s.requires_grad, "unit": unit.name}
-            for unit in runtime.units for s in unit.layout.params]
+            for unit in runtime.units for s in unit.layout.params if saves(s.requires_grad, params)]
+
+
+def saves(requires_grad: bool, params: str) -> bool:
+    """Whether a parameter is saved when saving `params` ("all" or "trainable")."""
+    return params == "all" or requires_grad
+
+
+def saved_params_kind(record: dict[str, Any]) -> str:
+    """Which parameters a module record holds: "all" (also every checkpoint written before the choice
+    existed) or "trainable"."""
+    return record.get("saved", "all")
 
 
 def shard_rows(shape: tuple[int, ...], shard: int, shards: int) -> tuple[int, int]:

@@ -21,7 +21,7 @@ import torch
 from ..core.shard import runtime_of
 from ..ops.state_dict import gather_params
 from .entries import Entries
-from .format import full_file, full_state_tensor
+from .format import full_file, full_state_tensor, saves
 from .local import persistent_buffers
 from .optim_state import OptimizerSnapshot
 from .source import ModuleSource
@@ -58,21 +58,25 @@ class _GuardedWriter:
 
 
 def write_full(entries: Entries, snapshots: dict[str, OptimizerSnapshot], staging: Path, *,
-               rank: int) -> dict[str, FileRecord]:
-    """All ranks gather; rank 0 writes each module's and optimizer's file. Returns rank 0's records."""
+               rank: int, params: str = "all") -> dict[str, FileRecord]:
+    """All ranks gather; rank 0 writes each module's and optimizer's file. Returns rank 0's records.
+    `params`: "all", or "trainable" for only the parameters that require gradients."""
     records = {}
     for key, module in entries.modules.items():
         units = runtime_of(module).units
         buffers = persistent_buffers(module)
         specs = [TensorSpec(name=name, dtype=unit.held(i).dtype, shape=s.shape)
-                 for unit in units for i, s in enumerate(unit.layout.params) for name in (s.fqn, *s.aliases)]
+                 for unit in units for i, s in enumerate(unit.layout.params) if saves(s.requires_grad, params)
+                 for name in (s.fqn, *s.aliases)]
         specs += [TensorSpec(name=n, dtype=b.dtype, shape=tuple(b.shape)) for n, b in buffers.items()]
         writer = _GuardedWriter(staging / full_file(key), specs) if rank == 0 else None
         for unit in units:
+            if not any(saves(s.requires_grad, params) for s in unit.layout.params):
+                continue
             whole = gather_params(unit)
             if writer is not None:
                 for s, tensor in zip(unit.layout.params, whole):
-                    for name in (s.fqn, *s.aliases):
+                    for name in (s.fqn, *s.aliases) if saves(s.requires_grad, params) else ():
                         writer.write(name, tensor)
             del whole
         if writer is not None:

@@ -13,7 +13,7 @@ from typing import Any
 from .collective import Comm
 from .commit import resolve
 from .entries import Entries, classify
-from .format import read_metadata, short_list
+from .format import PARAMS, read_metadata, short_list
 from .full import FullSource
 from .objects import restore_objects
 from .optim_state import restore_optimizer
@@ -31,14 +31,19 @@ _KIND_FIXES = {
 }
 
 
-def load_checkpoint(path: str | os.PathLike, state: dict[str, Any], *, strict: bool = True) -> dict[str, Any]:
+def load_checkpoint(path: str | os.PathLike, state: dict[str, Any], *, strict: bool = True,
+                    params: str = "all") -> dict[str, Any]:
     """Load the checkpoint at `path` into the objects of `state`, in place; return its plain values.
 
     `path` is a checkpoint directory, or a directory whose `latest` pointer names one. A sharded
     checkpoint written at any world size loads at this one. With `strict`, every object of `state`
     must be in the checkpoint and every model and optimizer must match it name for name and shape for
-    shape; `strict=False` loads what matches. Every rank of the model's process group must call it.
+    shape; `strict=False` loads what matches. `params="trainable"` loads only the models' parameters
+    that require gradients (the others keep their values): the way to load a checkpoint saved with
+    `save_checkpoint(..., params="trainable")`. Every rank of the model's process group must call it.
     """
+    if params not in PARAMS:
+        raise ValueError(f"params={params!r}: use 'all' (every parameter) or 'trainable' (those requiring gradients)")
     entries = classify(state)
     comm = Comm.over(entries.comm_group)
     values: dict[str, Any] = {}
@@ -50,7 +55,7 @@ def load_checkpoint(path: str | os.PathLike, state: dict[str, Any], *, strict: b
         with CheckpointFiles(directory, metadata["files"]) as files:
             sources = {key: _source(files, key, metadata) for key in entries.modules if key in metadata["modules"]}
             for key, source in sources.items():
-                restore_module(entries.modules[key], key, source, strict=strict)
+                restore_module(entries.modules[key], key, source, strict=strict, params=params)
             for name, sharded in entries.optimizers.items():
                 if name in metadata["optimizers"] and sharded.module in sources:
                     restore_optimizer(sharded, name, metadata["optimizers"][name], sources[sharded.module],

@@ -25,7 +25,7 @@ from ..core.shard import runtime_of
 from . import commit
 from .collective import Comm
 from .entries import Entries, classify
-from .format import FORMAT_NAME, FORMAT_VERSION, KINDS, METADATA_FILE, dtype_code, params_record, write_metadata
+from .format import FORMAT_NAME, FORMAT_VERSION, KINDS, METADATA_FILE, PARAMS, dtype_code, params_record, write_metadata
 from .full import write_full
 from .local import persistent_buffers
 from .objects import rank_payload, write_rank_file
@@ -36,7 +36,7 @@ from .values import encode
 
 
 def save_checkpoint(path: str | os.PathLike, state: dict[str, Any], *, format: str = "sharded",
-                    keep_last: int | None = None) -> Path:
+                    keep_last: int | None = None, params: str = "all") -> Path:
     """Save `state` to the checkpoint directory `path`, atomically; return `path`.
 
     Objects (sharded modules, their optimizers, anything with state_dict/load_state_dict) are saved
@@ -44,10 +44,15 @@ def save_checkpoint(path: str | os.PathLike, state: dict[str, Any], *, format: s
     shards, loadable at any world size. `format="full"`: whole tensors, the weights loadable into the
     plain model with `model.load_state_dict(safetensors.torch.load_file(path/"model.safetensors"))`.
     `<parent>/latest` is pointed at `path`; `keep_last=k` keeps the k newest checkpoints of the parent.
+    `params="trainable"` saves only the parameters that require gradients (every rank's rows of them,
+    e.g. LoRA adapters over a frozen base that is reloaded from its pretrained files); the metadata
+    records it, and loading needs `load_checkpoint(..., params="trainable")`.
     Every rank of the model's process group must call it.
     """
     if format not in KINDS:
         raise ValueError(f"format={format!r}: use one of {KINDS}")
+    if params not in PARAMS:
+        raise ValueError(f"params={params!r}: use 'all' (every parameter) or 'trainable' (those requiring gradients)")
     if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
         raise ValueError(f"keep_last={keep_last!r}: use a positive int (checkpoints kept), or None to keep all")
     final = Path(path)
@@ -71,16 +76,17 @@ def save_checkpoint(path: str | os.PathLike, state: dict[str, Any], *, format: s
     def write():
         records = write_rank_file(staging, comm.rank, payload)
         if format == "sharded":
-            records.update(write_shards(entries, snapshots, staging))
+            records.update(write_shards(entries, snapshots, staging, params=params))
         else:
-            records.update(write_full(entries, snapshots, staging, rank=comm.rank))
+            records.update(write_full(entries, snapshots, staging, rank=comm.rank, params=params))
         if commit.before_commit_hook is not None:
             commit.before_commit_hook(staging, comm.rank)
         return {name: asdict(record) for name, record in records.items()}
 
     def finish(per_rank):
         files = {name: record for records in per_rank for name, record in sorted(records.items())}
-        metadata = _metadata(entries, snapshots, kind=format, world=comm.world, values=values, files=files)
+        metadata = _metadata(entries, snapshots, kind=format, world=comm.world, values=values, files=files,
+                             params=params)
         with writing(staging / METADATA_FILE):
             write_metadata(staging, metadata)
         with writing(final):
@@ -97,7 +103,7 @@ def save_checkpoint(path: str | os.PathLike, state: dict[str, Any], *, format: s
 
 
 def _metadata(entries: Entries, snapshots: dict[str, OptimizerSnapshot], *, kind: str, world: int,
-              values: dict[str, Any], files: dict[str, Any]) -> dict[str, Any]:
+              values: dict[str, Any], files: dict[str, Any], params: str) -> dict[str, Any]:
     return {
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,
@@ -106,7 +112,7 @@ def _metadata(entries: Entries, snapshots: dict[str, OptimizerSnapshot], *, kind
         "created_ns": time.time_ns(),
         "shardtrain_version": __version__,
         "torch_version": torch.__version__,
-        "modules": {key: _module_record(module) for key, module in entries.modules.items()},
+        "modules": {key: _module_record(module, params=params) for key, module in entries.modules.items()},
         "optimizers": {name: snap.record(name) for name, snap in snapshots.items()},
         "objects": sorted(entries.objects),
         "values": values,
@@ -114,14 +120,15 @@ def _metadata(entries: Entries, snapshots: dict[str, OptimizerSnapshot], *, kind
     }
 
 
-def _module_record(module: nn.Module) -> dict[str, Any]:
+def _module_record(module: nn.Module, *, params: str) -> dict[str, Any]:
     runtime = runtime_of(module)
     record = {
+        "saved": params,
         "class": f"{type(module).__module__}.{type(module).__qualname__}",
         "strategy": runtime.strategy.value,
         "shard_world": runtime.comm.shard_world,
         "replicate_world": runtime.comm.replicate_world,
-        "params": params_record(runtime),
+        "params": params_record(runtime, params=params),
         "buffers": {name: {"shape": list(b.shape), "dtype": dtype_code(b.dtype)}
                     for name, b in persistent_buffers(module).items()},
     }

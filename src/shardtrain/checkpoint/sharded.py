@@ -22,16 +22,18 @@ import torch
 
 from ..core.shard import runtime_of
 from .entries import Entries
-from .format import (buffer_tensor, legacy_param_tensor, legacy_state_tensor, param_tensor, saved_shape, shard_file,
-                     shard_rows, state_tensor)
+from .format import (buffer_tensor, legacy_param_tensor, legacy_state_tensor, param_tensor, saved_shape, saves,
+                     shard_file, shard_rows, state_tensor)
 from .local import persistent_buffers, writes_shards
 from .optim_state import OptimizerSnapshot
 from .source import ModuleSource
 from .tensorfile import CheckpointFiles, FileRecord, SafetensorsWriter, TensorSpec
 
 
-def write_shards(entries: Entries, snapshots: dict[str, OptimizerSnapshot], staging: Path) -> dict[str, FileRecord]:
-    """Write this rank's shard files (if it is in the first replica); return their records."""
+def write_shards(entries: Entries, snapshots: dict[str, OptimizerSnapshot], staging: Path, *,
+                 params: str = "all") -> dict[str, FileRecord]:
+    """Write this rank's shard files (if it is in the first replica); return their records. `params`:
+    "all", or "trainable" for only the parameters that require gradients."""
     records = {}
     for key, module in entries.modules.items():
         runtime = runtime_of(module)
@@ -43,7 +45,7 @@ def write_shards(entries: Entries, snapshots: dict[str, OptimizerSnapshot], stag
         tensors: list[tuple[TensorSpec, Any]] = []
         for unit in runtime.units:
             for i, s in enumerate(unit.layout.params):
-                if not s.shape and shard != 0:
+                if (not s.shape and shard != 0) or not saves(s.requires_grad, params):
                     continue  # every rank holds a 0-dim parameter whole; shard 0 stores it
                 held = unit.held(i)
                 tensors.append((TensorSpec(name=param_tensor(s.fqn), dtype=held.dtype, shape=tuple(held.shape)), held))

@@ -17,7 +17,7 @@ from torch import nn
 
 from ..core.layout import ParamShard
 from ..core.shard import runtime_of
-from .format import dtype_of, short_list
+from .format import dtype_of, saved_params_kind, saves, short_list
 from .local import held_range, persistent_buffers
 
 
@@ -35,6 +35,7 @@ class ModuleSource(ABC):
                 self.param_shapes[name] = tuple(p["shape"])
                 self.param_dtypes[name] = dtype_of(p["dtype"])
                 self.canonical[name] = p["fqn"]
+        self.saved = saved_params_kind(record)  # "all", or "trainable" (only those were saved)
         self.buffer_shapes = {name: tuple(b["shape"]) for name, b in record["buffers"].items()}
         self.buffer_dtypes = {name: dtype_of(b["dtype"]) for name, b in record["buffers"].items()}
 
@@ -65,15 +66,25 @@ def saved_params(record: dict[str, Any]) -> list[dict[str, Any]]:
             for unit in record["units"] for s in unit["slots"]]
 
 
-def restore_module(module: nn.Module, key: str, source: ModuleSource, *, strict: bool) -> None:
-    """Copy the saved parameters (this rank's rows) and buffers into sharded `module`, in place."""
+def restore_module(module: nn.Module, key: str, source: ModuleSource, *, strict: bool, params: str = "all") -> None:
+    """Copy the saved parameters (this rank's rows) and buffers into sharded `module`, in place.
+
+    `params="trainable"` loads only the parameters that require gradients (the others keep their
+    values); a checkpoint saved with `params="trainable"` loads strictly only that way.
+    """
     runtime = runtime_of(module)
+    if strict and params == "all" and source.saved == "trainable":
+        raise ValueError(f"the checkpoint holds only the trainable parameters of state[{key!r}] (saved with "
+                         "params='trainable'); load the others first (e.g. st.load_pretrained from the pretrained "
+                         "folder) and pass params='trainable' to load_checkpoint")
     buffers = persistent_buffers(module)
-    current = {name: s.shape for unit in runtime.units for s in unit.layout.params for name in (s.fqn, *s.aliases)}
+    shards = [s for unit in runtime.units for s in unit.layout.params]
+    current = {name: s.shape for s in shards if saves(s.requires_grad, params) for name in (s.fqn, *s.aliases)}
     current.update({name: tuple(b.shape) for name, b in buffers.items()})
+    skipped = {name for s in shards if not saves(s.requires_grad, params) for name in (s.fqn, *s.aliases)}
     saved = {**source.param_shapes, **source.buffer_shapes}
     missing = sorted(current.keys() - saved.keys())
-    unexpected = sorted(saved.keys() - current.keys())
+    unexpected = sorted(saved.keys() - current.keys() - skipped)
     mis_shaped = [f"{n}: checkpoint {saved[n]} vs model {current[n]}"
                   for n in sorted(current.keys() & saved.keys()) if saved[n] != current[n]]
     problems = [f"{what} {short_list(names)}" for what, names in
@@ -86,7 +97,7 @@ def restore_module(module: nn.Module, key: str, source: ModuleSource, *, strict:
         for unit in runtime.units:
             for i, shard in enumerate(unit.layout.params):
                 name = source.saved_name(shard)
-                if name is None:
+                if name is None or not saves(shard.requires_grad, params):
                     continue
                 held = unit.held(i)
                 start, numel = held_range(unit, i)

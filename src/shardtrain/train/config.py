@@ -45,12 +45,36 @@ class ModelConfig:
     kwargs: dict[str, Any] = _help("overrides: LlamaConfig fields, Hugging Face config fields, or factory "
                                    "keyword arguments (e.g. --model.kwargs.n_layers 2)", default_factory=dict)
     hf_config: str | None = _help("Hugging Face config: a config.json or a directory holding one "
-                                  "(or give model.kwargs.model_type instead)", None)
+                                  "(or give model.kwargs.model_type instead); the model starts from random weights, "
+                                  "even where the directory holds weights (use model.pretrained for those)", None)
+    pretrained: str | None = _help("a Hugging Face model folder (config.json + safetensors weights) to fine-tune: "
+                                   "the model is built from its config on the meta device, sharded, and each rank "
+                                   "reads only its rows of the weights (implies model.name 'hf')", None)
     wrap: tuple[str, ...] = _help("module class names that become sharding units "
                                   "(default: Llama's Block, with Embedding and OutputHead from llama-34m up, or the HF "
                                   "model's _no_split_modules)", ())
     activation_checkpointing: bool | int = _help("recompute the wrapped blocks' activations in backward: true (every "
                                                  "block), false, or k (1 block in k)", False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoraConfig:
+    rank: int = _help("LoRA rank r (0: off, every parameter trains). r > 0 (with model.pretrained) adds peft's LoRA "
+                      "adapters to lora.targets and trains only them; checkpoints then hold only the adapters and "
+                      "their optimizer state, and resuming reloads the base from model.pretrained", 0)
+    alpha: float = _help("LoRA alpha: the adapters' update is scaled by alpha / rank", 16.0)
+    targets: tuple[str, ...] = _help("names of the linear layers that get adapters (comma-separated)",
+                                     ("q_proj", "v_proj"))
+    dropout: float = _help("dropout on the adapters' input", 0.0)
+    merge_on_export: bool = _help("with run.export_hf: export the model with the adapters merged into its weights "
+                                  "(W + B @ A * alpha / rank), a plain Hugging Face folder, instead of the adapters "
+                                  "alone in peft's format", False)
+
+    def __post_init__(self) -> None:
+        _require(self.rank >= 0, "lora.rank", self.rank, "use 0 (off) or a positive rank such as 8")
+        _require(self.alpha > 0, "lora.alpha", self.alpha, "use a positive scale such as 16")
+        _require(0 <= self.dropout < 1, "lora.dropout", self.dropout, "use a value in [0, 1)")
+        _require(bool(self.targets), "lora.targets", self.targets, "name at least one layer, e.g. q_proj,v_proj")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,7 +103,7 @@ class OptimConfig:
     grad_clip: float = _help("clip the global gradient norm to this value (0: no clipping)", 1.0)
 
     def __post_init__(self) -> None:
-        _require(self.lr > 0, "optim.lr", self.lr, "use a positive learning rate")
+        _require(self.lr >= 0, "optim.lr", self.lr, "use a learning rate of 0 (nothing changes) or more")
         _require(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", self.min_lr_ratio, "use a value in [0, 1]")
         _require(self.warmup_steps >= 0, "optim.warmup_steps", self.warmup_steps, "use 0 or more")
         _require(self.grad_clip >= 0, "optim.grad_clip", self.grad_clip, "use 0 (off) or a positive norm")
@@ -132,6 +156,9 @@ class EngineConfig:
                  self.cpu_offload, "use true, false, or a share of the parameters in (0, 1]")
 
 
+EXPORT_DTYPES = ("master", "bfloat16", "float16", "float32")
+
+
 @dataclass(frozen=True, kw_only=True)
 class RunConfig:
     out_dir: str = _help("directory of the runs", "runs")
@@ -141,14 +168,22 @@ class RunConfig:
                                "runs/<name>/checkpoints for its latest", None)
     tensorboard: bool = _help("also write TensorBoard events (needs the 'tensorboard' extra)", False)
     progress: bool = _help("show a progress bar on rank 0", True)
+    export_hf: bool = _help("at the end, write runs/<name>/hf/, a Hugging Face folder that from_pretrained opens "
+                            "(config.json + safetensors, split past 5 GB), streamed one unit at a time; with LoRA, the "
+                            "adapters in peft's format unless lora.merge_on_export", False)
+    export_dtype: str = _help("dtype of the exported weights: 'master' (as stored: the fp32 masters, exact), "
+                              "'bfloat16', 'float16' or 'float32'", "master")
 
     def __post_init__(self) -> None:
         _require(self.checkpoint_every >= 0, "run.checkpoint_every", self.checkpoint_every, "use 0 or more")
+        _require(self.export_dtype in EXPORT_DTYPES, "run.export_dtype", self.export_dtype,
+                 f"use one of {', '.join(EXPORT_DTYPES)}")
 
 
 @dataclass(frozen=True, kw_only=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

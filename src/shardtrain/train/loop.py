@@ -26,9 +26,11 @@ from torch import nn
 from ..engine import Engine
 from ..engine.health import heartbeat
 from ..planning.auto import checkpoint_policy
+from ..policy import parse_mixed_precision
 from .config import Config, save_config
 from .data import ByteTokenizer, TokenBatches, build_cache, corpus_files
 from .ema import WeightEMA
+from .finetune import build_dtype, check_finetune_config, checkpoint_params, export, load_base, with_lora
 from .finite import NonFiniteGuard
 from .metrics import MetricsLog, Summary, format_bytes, memory_bytes, plot_metrics
 from .models import BuiltModel, build_model, lm_loss
@@ -48,10 +50,11 @@ def check_batch(cfg: Config, world_size: int) -> int:
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """AdamW groups: weight decay on matrices, none on norms, biases and other vectors (by shape,
-    which sharded parameters keep)."""
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    """AdamW groups of the trainable parameters: weight decay on matrices, none on norms, biases and
+    other vectors (by shape, which sharded parameters keep). Frozen parameters get no optimizer state."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in trainable if p.ndim >= 2]
+    no_decay = [p for p in trainable if p.ndim < 2]
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
@@ -124,17 +127,18 @@ class _Job:
     def save(self, run_dir: Path, step: int) -> None:
         state = self.checkpoint_state()
         state["data"] = data_position(step=step, batch_size=self.cfg.train.batch_size)
-        self.engine.save(str(run_dir / "checkpoints" / f"step_{step:06d}"), state)
+        self.engine.save(str(run_dir / "checkpoints" / f"step_{step:06d}"), state, params=checkpoint_params(self.cfg))
 
     def resume(self, path: str) -> int:
         """Load the checkpoint at `path` into the job; return the step to continue from."""
-        rest = self.engine.load(path, self.checkpoint_state())
+        rest = self.engine.load(path, self.checkpoint_state(), params=checkpoint_params(self.cfg))
         return check_data_position(rest["data"], batch_size=self.cfg.train.batch_size)
 
 
 def _prepare(cfg: Config, engine: Engine) -> tuple[BuiltModel, int, tuple]:
     """Every check a user can fail, on every rank, before any communication."""
     micro_batch = check_batch(cfg, engine.world_size)
+    check_finetune_config(cfg)
     corpus = corpus_files(cfg.data.path, cfg.data.pattern)
     if cfg.run.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ValueError("run.tensorboard=true needs the tensorboard package: pip install 'shardtrain[tensorboard]'")
@@ -147,7 +151,10 @@ def _prepare(cfg: Config, engine: Engine) -> tuple[BuiltModel, int, tuple]:
         raise ValueError(f"run.resume={cfg.run.resume!r} does not exist; pass a checkpoint directory "
                          "(runs/<name>/checkpoints/step_NNNNNN, or runs/<name>/checkpoints for the latest)")
     engine.seed_everything(cfg.train.seed)
-    built = build_model(cfg.model, init_context=engine.init_module)
+    built = build_model(cfg.model, init_context=engine.init_module,
+                        dtype=build_dtype(cfg, parse_mixed_precision(engine.precision)))
+    if built.notice and engine.rank == 0:
+        print(f"note: {built.notice}", flush=True)
     if built.max_seq_len is not None and cfg.data.seq_len > built.max_seq_len:
         raise ValueError(f"data.seq_len={cfg.data.seq_len} exceeds the model's maximum sequence length "
                          f"{built.max_seq_len}; lower --data.seq_len or raise --model.kwargs.max_seq_len")
@@ -174,12 +181,16 @@ def build_job(cfg: Config, engine: Engine) -> tuple[_Job, str]:
                             progress=cfg.run.progress and engine.local_rank == 0)
     common = dict(seq_len=cfg.data.seq_len, global_batch=micro_batch, rank=engine.rank,
                   world_size=engine.world_size, seed=cfg.train.seed)
-    model = built.module
+    model, adapter_init = with_lora(cfg, built.module)
     optimizer = torch.optim.AdamW(param_groups(model, cfg.optim.weight_decay), lr=cfg.optim.lr,
                                   betas=(cfg.optim.beta1, cfg.optim.beta2), fused=engine.device.type == "cuda")
     model, optimizer = engine.setup(model, optimizer, wrap=built.wrap,
                                     activation_checkpointing=checkpoint_policy(
-                                        model, wrap=built.wrap, every=cfg.model.activation_checkpointing))
+                                        model, wrap=built.wrap, every=cfg.model.activation_checkpointing),
+                                    **({"param_init_fn": adapter_init} if adapter_init else {}))
+    loaded = load_base(cfg, model)
+    if loaded and engine.rank == 0:
+        print(loaded, flush=True)
     scheduler = make_scheduler(optimizer, warmup_steps=cfg.optim.warmup_steps, total_steps=cfg.train.steps,
                                min_ratio=cfg.optim.min_lr_ratio)
     guard = NonFiniteGuard(engine, mode=cfg.train.on_nonfinite,
@@ -188,7 +199,11 @@ def build_job(cfg: Config, engine: Engine) -> tuple[_Job, str]:
                ema=WeightEMA(model, decay=cfg.train.ema_decay) if cfg.train.ema_decay > 0 else None,
                train_batches=TokenBatches(cache.train, shuffle=True, **common),
                eval_batches=TokenBatches(cache.held_out, shuffle=False, **common), vocab_size=tokenizer.vocab_size)
-    return job, built.description
+    description = built.description
+    if cfg.lora.rank:
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        description += f", LoRA r={cfg.lora.rank} on {','.join(cfg.lora.targets)}: {trainable / 1e6:.2f}M trainable"
+    return job, description
 
 
 def run(cfg: Config, engine: Engine) -> Summary:
@@ -263,6 +278,11 @@ def _loop(job: _Job, run_dir: Path, *, first_step: int, description: str, start:
             interval_start += time.perf_counter() - pause
     if bar is not None:
         bar.close()
+    if cfg.run.export_hf:
+        heartbeat(cfg.train.steps, "export")
+        exported = export(cfg, job.model, run_dir)
+        if lead:
+            print(f"exported the model to {exported}", flush=True)
     summary = Summary(
         run_dir=str(run_dir), model=description,
         world=f"{engine.world_size} x {engine.device.type}, {engine.strategy.value}, {engine.precision}",

@@ -4,6 +4,8 @@
                             8B starts instantly; st.shard materialises it unit by unit)
     hf                      transformers.AutoModelForCausalLM from a config (model.hf_config and/or
                             model.kwargs with model_type), randomly initialised: nothing is downloaded
+    model.pretrained DIR    the same from DIR/config.json, built on the meta device; its weights are
+                            loaded after sharding (train/finetune.py)
     package.module:factory  any callable returning an nn.Module, called with model.kwargs
 
 Each comes with its default sharding units: Llama's `default_units` (each `Block`, and, when the
@@ -39,21 +41,25 @@ class BuiltModel:
     wrap: frozenset[type[nn.Module]] | None  # None: the whole model is one unit
     description: str
     max_seq_len: int | None  # longest sequence the model accepts, where it has a limit
+    notice: str | None = None  # something the user must be told (printed by rank 0)
 
 
 def model_names() -> list[str]:
     return [LLAMA_PREFIX + size for size in LLAMA_SIZES] + ["hf", "package.module:factory"]
 
 
-def build_model(cfg: ModelConfig, *, init_context) -> BuiltModel:
+def build_model(cfg: ModelConfig, *, init_context, dtype: torch.dtype = torch.float32) -> BuiltModel:
     """Build the model named by `cfg.name`; raise ValueError with the fix if it cannot be built.
 
     `init_context(empty_init=...)` is the engine's `init_module`: models that can initialise
-    themselves on the meta device (the built-in Llama) are built there.
+    themselves on the meta device (the built-in Llama) are built there, and so is a `model.pretrained`
+    model (in `dtype`), whose weights are loaded after sharding.
     """
     name = cfg.name
     try:
-        if name.lower().startswith(LLAMA_PREFIX):
+        if cfg.pretrained is not None:
+            built = _build_pretrained(cfg, dtype=dtype)
+        elif name.lower().startswith(LLAMA_PREFIX):
             built = _build_llama(name[len(LLAMA_PREFIX):], cfg.kwargs, init_context)
         elif name == "hf":
             built = _build_hf(cfg)
@@ -62,10 +68,10 @@ def build_model(cfg: ModelConfig, *, init_context) -> BuiltModel:
         else:
             raise ValueError(f"use one of {', '.join(model_names())}")
     except ValueError as exc:
-        raise ValueError(f"model.name={name!r} does not build: {exc}") from exc
+        what = f"model.pretrained={cfg.pretrained!r}" if cfg.pretrained is not None else f"model.name={name!r}"
+        raise ValueError(f"{what} does not build: {exc}") from exc
     if cfg.wrap:
-        built = BuiltModel(module=built.module, wrap=classes_by_name(built.module, cfg.wrap),
-                           description=built.description, max_seq_len=built.max_seq_len)
+        built = dataclasses.replace(built, wrap=classes_by_name(built.module, cfg.wrap))
     return built
 
 
@@ -105,24 +111,65 @@ def _check_llama_kwargs(kwargs: dict[str, Any]) -> None:
                              f"e.g. --model.kwargs.{key} {str(defaults[key]).lower()}")
 
 
-def _build_hf(cfg: ModelConfig) -> BuiltModel:
+def _transformers():
     try:
         import transformers
     except ModuleNotFoundError as exc:
         raise ValueError("Hugging Face models need transformers: pip install 'shardtrain[hf]'") from exc
+    return transformers
+
+
+def _build_pretrained(cfg: ModelConfig, *, dtype: torch.dtype) -> BuiltModel:
+    """The model of a Hugging Face folder, from its config.json, on the meta device (weights come later)."""
+    from ..pretrained.files import CONFIG_FILE, weights_in_folder
+
+    if cfg.name not in ("hf", ModelConfig.name):
+        raise ValueError(f"it builds the Hugging Face model its config.json describes; drop --model.name {cfg.name} "
+                         "(or pass --model.name hf)")
+    if cfg.hf_config is not None:
+        raise ValueError("the model's config is the folder's config.json; drop model.hf_config")
+    path = Path(cfg.pretrained).expanduser()
+    if not path.is_dir() or not (path / CONFIG_FILE).is_file():
+        raise ValueError(f"{path} is not a Hugging Face model folder with a {CONFIG_FILE}; pass the folder "
+                         "save_pretrained wrote (nothing is downloaded)")
+    if weights_in_folder(path) is None:
+        raise ValueError(f"{path} holds a {CONFIG_FILE} but no model.safetensors or model.safetensors.index.json; "
+                         "to train from random initialisation use --model.hf_config instead")
+    transformers = _transformers()
+    hf_cfg = transformers.AutoConfig.from_pretrained(str(path), **cfg.kwargs)
+    with torch.device("meta"):
+        built = _from_config(transformers, hf_cfg, dtype=dtype)
+    return dataclasses.replace(built, description=built.description.replace("from config", f"pretrained, {path}"))
+
+
+def _build_hf(cfg: ModelConfig) -> BuiltModel:
+    from ..pretrained.files import weights_in_folder
+
+    transformers = _transformers()
     kwargs = dict(cfg.kwargs)
+    notice = None
     if cfg.hf_config is not None:
         path = Path(cfg.hf_config).expanduser()
         if not path.exists():
             raise ValueError(f"model.hf_config={cfg.hf_config!r} does not exist; pass a local config.json or a "
                              "directory holding one (nothing is downloaded)")
+        folder = path if path.is_dir() else path.parent
+        weights = weights_in_folder(folder)
+        if weights is not None:
+            notice = (f"model.hf_config {path} sits beside weights ({weights.name}); training starts from random "
+                      f"initialisation, as model.hf_config asks: pass --model.pretrained {folder} to fine-tune from "
+                      "them")
         hf_cfg = transformers.AutoConfig.from_pretrained(str(path), **kwargs)
     elif "model_type" in kwargs:
         hf_cfg = transformers.AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
     else:
         raise ValueError("give model.hf_config (a config.json) or model.kwargs.model_type (e.g. 'llama')")
+    return dataclasses.replace(_from_config(transformers, hf_cfg), notice=notice)
+
+
+def _from_config(transformers, hf_cfg, *, dtype: torch.dtype | None = None) -> BuiltModel:
     try:
-        module = transformers.AutoModelForCausalLM.from_config(hf_cfg)
+        module = transformers.AutoModelForCausalLM.from_config(hf_cfg, **({"dtype": dtype} if dtype else {}))
     except Exception as exc:  # noqa: BLE001 - transformers raises many types; report them in one line
         raise ValueError(f"{type(exc).__name__}: {exc}".replace("\n", " ")) from exc
     no_split = getattr(module, "_no_split_modules", None) or []

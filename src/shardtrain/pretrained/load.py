@@ -1,0 +1,150 @@
+"""`st.load_pretrained`: fill a sharded model from Hugging Face safetensors, each rank its own rows.
+
+Every rank reads the headers of the weights files (files.py), matches names (keys.py) and checks
+shapes, so every rank reaches the same verdict before any data is read. Then, unit by unit, each
+rank reads exactly the rows it holds of every parameter (`get_slice(key)[start:stop]`) and copies
+them into its shard in place, converting dtype on the way (a bf16 file into fp32 masters). Files
+are memory-mapped; a unit's handles are closed before the next unit is read, so the file pages a
+rank has touched leave its resident memory with them and no rank ever holds a whole file or model.
+Persistent buffers found in the file are loaded whole on every rank; non-persistent buffers (rotary
+tables) keep the values the model's own initialisation computed when `st.shard` materialised it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+
+from ..checkpoint.collective import Comm
+from ..checkpoint.format import short_list
+from ..checkpoint.local import held_range, persistent_buffers
+from ..core.shard import runtime_of
+from .export import install_save_pretrained
+from .files import TensorEntry, WeightFiles, resolve_weights
+from .keys import KeyMatch, match_keys
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadReport:
+    """What `load_pretrained` did: tensors loaded, and the names that kept their initial values."""
+
+    path: Path
+    loaded: int  # parameters and buffers filled from the files
+    missing: tuple[str, ...]  # only with strict=False
+    unexpected: tuple[str, ...]  # file keys nothing took (only with strict=False)
+    adapters: tuple[str, ...]  # peft adapter parameters, initialised by peft
+
+    def describe(self) -> str:
+        parts = [f"loaded {self.loaded} tensors from {self.path}"]
+        if self.adapters:
+            parts.append(f"{len(self.adapters)} adapter parameters keep peft's initialisation")
+        if self.missing:
+            parts.append(f"missing (initialised, not loaded) {short_list(list(self.missing), 4)}")
+        if self.unexpected:
+            parts.append(f"ignored file keys {short_list(list(self.unexpected), 4)}")
+        return "; ".join(parts)
+
+
+def load_pretrained(model: nn.Module, path: str | os.PathLike, *, strict: bool = True) -> LoadReport:
+    """Load pretrained weights from `path` into `model` (already passed through `st.shard`), in place.
+
+    `path`: a `.safetensors` file, a folder holding `model.safetensors`, or one holding
+    `model.safetensors.index.json` and the files it lists. Names are matched as keys.py says (peft
+    prefixes, the base-model prefix, tied weights); values are converted to each parameter's stored
+    dtype. With `strict`, a parameter or persistent buffer the files lack, or a file key nothing
+    takes, is an error; with `strict=False` they keep their initial values and are reported. A shape
+    that disagrees is always an error. Every rank of the model's process group must call it; all
+    raise if any fails. The model also gets a `save_pretrained` that writes full tensors (export.py).
+    """
+    runtime = runtime_of(model)
+    comm = Comm.over(runtime.control_group)
+
+    def load() -> LoadReport:
+        weights = resolve_weights(path)
+        buffers = persistent_buffers(model)
+        params = [s for unit in runtime.units for s in unit.layout.params]
+        match = match_keys(params=params, buffers=buffers, file_keys=weights.tensors, model=model)
+        _check(weights, match, params=params, buffers=buffers, strict=strict)
+        with torch.no_grad():
+            for unit in runtime.units:
+                with _Handles() as handles:
+                    for i, shard in enumerate(unit.layout.params):
+                        key = match.params.get(shard.fqn)
+                        held = unit.held(i)
+                        if key is None or held.numel() == 0:
+                            continue
+                        start, numel = held_range(unit, i)
+                        rows = _read_rows(handles, weights.tensors[key], start // shard.row_numel,
+                                          numel // shard.row_numel).view(held.shape)
+                        # Note: the rows cross to the device in the file's dtype and are converted there
+                        # (copy_ would convert on the host first: twice the bytes over the bus for bf16
+                        # -> fp32, and a host temporary). An in-place copy bumps the shard's version, so
+                        # a resident unsharded copy (no_shard, optimizer_only) is gathered again.
+                        held.copy_(rows.to(held.device) if rows.device != held.device else rows)
+            with _Handles() as handles:
+                for name, key in match.buffers.items():
+                    value = handles.open(weights.tensors[key].file).get_tensor(key)
+                    buffers[name].copy_(value.to(buffers[name].device))
+        return LoadReport(path=weights.path, loaded=len(match.params) + len(match.buffers), missing=match.missing,
+                          unexpected=match.unexpected, adapters=match.adapters)
+
+    report = comm.everyone(load)
+    install_save_pretrained(model)
+    return report
+
+
+def _check(weights: WeightFiles, match: KeyMatch, *, params, buffers: dict[str, torch.Tensor], strict: bool) -> None:
+    """Shapes always; missing and unexpected keys with `strict`. One line naming the file and the key."""
+    shapes = {s.fqn: s.shape for s in params}
+    for name, key in [*match.params.items(), *match.buffers.items()]:
+        entry = weights.tensors[key]
+        expected = shapes[name] if name in shapes else tuple(buffers[name].shape)
+        if entry.shape != expected:
+            raise ValueError(f"{entry.file}: tensor {key!r} has shape {entry.shape}, the model's {name!r} has "
+                             f"{expected}; the weights belong to another configuration: build the model from the "
+                             "config.json saved with them")
+    if not strict:
+        return
+    if match.missing:
+        raise ValueError(f"{weights.path}: no tensor for the model's {match.missing[0]!r} ({len(match.missing)} "
+                         f"missing: {short_list(list(match.missing), 4)}); load weights of this model, or pass "
+                         "strict=False to keep the initial values of what is missing")
+    if match.unexpected:
+        key = match.unexpected[0]
+        raise ValueError(f"{weights.tensors[key].file}: tensor {key!r} matches no parameter or buffer of the model "
+                         f"({len(match.unexpected)} unexpected: {short_list(list(match.unexpected), 4)}); load "
+                         "weights of this model, or pass strict=False to ignore them")
+
+
+def _read_rows(handles: "_Handles", entry: TensorEntry, first: int, count: int) -> torch.Tensor:
+    """Rows `[first, first + count)` of `entry` (the whole tensor when it is 0-dim), read from its file."""
+    handle = handles.open(entry.file)
+    try:
+        if not entry.shape:
+            return handle.get_tensor(entry.key)
+        return handle.get_slice(entry.key)[first:first + count]
+    except SafetensorError as exc:
+        raise ValueError(f"{entry.file}: cannot read tensor {entry.key!r} ({exc}); the file is damaged: copy it "
+                         "again") from None
+
+
+class _Handles(contextlib.AbstractContextManager):
+    """Safetensors handles opened on first use and all closed (unmapped) on exit."""
+
+    def __init__(self) -> None:
+        self._stack = contextlib.ExitStack()
+        self._open: dict[Path, object] = {}
+
+    def open(self, file: Path):
+        if file not in self._open:
+            self._open[file] = self._stack.enter_context(safe_open(str(file), framework="pt"))
+        return self._open[file]
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()

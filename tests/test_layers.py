@@ -3,7 +3,7 @@
     descriptions   policy, strategy, compat, models      what users choose and the built-in model
     engine         core                                  st.shard's machinery: units, runtime, comm
     planning       planning                              plans and memory estimates (reads core's partition)
-    operations     ops, checkpoint                       around the step: norms, state dicts, checkpoints
+    operations     ops, checkpoint, pretrained           around the step: norms, state dicts, checkpoints, HF weights
     entry          sharding, testing                     the public st.shard; the test pools
     application    engine, train                         the Engine and `shardtrain train`
     tools          bench, cli                            `shardtrain bench` and the commands
@@ -23,13 +23,14 @@ LAYERS = [
     {"policy", "strategy", "compat", "models"},
     {"core"},
     {"planning"},
-    {"ops", "checkpoint"},
+    {"ops", "checkpoint", "pretrained"},
     {"sharding", "testing"},
     {"engine", "train"},
     {"bench", "cli", "__main__", "__init__"},
 ]
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
-ORDER = {"ops": 0, "checkpoint": 1, "engine": 0, "train": 1}  # within a layer: checkpoint uses ops, train the engine
+# within a layer: checkpoint uses ops, pretrained both; train uses the engine
+ORDER = {"ops": 0, "checkpoint": 1, "pretrained": 2, "engine": 0, "train": 1}
 
 
 def _package(path: Path) -> str:

@@ -110,21 +110,24 @@ def unused_and_eval_behaviour() -> dict:
 
 def collective_counts() -> dict:
     """Count all-gathers and reduce-scatters per training step (full_shard, 3 blocks + root)."""
-    counts = {"gather": 0, "reduce": 0}
+    counts = {"gather": 0, "reduce": 0, "announce": 0}
     kinds = {"all_gather": "gather", "reduce_scatter": "reduce"}
-
-    def count(collective: Collective) -> None:
-        if collective.kind in kinds:
-            counts[kinds[collective.kind]] += 1
-
     torch.manual_seed(0)
     model = st.shard(tiny_llama(), strategy="full_shard", wrap={Block})
+    order_group = runtime_of(model).order.group  # the order check's own host-side exchanges
+
+    def count(collective: Collective) -> None:
+        if collective.group is order_group:
+            counts["announce"] += 1
+        elif collective.kind in kinds:
+            counts[kinds[collective.kind]] += 1
+
     batch = make_batches("llama", steps=2, global_batch=4)
     rank = dist.get_rank()
     per_step = []
     with observe(count):
         for b in batch:
-            counts.update(gather=0, reduce=0)
+            counts.update(gather=0, reduce=0, announce=0)
             lm_loss(model, tuple(t[2 * rank:2 * rank + 2] for t in b)).backward()
             per_step.append(dict(counts))
     return {"steps": per_step, "units": len(runtime_of(model).units)}

@@ -174,3 +174,21 @@ def load_full_state_dict_roundtrip() -> dict:
     except ValueError as e:
         message = str(e)
     return {"equal": equal, "mis_shaped_named": "norm.weight: checkpoint (3,) vs model (64,)" in message}
+
+
+def subgroups_keep_the_timeout() -> dict:
+    """Groups st.shard creates (the order check's, the control group, hybrid's) time out as the group
+    the model is sharded over does, not after torch's default 30 minutes."""
+    from datetime import timedelta
+
+    from shardtrain.core.process_groups import group_timeout
+
+    parent = dist.new_group(list(range(dist.get_world_size())), timeout=timedelta(seconds=17))
+    model = st.shard(tiny_llama(), strategy="full_shard", wrap={Block}, process_group=parent)
+    runtime = runtime_of(model)
+    hybrid = st.shard(tiny_llama(), strategy="hybrid_shard", wrap={Block}, process_group=parent,
+                      mesh=(1, dist.get_world_size()))
+    groups = {"order": runtime.order.group, "control": runtime.control_group,
+              "hybrid_shard": runtime_of(hybrid).comm.shard,
+              "hybrid_replicate": runtime_of(hybrid).comm.replicate}
+    return {name: group_timeout(g).total_seconds() for name, g in groups.items()}

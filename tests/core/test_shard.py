@@ -63,6 +63,11 @@ def test_collectives_per_step(pools):
             assert 2 * units <= step["announce"] <= 3 * units + 1, r
 
 
+def test_groups_made_by_shard_keep_the_timeout_of_the_group_given(pools):
+    for r in pools(2).run(checks.subgroups_keep_the_timeout):
+        assert r == {"order": 17.0, "control": 17.0, "hybrid_shard": 17.0, "hybrid_replicate": 17.0}, r
+
+
 def test_small_modules_get_no_hooks(pools):
     assert pools(1).run(checks.rmsnorm_is_merged) == [True]
 

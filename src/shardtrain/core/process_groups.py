@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -89,12 +90,12 @@ def _hybrid_groups(world_group, mesh, device: torch.device) -> DataParallelGroup
     # Note: every rank must create every subgroup, in the same order.
     for r in range(replicate_size):
         members = ranks[r * shard_size:(r + 1) * shard_size]
-        group = dist.new_group(members)
+        group = subgroup(members, parent=world_group)
         if my in members:
             shard_group = group
     for s in range(shard_size):
         members = ranks[s::shard_size]
-        group = dist.new_group(members)
+        group = subgroup(members, parent=world_group)
         if my in members:
             replicate_group = group
     # Rank (i, j) of the mesh is replica i's j-th shard rank: this rank's row is its shard group.
@@ -112,7 +113,7 @@ def order_group(process_group) -> dist.ProcessGroup | None:
     group = process_group or dist.group.WORLD
     if dist.get_world_size(group) == 1 or not enabled():
         return None
-    return dist.new_group(dist.get_process_group_ranks(group), backend="gloo")
+    return subgroup(dist.get_process_group_ranks(group), parent=group, backend="gloo")
 
 
 def control_group(process_group) -> dist.ProcessGroup | None:
@@ -120,4 +121,24 @@ def control_group(process_group) -> dist.ProcessGroup | None:
     group = process_group or dist.group.WORLD
     if dist.get_backend(group) == "gloo":
         return group
-    return dist.new_group(dist.get_process_group_ranks(group), backend="gloo")
+    return subgroup(dist.get_process_group_ranks(group), parent=group, backend="gloo")
+
+
+def subgroup(ranks: list[int], *, parent: dist.ProcessGroup, backend: str | None = None) -> dist.ProcessGroup:
+    """A new group of `ranks` with `parent`'s collective timeout.
+
+    Note: `dist.new_group` gives a group torch's default timeout (30 minutes), not the one the job was
+    started with (`init_process_group(timeout=...)`, `--engine.timeout`); a rank that stopped arriving
+    would then hang its peers in the subgroup's collectives for half an hour.
+    """
+    return dist.new_group(ranks, backend=backend, timeout=group_timeout(parent))
+
+
+def group_timeout(group: dist.ProcessGroup) -> timedelta | None:
+    """The collective timeout `group` was created with (None: unknown, torch's default applies)."""
+    for device in ("cuda", "cpu"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout
+        except (RuntimeError, AttributeError, ValueError):
+            continue
+    return None

@@ -32,6 +32,7 @@ _EXPORTS = {
     "save_pretrained": "shardtrain.pretrained",
     "Engine": "shardtrain.engine",
     "GradScaler": "shardtrain.ops.grad_scaler",
+    "compile_blocks": "shardtrain.ops.compile",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,4 +1,4 @@
-"""The MFU formula of ANCHORS.md against a hand computation, and the spec round trip."""
+"""The MFU formula of BENCHMARKS.md against a hand computation, and the spec round trip."""
 
 import argparse
 
@@ -22,8 +22,8 @@ def test_flops_per_token_of_8b_by_hand():
     assert model_flops_per_token(spec()) == expected == 48_250_773_504
 
 
-def test_mfu_reproduces_the_anchor_8b_fsdp2_row():
-    # ANCHORS.md: torch FSDP2, 8.0B, batch 1, activation checkpointing: 6,784 tokens/s/GPU = 41.4% MFU at 790.
+def test_mfu_reproduces_the_8b_fsdp2_row():
+    # torch FSDP2 on 2 x H200, 8.0B, batch 1, activation checkpointing: 6,784 tokens/s/GPU = 41.4% MFU at 790.
     value = mfu(flops_per_token=model_flops_per_token(spec()), tokens_per_s_per_gpu=6784, peak_tflops=790)
     assert value == pytest.approx(48_250_773_504 * 6784 / 790e12)
     assert round(100 * value, 1) == 41.4

@@ -20,6 +20,8 @@ def _train(args: list[str]) -> tuple[subprocess.CompletedProcess, float]:
     return run, time.time()
 
 
+@pytest.mark.slow  # end to end in fresh processes; test_explain_names_the_failed_or_missing_rank and
+# tests/core/test_shard.py's group timeouts cover its parts in the default tier
 def test_a_stuck_rank_is_named_and_the_job_exits_soon_after_the_timeout(tmp_path):
     run, ended = _train([*TINY, "--model.name", "tests.train.faulty:sleepy_llama",
                          "--model.kwargs", "{at: 3, seconds: 300, rank: 1}", "--engine.timeout", str(TIMEOUT_S),

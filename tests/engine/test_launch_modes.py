@@ -43,6 +43,7 @@ def test_plain_run_relaunches_itself_and_matches_torchrun(corpus, tmp_path):
     assert _loss_lines(plain.stdout) == _loss_lines(torchrun.stdout) != []
 
 
+@pytest.mark.slow  # end to end in fresh processes; test_engine.py's spawn-mode failure covers the launcher
 def test_a_failing_rank_stops_the_relaunched_job(corpus, tmp_path):
     result = _run([sys.executable, *_example_args(corpus, tmp_path), "--size", "no-such-size"], timeout=60)
     assert result.returncode != 0

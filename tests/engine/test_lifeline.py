@@ -61,6 +61,7 @@ def _kill_launcher_while_training(tmp_path: Path, command: list[str]) -> float:
             launcher.kill()
 
 
+@pytest.mark.slow  # end to end in fresh processes; test_the_polling_watch_alone_ends_an_orphan covers the watch
 def test_killing_shardtrain_train_kills_its_ranks(tmp_path):
     took = _kill_launcher_while_training(tmp_path, [sys.executable, "-m", "shardtrain", "train"])
     assert took < EXIT_WITHIN_S, f"the ranks outlived their launcher by {took:.2f}s"

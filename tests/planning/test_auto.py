@@ -19,7 +19,7 @@ from tests.models import lm_loss, make_batches, tiny_llama
 P8, BLOCK8, DIM8, VOCAB = 8_030_261_248, 218_112_000, 4096, 128256
 P15 = 1_532_037_120
 SEQ = 4096
-F8 = 6 * (P8 - VOCAB * DIM8) + 6 * 32 * DIM8 * SEQ  # training FLOPs per token (ANCHORS.md's MFU formula)
+F8 = 6 * (P8 - VOCAB * DIM8) + 6 * 32 * DIM8 * SEQ  # training FLOPs per token (BENCHMARKS.md's MFU formula)
 RECOMPUTE8 = 32 * (2 * BLOCK8 + 2 * DIM8 * SEQ) / F8  # every block's forward again, as a fraction of F8
 
 
@@ -57,7 +57,7 @@ def test_the_cost_model_reproduces_the_fsdp2_8b_anchors():
                       micro_batch=micro_batch, grad_accum=1, seq_len=SEQ)
         return t.tokens / t.total
 
-    base = tokens_per_s(1, 32)  # ANCHORS.md, torch FSDP2 on 2 x H200: 6,784 tokens/s/GPU
+    base = tokens_per_s(1, 32)  # torch FSDP2, 8B, batch 1, checkpointed, 2 x H200: 6,784 tokens/s/GPU (BENCHMARKS.md, step-time model)
     assert tokens_per_s(1, 0) / base == pytest.approx(8215 / 6784, rel=0.01)
     assert tokens_per_s(2, 32) / base == pytest.approx(7967 / 6784, rel=0.01)
 

@@ -15,6 +15,8 @@ def test_overrides_are_typed():
     assert cfg.train.steps == 5 and cfg.optim.lr == 1e-3 and cfg.run.tensorboard is True
     assert cfg.engine.devices == 1 and cfg.model.wrap == ("Block", "Attention")
     assert cfg.data.path is None and cfg.model.kwargs == {"n_layers": 2}
+    assert load_config(None, ["--train.compile", "true"]).train.compile is True
+    assert load_config(None, []).train.compile is False
 
 
 def test_file_then_overrides(tmp_path):

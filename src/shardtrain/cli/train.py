@@ -90,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
             cfg = _resolve_auto(cfg)
         engine = Engine(devices=cfg.engine.devices, accelerator=cfg.engine.accelerator,
                         strategy=cfg.engine.strategy, precision=cfg.engine.precision,
-                        cpu_offload=cfg.engine.cpu_offload, timeout=timedelta(seconds=cfg.engine.timeout))
+                        cpu_offload=cfg.engine.cpu_offload, timeout=timedelta(seconds=cfg.engine.timeout),
+                        compile=cfg.train.compile)
     except ValueError as exc:
         print(f"shardtrain train: error: {exc}", file=sys.stderr)
         return 2

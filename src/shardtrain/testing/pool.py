@@ -99,8 +99,10 @@ class ProcessGroupPool:
         return [out[r] for r in range(self.world_size)]
 
     def close(self) -> None:
+        """Ask every rank to leave, then kill what has not: a pool holds nothing that must be flushed, and
+        tearing down the groups the tests created can take seconds."""
         for q in self._tasks:
             q.put(None)
         for p in self._procs:
-            p.join(timeout=10)
+            p.join(timeout=2)
         self._kill()

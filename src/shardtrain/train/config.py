@@ -119,6 +119,9 @@ class TrainConfig:
     log_every: int = _help("log the training loss every N steps", 10)
     ema_decay: float = _help("keep an exponential moving average of the weights on CPU (0: off)", 0.0)
     seed: int = _help("seed of the model initialisation and the data order", 0)
+    compile: bool = _help("torch.compile each repeated block after sharding (one graph per block class, activation "
+                          "checkpointing inside it; the engine's hooks stay eager); the first steps pay the "
+                          "compilation", False)
     on_nonfinite: str = _help("a non-finite loss or gradient norm: 'stop' (exit with an error naming the step, before "
                               "any checkpoint of it) or 'skip' (skip that optimizer step on every rank and count it; "
                               "costs a host sync per step)", "stop")

@@ -49,7 +49,7 @@ class PeakRSS:
         self._stop = threading.Event()
         self.before = self.peak = 0
 
-    def __enter__(self) -> "PeakRSS":
+    def __enter__(self) -> PeakRSS:
         self.before = self.peak = self._process.memory_info().rss
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
@@ -108,9 +108,13 @@ def main() -> None:
             dist.barrier()
             seconds = time.perf_counter() - start
         size = sum(f.stat().st_size for f in path.iterdir()) if dist.get_rank() == 0 else None
-        mine[fmt] = {"save_s": round(seconds, 3), "rss_before_gib": round(rss.before / 2**30, 3),
-                     "rss_peak_gib": round(rss.peak / 2**30, 3),
-                     "rss_growth_gib": round((rss.peak - rss.before) / 2**30, 3), "bytes": size}
+        mine[fmt] = {
+            "save_s": round(seconds, 3),
+            "rss_before_gib": round(rss.before / 2**30, 3),
+            "rss_peak_gib": round(rss.peak / 2**30, 3),
+            "rss_growth_gib": round((rss.peak - rss.before) / 2**30, 3),
+            "bytes": size,
+        }
         dist.barrier()
         if dist.get_rank() == 0 and not args.keep:
             shutil.rmtree(path)
@@ -118,11 +122,19 @@ def main() -> None:
     dist.all_gather_object(ranks, mine)
     if dist.get_rank() == 0:
         largest_unit = max(u.layout.padded_numel for u in runtime_of(model).units)
-        print(json.dumps({
-            "size": args.size, "params": cfg.num_params(), "world_size": dist.get_world_size(),
-            "device": torch.cuda.get_device_name() if cuda else "cpu", "largest_unit_fp32_gib":
-            round(largest_unit * 4 / 2**30, 3), "dir": str(root), "ranks": ranks,
-        }))
+        print(
+            json.dumps(
+                {
+                    "size": args.size,
+                    "params": cfg.num_params(),
+                    "world_size": dist.get_world_size(),
+                    "device": torch.cuda.get_device_name() if cuda else "cpu",
+                    "largest_unit_fp32_gib": round(largest_unit * 4 / 2**30, 3),
+                    "dir": str(root),
+                    "ranks": ranks,
+                }
+            )
+        )
     dist.destroy_process_group()
 
 

@@ -87,9 +87,12 @@ def main() -> None:
 
             together = wall_ms(beside)
             if rank == 0:
-                print(f"{label} ({n / 1e6:.1f}M) {name}: {alone:.3f} ms alone; {GEMMS} GEMMs {alone_gemms:.2f} ms, "
-                      f"with {COLLECTIVES} beside {together:.2f} ms (+{together - alone_gemms:.2f} of "
-                      f"{COLLECTIVES * alone:.2f} serial)", flush=True)
+                print(
+                    f"{label} ({n / 1e6:.1f}M) {name}: {alone:.3f} ms alone; {GEMMS} GEMMs {alone_gemms:.2f} ms, "
+                    f"with {COLLECTIVES} beside {together:.2f} ms (+{together - alone_gemms:.2f} of "
+                    f"{COLLECTIVES * alone:.2f} serial)",
+                    flush=True,
+                )
         copied = torch.ops.symm_mem._low_contention_all_gather(symmetric, group_name)
         second.zero_()
         grouped_pair()

@@ -56,7 +56,9 @@ def main() -> int:
                 for row in rows:
                     results.append({"config": name, "build": build, "repeat": repeat, **row})
                 (out / "compare.json").write_text(json.dumps(results, indent=1))
-    print(f"\n{'config':<8} {'build':<5} {'engine':<28} {'tokens/s/GPU':>14} {'GiB':>7} {'loss':>9} {'runs':>5}  new/old")
+    print(
+        f"\n{'config':<8} {'build':<5} {'engine':<28} {'tokens/s/GPU':>14} {'GiB':>7} {'loss':>9} {'runs':>5}  new/old"
+    )
     for name, _ in configs:
         medians = {}
         for build in ("old", "new"):
@@ -72,7 +74,9 @@ def main() -> int:
                 if build == "new" and ("old", label) in medians:
                     ratio = f"{tokens / medians[('old', label)]:.3f}"
                 loss = rows[0].get("loss") or float("nan")
-                print(f"{name:<8} {build:<5} {label:<28} {tokens:>14,.0f} {memory:>7.2f} {loss:>9.4f} {len(rows):>5}  {ratio}")
+                print(
+                    f"{name:<8} {build:<5} {label:<28} {tokens:>14,.0f} {memory:>7.2f} {loss:>9.4f} {len(rows):>5}  {ratio}"
+                )
     return 0
 
 

@@ -26,9 +26,16 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--strategy", default="full_shard")
     p.add_argument("--ac", action="store_true", help="checkpoint every block's activations")
-    p.add_argument("--offload", nargs="?", const=1.0, default=None, type=float, metavar="FRACTION",
-                   help="CPU offload (shards and AdamW on the host), of every unit or of the units holding FRACTION "
-                        "of the parameters (st.CPUOffload(fraction=...))")
+    p.add_argument(
+        "--offload",
+        nargs="?",
+        const=1.0,
+        default=None,
+        type=float,
+        metavar="FRACTION",
+        help="CPU offload (shards and AdamW on the host), of every unit or of the units holding FRACTION "
+        "of the parameters (st.CPUOffload(fraction=...))",
+    )
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=3)
     return p.parse_args()
@@ -60,9 +67,14 @@ def main() -> None:
     torch.manual_seed(0)
     with torch.device("meta"):
         model = Llama(cfg)
-    st.shard(model, strategy=args.strategy, wrap={Block}, mixed_precision="bf16",
-             activation_checkpointing={Block} if args.ac else None,
-             cpu_offload=False if args.offload is None else st.CPUOffload(fraction=args.offload))
+    st.shard(
+        model,
+        strategy=args.strategy,
+        wrap={Block},
+        mixed_precision="bf16",
+        activation_checkpointing={Block} if args.ac else None,
+        cpu_offload=False if args.offload is None else st.CPUOffload(fraction=args.offload),
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)  # on the host when offloaded
     init_s = time.perf_counter() - started
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -79,15 +91,29 @@ def main() -> None:
         opt.zero_grad()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    timed = sorted(times[args.warmup:])
+    timed = sorted(times[args.warmup :])
     step_s = timed[len(timed) // 2]
     if dist.get_rank() == 0:
-        print(json.dumps({"size": args.size, "strategy": args.strategy, "ac": args.ac, "offload": args.offload,
-                          "tok_s_gpu": args.batch * args.seq / step_s, "step_ms": step_s * 1000,
-                          "peak_alloc_gib": torch.cuda.max_memory_allocated() / 2**30,
-                          "host_rss_gib_rank0": rss.peak / 2**30, "host_used_gib_machine": rss.machine_peak / 2**30,
-                          "host_total_gib": psutil.virtual_memory().total / 2**30, "init_s": init_s,
-                          "losses_ok": bool(torch.isfinite(loss)), "loss": loss.item()}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "size": args.size,
+                    "strategy": args.strategy,
+                    "ac": args.ac,
+                    "offload": args.offload,
+                    "tok_s_gpu": args.batch * args.seq / step_s,
+                    "step_ms": step_s * 1000,
+                    "peak_alloc_gib": torch.cuda.max_memory_allocated() / 2**30,
+                    "host_rss_gib_rank0": rss.peak / 2**30,
+                    "host_used_gib_machine": rss.machine_peak / 2**30,
+                    "host_total_gib": psutil.virtual_memory().total / 2**30,
+                    "init_s": init_s,
+                    "losses_ok": bool(torch.isfinite(loss)),
+                    "loss": loss.item(),
+                }
+            ),
+            flush=True,
+        )
     dist.destroy_process_group()
 
 

@@ -41,8 +41,14 @@ def make_params(shapes, *, device, mesh, world: int, as_dtensor: bool) -> list[t
         local = torch.randn(shape, device=device)
         if as_dtensor:
             global_shape = (shape[0] * world, *shape[1:])
-            tensor = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=global_shape,
-                                        stride=torch.empty(global_shape, device="meta").stride())
+            tensor = DTensor.from_local(
+                local,
+                mesh,
+                [Shard(0)],
+                run_check=False,
+                shape=global_shape,
+                stride=torch.empty(global_shape, device="meta").stride(),
+            )
         else:
             tensor = local
         param = torch.nn.Parameter(tensor)
@@ -87,15 +93,18 @@ def main() -> None:
     mesh = DeviceMesh.from_group(dist.group.WORLD, device.type)
     shapes = local_shapes(args.size, args.layers, args.world)
     numel = sum(math.prod(s) for s in shapes)
-    print(f"{args.size} ({len(shapes)} tensors, {numel / 1e9:.2f}B elements per rank at world {args.world}), "
-          f"{torch.cuda.get_device_name() if cuda else 'cpu'}, torch {torch.__version__}")
+    print(
+        f"{args.size} ({len(shapes)} tensors, {numel / 1e9:.2f}B elements per rank at world {args.world}), "
+        f"{torch.cuda.get_device_name() if cuda else 'cpu'}, torch {torch.__version__}"
+    )
     print(f"{'implementation':<10} {'tensors':<8} {'host ms':>8} {'device ms':>10}")
     for impl in ("fused", "foreach"):
         for _ in range(args.repeats):
             for kind in ("plain", "dtensor"):
                 params = make_params(shapes, device=device, mesh=mesh, world=args.world, as_dtensor=kind == "dtensor")
-                optimizer = torch.optim.AdamW(params, lr=1e-4, fused=impl == "fused",
-                                              foreach=None if impl == "fused" else True)
+                optimizer = torch.optim.AdamW(
+                    params, lr=1e-4, fused=impl == "fused", foreach=None if impl == "fused" else True
+                )
                 host, dev = time_steps(optimizer, steps=args.steps, device=device)
                 print(f"{impl:<10} {kind:<8} {host:>8.2f} {dev:>10.2f}", flush=True)
                 del optimizer, params

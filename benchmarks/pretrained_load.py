@@ -56,9 +56,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=20, help="fine-tuning steps per phase")
     parser.add_argument("--warmup", type=int, default=3, help="first steps left out of tokens/s")
     parser.add_argument("--lora-rank", type=int, default=8)
-    parser.add_argument("--full-offload", type=float, default=0.0,
-                        help="full phase only: share of the parameters (whole units) whose fp32 masters, gradients "
-                             "and AdamW state live in host memory (0: none; 0.25 if that phase runs out of memory)")
+    parser.add_argument(
+        "--full-offload",
+        type=float,
+        default=0.0,
+        help="full phase only: share of the parameters (whole units) whose fp32 masters, gradients "
+        "and AdamW state live in host memory (0: none; 0.25 if that phase runs out of memory)",
+    )
     parser.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated subset of {','.join(PHASES)}")
     parser.add_argument("--fresh", action="store_true", help="rewrite the checkpoint even if one of this shape exists")
     parser.add_argument("--phase", default=None, help=argparse.SUPPRESS)  # a child process runs this one
@@ -81,7 +85,7 @@ class HostPeak:
         self._linux = Path("/proc/self/clear_refs").exists()
         self._stop = threading.Event()
 
-    def __enter__(self) -> "HostPeak":
+    def __enter__(self) -> HostPeak:
         self.start = self._process.memory_info().rss
         self.peak = self.start
         if self._linux:
@@ -112,22 +116,39 @@ def gib(n: float) -> float:
 def llama_config(args):
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                       num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                       num_key_value_heads=args.kv_heads, max_position_embeddings=max(8192, args.seq),
-                       rope_theta=500000.0, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0,
-                       dtype="bfloat16")
+    return LlamaConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        max_position_embeddings=max(8192, args.seq),
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=0,
+        dtype="bfloat16",
+    )
 
 
-SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-              "num_key_value_heads", "tie_word_embeddings")
+SHAPE_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "tie_word_embeddings",
+)
 
 
 def matching_checkpoint(args) -> bool:
     folder = Path(args.dir)
     config = folder / "config.json"
-    if not config.is_file() or not ((folder / "model.safetensors").is_file()
-                                    or (folder / "model.safetensors.index.json").is_file()):
+    if not config.is_file() or not (
+        (folder / "model.safetensors").is_file() or (folder / "model.safetensors.index.json").is_file()
+    ):
         return False
     saved, wanted = json.loads(config.read_text()), llama_config(args).to_dict()
     return all(saved.get(k) == wanted[k] for k in SHAPE_KEYS)
@@ -164,9 +185,16 @@ def shard(model, device, init_fn=None, offload: float = 0.0):
 
     import shardtrain as st
 
-    return st.shard(model, strategy="full_shard", wrap={LlamaDecoderLayer}, mixed_precision="bf16",
-                    activation_checkpointing={LlamaDecoderLayer}, device=device, param_init_fn=init_fn,
-                    cpu_offload=offload if offload else False)
+    return st.shard(
+        model,
+        strategy="full_shard",
+        wrap={LlamaDecoderLayer},
+        mixed_precision="bf16",
+        activation_checkpointing={LlamaDecoderLayer},
+        device=device,
+        param_init_fn=init_fn,
+        cpu_offload=offload if offload else False,
+    )
 
 
 def sync(device) -> None:
@@ -188,8 +216,11 @@ def fingerprint(model, args, device) -> dict:
 
     from shardtrain.core.shard import runtime_of
 
-    sums = {s.fqn: torch.sum(u.held(i), dtype=torch.float64).item()
-            for u in runtime_of(model).units for i, s in enumerate(u.layout.params)}
+    sums = {
+        s.fqn: torch.sum(u.held(i), dtype=torch.float64).item()
+        for u in runtime_of(model).units
+        for i, s in enumerate(u.layout.params)
+    }
     tokens = torch.randint(0, args.vocab, (1, 64), generator=torch.Generator().manual_seed(0)).to(device)
     with torch.no_grad():
         return {"sums": sums, "logits": model(tokens).logits.float().cpu()}
@@ -211,9 +242,13 @@ def phase_create(args, device) -> dict:
         torch.set_default_dtype(torch.float32)
         model.save_pretrained(args.dir, max_shard_size="5GB")
     files = sorted(p.name for p in Path(args.dir).glob("*.safetensors"))
-    return {"time_s": time.perf_counter() - start, "host_gib": gib(host.above), "gpu_gib": gpu_peak(device),
-            "note": f"{len(files)} file(s), {gib(folder_bytes(args.dir))} GiB, "
-                    f"{sum(p.numel() for p in model.parameters()) / 1e6:,.1f}M params"}
+    return {
+        "time_s": time.perf_counter() - start,
+        "host_gib": gib(host.above),
+        "gpu_gib": gpu_peak(device),
+        "note": f"{len(files)} file(s), {gib(folder_bytes(args.dir))} GiB, "
+        f"{sum(p.numel() for p in model.parameters()) / 1e6:,.1f}M params",
+    }
 
 
 def phase_st(args, device) -> dict:
@@ -231,8 +266,12 @@ def phase_st(args, device) -> dict:
         done = time.perf_counter()
     torch.save(fingerprint(model, args, device), Path(args.scratch) / "st.pt")
     rate = folder_bytes(args.dir) / (done - sharded) / 2**30
-    return {"time_s": done - start, "host_gib": gib(host.above), "gpu_gib": gpu_peak(device),
-            "note": f"shard {sharded - start:.1f} s + load_pretrained {done - sharded:.1f} s ({rate:.2f} GiB/s)"}
+    return {
+        "time_s": done - start,
+        "host_gib": gib(host.above),
+        "gpu_gib": gpu_peak(device),
+        "note": f"shard {sharded - start:.1f} s + load_pretrained {done - sharded:.1f} s ({rate:.2f} GiB/s)",
+    }
 
 
 def phase_hf(args, device) -> dict:
@@ -252,14 +291,20 @@ def phase_hf(args, device) -> dict:
         theirs = torch.load(reference, weights_only=True)
         differ = sorted(k for k in mine["sums"] if mine["sums"][k] != theirs["sums"].get(k))
         if differ or set(theirs["sums"]) != set(mine["sums"]):
-            raise RuntimeError(f"the fp32 masters differ from the st phase's ({len(differ)} parameters, e.g. "
-                               f"{differ[:2]}): st.load_pretrained and from_pretrained disagree")
+            raise RuntimeError(
+                f"the fp32 masters differ from the st phase's ({len(differ)} parameters, e.g. "
+                f"{differ[:2]}): st.load_pretrained and from_pretrained disagree"
+            )
         diff = (mine["logits"] - theirs["logits"]).abs().max().item()
         same = f"masters equal to st's, logits max diff {diff:.2g}"
     else:
         same = "st phase not run: nothing compared"
-    return {"time_s": done - start, "host_gib": gib(host.above), "gpu_gib": gpu_peak(device),
-            "note": f"from_pretrained {loaded - start:.1f} s + shard {done - loaded:.1f} s; {same}"}
+    return {
+        "time_s": done - start,
+        "host_gib": gib(host.above),
+        "gpu_gib": gpu_peak(device),
+        "note": f"from_pretrained {loaded - start:.1f} s + shard {done - loaded:.1f} s; {same}",
+    }
 
 
 def fine_tune(args, device, model, params) -> dict:
@@ -285,10 +330,14 @@ def fine_tune(args, device, model, params) -> dict:
         times.append(time.perf_counter() - start)
     if not all(math.isfinite(x) for x in losses):
         raise RuntimeError(f"non-finite loss: {losses}")
-    timed = times[args.warmup:] or times
-    return {"time_s": sum(times), "tokens_s": args.seq * len(timed) / sum(timed), "gpu_gib": gpu_peak(device),
-            "note": f"loss {losses[0]:.3f} -> {losses[-1]:.3f}, {sum(p.numel() for p in params) / 1e6:,.2f}M "
-                    "trainable parameters"}
+    timed = times[args.warmup :] or times
+    return {
+        "time_s": sum(times),
+        "tokens_s": args.seq * len(timed) / sum(timed),
+        "gpu_gib": gpu_peak(device),
+        "note": f"loss {losses[0]:.3f} -> {losses[-1]:.3f}, {sum(p.numel() for p in params) / 1e6:,.2f}M "
+        "trainable parameters",
+    }
 
 
 def phase_full(args, device) -> dict:
@@ -308,8 +357,9 @@ def phase_lora(args, device) -> dict:
     from shardtrain.pretrained.lora import adapter_init, apply_lora
 
     with HostPeak() as host:
-        model = apply_lora(meta_model(args), rank=args.lora_rank, alpha=2.0 * args.lora_rank,
-                           targets=("q_proj", "v_proj"), dropout=0.0)
+        model = apply_lora(
+            meta_model(args), rank=args.lora_rank, alpha=2.0 * args.lora_rank, targets=("q_proj", "v_proj"), dropout=0.0
+        )
         shard(model, device, init_fn=adapter_init(model))
         st.load_pretrained(model, args.dir)
     out = fine_tune(args, device, model, [p for p in model.parameters() if p.requires_grad])
@@ -325,13 +375,15 @@ def run_phase(args) -> int:
         import transformers.models.llama.modeling_llama  # noqa: F401 - imported before any clock starts
 
         init_process_group(device)
-        result = {"phase": args.phase, "ok": True,
-                  **globals()[f"phase_{args.phase}"](args, device)}
+        result = {"phase": args.phase, "ok": True, **globals()[f"phase_{args.phase}"](args, device)}
     except Exception as exc:  # noqa: BLE001 - reported in the table; the traceback goes to stderr
         traceback.print_exc()
         oom = isinstance(exc, torch.OutOfMemoryError)
-        result = {"phase": args.phase, "ok": False,
-                  "note": ("out of device memory: " if oom else f"{type(exc).__name__}: ") + str(exc).splitlines()[0]}
+        result = {
+            "phase": args.phase,
+            "ok": False,
+            "note": ("out of device memory: " if oom else f"{type(exc).__name__}: ") + str(exc).splitlines()[0],
+        }
     print(RESULT + json.dumps(result), flush=True)
     return 0 if result["ok"] else 1
 
@@ -347,20 +399,36 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as scratch:
         for phase in args.phases.split(","):
             if phase != "create" and not matching_checkpoint(args):
-                results.append({"phase": phase, "ok": False, "note": f"no checkpoint of this shape in {args.dir}; "
-                                                                     "run the create phase"})
+                results.append(
+                    {
+                        "phase": phase,
+                        "ok": False,
+                        "note": f"no checkpoint of this shape in {args.dir}; run the create phase",
+                    }
+                )
                 continue
             print(f"--- {phase}", flush=True)
-            env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
-                   "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1] / "src"),
-                                                  os.environ.get("PYTHONPATH", "")])}
-            child = subprocess.run([sys.executable, __file__, *forwarded, "--phase", phase,
-                                    "--scratch", scratch], stdout=subprocess.PIPE, text=True, env=env)
+            env = {
+                **os.environ,
+                "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+                "PYTHONPATH": os.pathsep.join(
+                    [str(Path(__file__).resolve().parents[1] / "src"), os.environ.get("PYTHONPATH", "")]
+                ),
+            }
+            child = subprocess.run(
+                [sys.executable, __file__, *forwarded, "--phase", phase, "--scratch", scratch],
+                stdout=subprocess.PIPE,
+                text=True,
+                env=env,
+            )
             lines = child.stdout.splitlines()
             sys.stdout.write("".join(f"{text}\n" for text in lines if not text.startswith(RESULT)))
             line = next((text for text in lines if text.startswith(RESULT)), None)
-            results.append(json.loads(line[len(RESULT):]) if line else
-                           {"phase": phase, "ok": False, "note": f"the process died (exit code {child.returncode})"})
+            results.append(
+                json.loads(line[len(RESULT) :])
+                if line
+                else {"phase": phase, "ok": False, "note": f"the process died (exit code {child.returncode})"}
+            )
     print(table(args, results))
     return 0 if all(r["ok"] for r in results) else 1
 
@@ -380,13 +448,23 @@ def _without_phases(argv: list[str]) -> list[str]:
 
 
 def table(args, results: list[dict]) -> str:
-    title = (f"Llama {args.layers} layers x {args.hidden} (vocab {args.vocab}), {args.device}, world 1, full_shard, "
-             f"bf16 compute / fp32 masters, batch 1 x {args.seq}, {args.steps} steps")
+    title = (
+        f"Llama {args.layers} layers x {args.hidden} (vocab {args.vocab}), {args.device}, world 1, full_shard, "
+        f"bf16 compute / fp32 masters, batch 1 x {args.seq}, {args.steps} steps"
+    )
     rows = [("phase", "ok", "time s", "tokens/s", "peak GPU GiB", "peak host GiB", "notes")]
     for r in results:
-        rows.append((r["phase"], "yes" if r["ok"] else "FAILED", _fmt(r.get("time_s"), ".1f"),
-                     _fmt(r.get("tokens_s"), ",.0f"), _fmt(r.get("gpu_gib"), ".2f"), _fmt(r.get("host_gib"), ".2f"),
-                     r.get("note", "")))
+        rows.append(
+            (
+                r["phase"],
+                "yes" if r["ok"] else "FAILED",
+                _fmt(r.get("time_s"), ".1f"),
+                _fmt(r.get("tokens_s"), ",.0f"),
+                _fmt(r.get("gpu_gib"), ".2f"),
+                _fmt(r.get("host_gib"), ".2f"),
+                r.get("note", ""),
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     lines = [title] + ["  ".join(c.ljust(w) for c, w in zip(row[:-1], widths)) + "  " + row[-1] for row in rows]
     return "\n".join(lines)

@@ -39,18 +39,35 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    engine = st.Engine(devices=args.devices if args.devices == "auto" else int(args.devices),
-                       accelerator=args.accelerator, strategy="full_shard", wrap={Block})
+    engine = st.Engine(
+        devices=args.devices if args.devices == "auto" else int(args.devices),
+        accelerator=args.accelerator,
+        strategy="full_shard",
+        wrap={Block},
+    )
     engine.launch()
     engine.seed_everything(0)
 
     root, files = corpus_files(args.data, "**/*.py")
     with engine.rank_zero_first(local=True):  # tokenize once per node; the others read the cache
-        cache = build_cache(root=root, files=files, val_fraction=0.02, cache_dir=args.cache_dir,
-                            tokenizer=ByteTokenizer(), progress=engine.local_rank == 0)
+        cache = build_cache(
+            root=root,
+            files=files,
+            val_fraction=0.02,
+            cache_dir=args.cache_dir,
+            tokenizer=ByteTokenizer(),
+            progress=engine.local_rank == 0,
+        )
     micro_batch = args.batch_size // args.grad_accum
-    batches = TokenBatches(cache.train, seq_len=args.seq_len, global_batch=micro_batch, rank=engine.rank,
-                           world_size=engine.world_size, seed=0, shuffle=True)
+    batches = TokenBatches(
+        cache.train,
+        seq_len=args.seq_len,
+        global_batch=micro_batch,
+        rank=engine.rank,
+        world_size=engine.world_size,
+        seed=0,
+        shuffle=True,
+    )
 
     with engine.init_module(empty_init=True):  # built on the meta device, materialised unit by unit
         model = Llama(llama_config(args.size))
@@ -72,8 +89,10 @@ def main() -> None:
             mean = engine.all_reduce(torch.tensor(total)).item()
             engine.print(f"step {step:4d}  loss {mean:.4f}  grad norm {norm.item():.3f}")
     tokens = args.steps * args.batch_size * args.seq_len
-    engine.print(f"done: {engine.world_size} ranks on {engine.device.type}, "
-                 f"{tokens / (time.perf_counter() - start):,.0f} tokens/s")
+    engine.print(
+        f"done: {engine.world_size} ranks on {engine.device.type}, "
+        f"{tokens / (time.perf_counter() - start):,.0f} tokens/s"
+    )
     if args.save:
         engine.save(args.save, {"model": model, "optimizer": optimizer, "step": args.steps})
         engine.print(f"saved {args.save}")

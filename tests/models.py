@@ -37,8 +37,12 @@ class ConvNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
-            nn.Conv2d(8, 13, 3, padding=1, bias=False), nn.BatchNorm2d(13), nn.ReLU(),
+            nn.Conv2d(3, 8, 3, padding=1, bias=False),
+            nn.BatchNorm2d(8),
+            nn.ReLU(),
+            nn.Conv2d(8, 13, 3, padding=1, bias=False),
+            nn.BatchNorm2d(13),
+            nn.ReLU(),
             nn.AvgPool2d(3),  # deterministic backward on CUDA, unlike the adaptive pool
         )
         self.classifier = nn.Sequential(nn.Flatten(), nn.Linear(52, 33), nn.ReLU(), nn.Linear(33, 5))
@@ -92,9 +96,16 @@ def make_batches(kind: str, *, steps: int, global_batch: int, seed: int = 1234):
             toks = torch.randint(0, 256, (global_batch, 17), generator=g)
             out.append((toks[:, :-1], toks[:, 1:]))
         elif kind == "bag":
-            out.append((torch.randint(0, 37, (global_batch, 9), generator=g), torch.randint(0, 5, (global_batch,), generator=g)))
+            out.append(
+                (
+                    torch.randint(0, 37, (global_batch, 9), generator=g),
+                    torch.randint(0, 5, (global_batch,), generator=g),
+                )
+            )
         elif kind == "cnn":
-            out.append((torch.randn(global_batch, 3, 6, 6, generator=g), torch.randint(0, 5, (global_batch,), generator=g)))
+            out.append(
+                (torch.randn(global_batch, 3, 6, 6, generator=g), torch.randint(0, 5, (global_batch,), generator=g))
+            )
         else:
             out.append((torch.randn(global_batch, 7, generator=g), torch.randint(0, 3, (global_batch,), generator=g)))
     return out

@@ -73,7 +73,9 @@ def test_every_package_imports_only_from_its_layer_or_below():
     assert wrong == [], "\n".join(wrong)
 
 
-@pytest.mark.parametrize("package", sorted(p.name for p in SRC.iterdir() if p.is_dir() and (p / "__init__.py").exists()))
+@pytest.mark.parametrize(
+    "package", sorted(p.name for p in SRC.iterdir() if p.is_dir() and (p / "__init__.py").exists())
+)
 def test_each_package_imports_alone(package):
     run = subprocess.run([sys.executable, "-c", f"import shardtrain.{package}"], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-2000:]

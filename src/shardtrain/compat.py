@@ -16,8 +16,18 @@ import torch
 
 from .policy import CPUOffload, MixedPrecision, SizePolicy
 
-_SUPPORTED = ("sharding_strategy", "auto_wrap_policy", "device_id", "forward_prefetch", "backward_prefetch",
-              "limit_all_gathers", "reshard_after_forward", "use_orig_params", "mp_policy", "offload_policy")
+_SUPPORTED = (
+    "sharding_strategy",
+    "auto_wrap_policy",
+    "device_id",
+    "forward_prefetch",
+    "backward_prefetch",
+    "limit_all_gathers",
+    "reshard_after_forward",
+    "use_orig_params",
+    "mp_policy",
+    "offload_policy",
+)
 
 
 def translate_torch_options(options: dict[str, Any], *, given: set[str]) -> dict[str, Any]:
@@ -25,9 +35,11 @@ def translate_torch_options(options: dict[str, Any], *, given: set[str]) -> dict
     caller set explicitly (a torch spelling may not set them again)."""
     unknown = sorted(set(options) - set(_SUPPORTED))
     if unknown:
-        raise TypeError(f"st.shard() got unexpected keyword arguments {unknown}; its options are strategy, wrap, "
-                        "mixed_precision, activation_checkpointing, cpu_offload, mesh, device, process_group, prefetch, "
-                        f"param_init_fn, sync_module_states, and torch FSDP's spellings {list(_SUPPORTED)}")
+        raise TypeError(
+            f"st.shard() got unexpected keyword arguments {unknown}; its options are strategy, wrap, "
+            "mixed_precision, activation_checkpointing, cpu_offload, mesh, device, process_group, prefetch, "
+            f"param_init_fn, sync_module_states, and torch FSDP's spellings {list(_SUPPORTED)}"
+        )
     out: dict[str, Any] = {}
 
     def put(key: str, value: Any, source: str) -> None:
@@ -40,8 +52,9 @@ def translate_torch_options(options: dict[str, Any], *, given: set[str]) -> dict
             put("strategy", value, name)
         elif name == "reshard_after_forward":
             if not isinstance(value, bool):
-                raise ValueError(f"reshard_after_forward={value!r}: shardtrain takes True (full_shard) or False "
-                                 "(shard_grad_op)")
+                raise ValueError(
+                    f"reshard_after_forward={value!r}: shardtrain takes True (full_shard) or False (shard_grad_op)"
+                )
             put("strategy", "full_shard" if value else "shard_grad_op", name)
         elif name == "auto_wrap_policy":
             put("wrap", _wrap_policy(value), name)
@@ -53,8 +66,10 @@ def translate_torch_options(options: dict[str, Any], *, given: set[str]) -> dict
             put("cpu_offload", _cpu_offload(value), name)
         elif name == "use_orig_params":
             if value is not True:
-                raise ValueError("use_orig_params=False asks for flat parameters; shardtrain always gives the "
-                                 "optimizer the original parameters (as use_orig_params=True does): drop it")
+                raise ValueError(
+                    "use_orig_params=False asks for flat parameters; shardtrain always gives the "
+                    "optimizer the original parameters (as use_orig_params=True does): drop it"
+                )
     prefetch = _prefetch(options)
     if prefetch is not None:
         put("prefetch", prefetch, "forward_prefetch/backward_prefetch/limit_all_gathers")
@@ -86,17 +101,21 @@ def _wrap_policy(policy: Any) -> Any:
             return set(policy.keywords["transformer_layer_cls"])
         if name == "size_based_auto_wrap_policy":
             return SizePolicy(min_params=int(policy.keywords.get("min_num_params", 100_000_000)))
-    raise ValueError(f"auto_wrap_policy={policy!r} is not one shardtrain can read; pass wrap= a set of module "
-                     "classes, st.SizePolicy(min_params=...) or a callable(module) -> bool")
+    raise ValueError(
+        f"auto_wrap_policy={policy!r} is not one shardtrain can read; pass wrap= a set of module "
+        "classes, st.SizePolicy(min_params=...) or a callable(module) -> bool"
+    )
 
 
 def _mixed_precision(policy: Any) -> Any:
     if not _is_torch_object(policy):
         return policy
-    return MixedPrecision(param_dtype=getattr(policy, "param_dtype", None),
-                          reduce_dtype=getattr(policy, "reduce_dtype", None),
-                          buffer_dtype=getattr(policy, "buffer_dtype", None),
-                          cast_forward_inputs=bool(getattr(policy, "cast_forward_inputs", True)))
+    return MixedPrecision(
+        param_dtype=getattr(policy, "param_dtype", None),
+        reduce_dtype=getattr(policy, "reduce_dtype", None),
+        buffer_dtype=getattr(policy, "buffer_dtype", None),
+        cast_forward_inputs=bool(getattr(policy, "cast_forward_inputs", True)),
+    )
 
 
 def _cpu_offload(policy: Any) -> Any:

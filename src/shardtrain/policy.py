@@ -7,8 +7,9 @@ policy (set of classes, `SizePolicy`, callable, None) into one predicate.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Union
+from typing import Any
 
 import torch
 from torch import nn
@@ -28,10 +29,18 @@ class SizePolicy:
 
 
 # What `wrap=` and `activation_checkpointing=` accept: module classes, a size policy, or a predicate.
-WrapPolicy = Union[type[nn.Module], set, frozenset, list, tuple, SizePolicy, ModulePredicate]
+WrapPolicy = type[nn.Module] | set | frozenset | list | tuple | SizePolicy | ModulePredicate
 
-_DTYPE_NAMES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
-                "half": torch.float16, "fp32": torch.float32, "float32": torch.float32, "float": torch.float32}
+_DTYPE_NAMES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "float": torch.float32,
+}
 
 
 def _as_dtype(value: Any, what: str) -> torch.dtype | None:
@@ -40,8 +49,10 @@ def _as_dtype(value: Any, what: str) -> torch.dtype | None:
         return value
     if isinstance(value, str) and value.strip().lower() in _DTYPE_NAMES:
         return _DTYPE_NAMES[value.strip().lower()]
-    raise ValueError(f"MixedPrecision({what}={value!r}): use a torch dtype such as torch.bfloat16, a name among "
-                     f"{sorted(_DTYPE_NAMES)}, or None")
+    raise ValueError(
+        f"MixedPrecision({what}={value!r}): use a torch dtype such as torch.bfloat16, a name among "
+        f"{sorted(_DTYPE_NAMES)}, or None"
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,7 +75,9 @@ class MixedPrecision:
             raise TypeError(f"MixedPrecision(cast_forward_inputs={self.cast_forward_inputs!r}): use True or False")
 
 
-def storage_dtypes(dtype: torch.dtype, *, requires_grad: bool, precision: MixedPrecision) -> tuple[torch.dtype, torch.dtype]:
+def storage_dtypes(
+    dtype: torch.dtype, *, requires_grad: bool, precision: MixedPrecision
+) -> tuple[torch.dtype, torch.dtype]:
     """(stored, compute) dtypes of a parameter built in `dtype` under `precision`.
 
     Under mixed precision a trainable parameter built in a 16-bit dtype keeps an fp32 master (the
@@ -94,14 +107,22 @@ class CPUOffload:
     threads: int | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.fraction, bool) or not isinstance(self.fraction, (int, float)) \
-                or not 0.0 < self.fraction <= 1.0:
-            raise ValueError(f"CPUOffload(fraction={self.fraction!r}): the share of parameters to offload must be in "
-                             "(0, 1]; use cpu_offload=False to offload nothing")
-        if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(self.threads, int)
-                                         or self.threads < 1):
-            raise ValueError(f"CPUOffload(threads={self.threads!r}): give a positive number of host threads, or None "
-                             "for this process's share of the cores")
+        if (
+            isinstance(self.fraction, bool)
+            or not isinstance(self.fraction, (int, float))
+            or not 0.0 < self.fraction <= 1.0
+        ):
+            raise ValueError(
+                f"CPUOffload(fraction={self.fraction!r}): the share of parameters to offload must be in "
+                "(0, 1]; use cpu_offload=False to offload nothing"
+            )
+        if self.threads is not None and (
+            isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1
+        ):
+            raise ValueError(
+                f"CPUOffload(threads={self.threads!r}): give a positive number of host threads, or None "
+                "for this process's share of the cores"
+            )
 
     def host_threads(self) -> int:
         """`threads`, or the cores this process may use divided by the processes on this machine."""
@@ -170,18 +191,23 @@ def parse_cpu_offload(value: Any) -> CPUOffload | None:
         return CPUOffload()
     if isinstance(value, float):  # cpu_offload=0.5: partial offload of that share of the parameters
         if not 0.0 < value <= 1.0:
-            raise ValueError(f"cpu_offload={value!r}: a share of the parameters must be in (0, 1]; use True for all, "
-                             "False for none")
+            raise ValueError(
+                f"cpu_offload={value!r}: a share of the parameters must be in (0, 1]; use True for all, False for none"
+            )
         return CPUOffload(fraction=value)
     if isinstance(value, CPUOffload):
         if not value.params and not value.optimizer:
             return None
         if not (value.params and value.optimizer):
-            raise ValueError(f"cpu_offload={value!r}: the optimizer steps the shard where it lives, so parameters and "
-                             "optimizer state are offloaded together; use st.CPUOffload(params=True, optimizer=True)")
+            raise ValueError(
+                f"cpu_offload={value!r}: the optimizer steps the shard where it lives, so parameters and "
+                "optimizer state are offloaded together; use st.CPUOffload(params=True, optimizer=True)"
+            )
         return value
-    raise TypeError(f"cpu_offload={value!r}: use True, False, a share of the parameters such as 0.5, or "
-                    "st.CPUOffload(params=..., optimizer=..., fraction=...)")
+    raise TypeError(
+        f"cpu_offload={value!r}: use True, False, a share of the parameters such as 0.5, or "
+        "st.CPUOffload(params=..., optimizer=..., fraction=...)"
+    )
 
 
 def describe_policy(policy: Any) -> str:

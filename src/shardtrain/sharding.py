@@ -7,7 +7,8 @@ resolves strategy="auto" with the planner, and hands concrete options to the eng
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -17,8 +18,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from .compat import translate_policy_objects, translate_torch_options
 from .core.process_groups import require_process_group, resolve_device
 from .core.shard import RUNTIME_ATTR, shard_module
-from .policy import (AutoPolicy, CPUOffload, MixedPrecision, WrapPolicy, is_auto, parse_cpu_offload,
-                     parse_mixed_precision)
+from .policy import (
+    AutoPolicy,
+    CPUOffload,
+    MixedPrecision,
+    WrapPolicy,
+    is_auto,
+    parse_cpu_offload,
+    parse_mixed_precision,
+)
 from .strategy import Strategy, parse_strategy
 
 
@@ -90,11 +98,18 @@ def shard(
         raise TypeError(f"st.shard expects an nn.Module, got {type(model).__name__}")
     if hasattr(model, RUNTIME_ATTR):
         raise ValueError(f"{type(model).__name__} is already sharded; call st.shard once per model")
-    options = dict(strategy=strategy, wrap=wrap, mixed_precision=mixed_precision, cpu_offload=cpu_offload,
-                   device=device, prefetch=prefetch)
+    options = dict(
+        strategy=strategy,
+        wrap=wrap,
+        mixed_precision=mixed_precision,
+        cpu_offload=cpu_offload,
+        device=device,
+        prefetch=prefetch,
+    )
     options.update(translate_torch_options(torch_options, given=_explicit(options)))
     strategy, wrap, mixed_precision, cpu_offload, device, prefetch = (
-        options[k] for k in ("strategy", "wrap", "mixed_precision", "cpu_offload", "device", "prefetch"))
+        options[k] for k in ("strategy", "wrap", "mixed_precision", "cpu_offload", "device", "prefetch")
+    )
     mixed_precision, cpu_offload = translate_policy_objects(mixed_precision=mixed_precision, cpu_offload=cpu_offload)
     if not isinstance(sync_module_states, bool):
         raise TypeError(f"sync_module_states={sync_module_states!r}: use True or False")
@@ -103,17 +118,28 @@ def shard(
     require_process_group()
     if is_auto(strategy):
         strategy, activation_checkpointing, cpu_offload = _resolve_auto(
-            model, strategy, wrap=wrap, mixed_precision=mixed_precision, process_group=process_group)
+            model, strategy, wrap=wrap, mixed_precision=mixed_precision, process_group=process_group
+        )
     strategy = parse_strategy(strategy)
     precision = parse_mixed_precision(mixed_precision)
     offload = parse_cpu_offload(cpu_offload)
     device = resolve_device(device)
     if device.type != "cuda":
         offload = None  # Note: on a CPU device everything already lives in host memory
-    return shard_module(model, strategy=strategy, wrap=wrap, precision=precision,
-                        activation_checkpointing=activation_checkpointing, offload=offload, mesh=mesh, device=device,
-                        process_group=process_group, prefetch=prefetch, param_init_fn=param_init_fn,
-                        sync_module_states=sync_module_states)
+    return shard_module(
+        model,
+        strategy=strategy,
+        wrap=wrap,
+        precision=precision,
+        activation_checkpointing=activation_checkpointing,
+        offload=offload,
+        mesh=mesh,
+        device=device,
+        process_group=process_group,
+        prefetch=prefetch,
+        param_init_fn=param_init_fn,
+        sync_module_states=sync_module_states,
+    )
 
 
 def _explicit(options: dict[str, Any]) -> set[str]:
@@ -129,12 +155,21 @@ def _resolve_auto(model: nn.Module, policy: Any, *, wrap: Any, mixed_precision: 
     if not isinstance(policy, AutoPolicy):
         seq_len = getattr(getattr(model, "cfg", None), "max_seq_len", None)
         if seq_len is None:
-            raise ValueError("strategy='auto' cannot tell the sequence length of this model; pass "
-                             "strategy=st.AutoPolicy(micro_batch=..., seq_len=...) instead")
+            raise ValueError(
+                "strategy='auto' cannot tell the sequence length of this model; pass "
+                "strategy=st.AutoPolicy(micro_batch=..., seq_len=...) instead"
+            )
         policy = AutoPolicy(micro_batch=1, seq_len=seq_len)
-    choice = resolve_auto(model, world_size=dist.get_world_size(process_group), micro_batch=policy.micro_batch,
-                          seq_len=policy.seq_len, grad_accum=policy.grad_accum, wrap=wrap,
-                          device_memory=policy.device_memory, mixed_precision=mixed_precision or "fp32")
+    choice = resolve_auto(
+        model,
+        world_size=dist.get_world_size(process_group),
+        micro_batch=policy.micro_batch,
+        seq_len=policy.seq_len,
+        grad_accum=policy.grad_accum,
+        wrap=wrap,
+        device_memory=policy.device_memory,
+        mixed_precision=mixed_precision or "fp32",
+    )
     if dist.get_rank() == 0:
         print(choice, flush=True)
     chosen = choice.shard_kwargs(model, wrap=wrap)

@@ -10,9 +10,35 @@ from shardtrain.cli import main
 @pytest.mark.slow
 def test_cpu_bench_shardtrain_and_fsdp2(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    code = main(["bench", "--sizes", "tiny", "--seq", "64", "--batch", "2", "--steps", "2", "--warmup", "1",
-                 "--repeats", "1", "--nproc", "2", "--device", "cpu", "--precision", "fp32",
-                 "--engines", "shardtrain,fsdp2,fsdp2-split,shardtrain-auto", "--json", str(out), "--timeout", "240"])
+    code = main(
+        [
+            "bench",
+            "--sizes",
+            "tiny",
+            "--seq",
+            "64",
+            "--batch",
+            "2",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--repeats",
+            "1",
+            "--nproc",
+            "2",
+            "--device",
+            "cpu",
+            "--precision",
+            "fp32",
+            "--engines",
+            "shardtrain,fsdp2,fsdp2-split,shardtrain-auto",
+            "--json",
+            str(out),
+            "--timeout",
+            "240",
+        ]
+    )
     printed = capsys.readouterr().out
     assert code == 0, printed
     rows = {row["engine"]: row for row in json.loads(out.read_text())["rows"]}

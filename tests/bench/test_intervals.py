@@ -32,7 +32,8 @@ def test_breakdown_partitions_the_window():
     # the compute stream counts as compute); NCCL on stream 20 in [30, 55): 10 hidden, 15 exposed;
     # a cast on stream 21 in [50, 65): 5 under NCCL, 5 under compute, 5 exposed; idle: [90, 99).
     events = [
-        kernel("sm90_xmma_gemm", 0, 35, 7), kernel("memcpy HtoD", 35, 5, 7, cat="gpu_memcpy"),
+        kernel("sm90_xmma_gemm", 0, 35, 7),
+        kernel("memcpy HtoD", 35, 5, 7, cat="gpu_memcpy"),
         kernel("ampere_gemm", 60, 30, 7),
         kernel("ncclDevKernel_AllGather_RING_LL", 30, 25, 20),
         kernel("direct_copy_kernel_cuda", 50, 15, 21),
@@ -58,9 +59,17 @@ def test_breakdown_partitions_the_window():
 
 def test_short_kernel_names():
     assert short_kernel_name("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)") == "nccl SendRecv"
-    assert short_kernel_name("void at::native::(anonymous namespace)::CatArrayBatchedCopy<at::native::"
-                             "(anonymous namespace)::OpaqueType<2u>, unsigned int>(int)") == "CatArrayBatchedCopy"
-    assert short_kernel_name("nvjet_sm90_tst_320x128_64x3_1x2_h_bz_coopB_NNT") == "nvjet_sm90_tst_320x128_64x3_1x2_h_bz_coopB_NNT"
+    assert (
+        short_kernel_name(
+            "void at::native::(anonymous namespace)::CatArrayBatchedCopy<at::native::"
+            "(anonymous namespace)::OpaqueType<2u>, unsigned int>(int)"
+        )
+        == "CatArrayBatchedCopy"
+    )
+    assert (
+        short_kernel_name("nvjet_sm90_tst_320x128_64x3_1x2_h_bz_coopB_NNT")
+        == "nvjet_sm90_tst_320x128_64x3_1x2_h_bz_coopB_NNT"
+    )
     assert short_kernel_name("Memcpy DtoD (Device -> Device)") == "Memcpy DtoD"
 
 

@@ -9,8 +9,9 @@ from shardtrain.bench.spec import RunSpec, add_spec_arguments, spec_from_args
 
 
 def spec(size="8b", seq=4096):
-    return RunSpec(engine="fsdp2", size=size, batch=1, seq=seq, ac=True, steps=10, warmup=3, device="cuda",
-                   precision="bf16")
+    return RunSpec(
+        engine="fsdp2", size=size, batch=1, seq=seq, ac=True, steps=10, warmup=3, device="cuda", precision="bf16"
+    )
 
 
 def test_flops_per_token_of_8b_by_hand():
@@ -40,8 +41,21 @@ def test_throughput_and_stats():
 
 
 def test_spec_survives_the_worker_command_line():
-    original = RunSpec(engine="shardtrain-zero2", size="2m", batch=3, seq=64, ac=True, steps=4, warmup=1,
-                       device="cpu", precision="fp32", seed=7, shard_world=2, profile_steps=2, trace_path="/t/x.gz")
+    original = RunSpec(
+        engine="shardtrain-zero2",
+        size="2m",
+        batch=3,
+        seq=64,
+        ac=True,
+        steps=4,
+        warmup=1,
+        device="cpu",
+        precision="fp32",
+        seed=7,
+        shard_world=2,
+        profile_steps=2,
+        trace_path="/t/x.gz",
+    )
     parser = argparse.ArgumentParser()
     add_spec_arguments(parser)
     assert spec_from_args(parser.parse_args(original.to_argv())) == original

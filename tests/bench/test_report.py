@@ -10,31 +10,64 @@ from shardtrain.bench.spec import RunSpec
 
 
 def run_spec(engine, device="cuda"):
-    return RunSpec(engine=engine, size="1.5b", batch=2, seq=4096, ac=False, steps=3, warmup=1, device=device,
-                   precision="bf16", shard_world=2)
+    return RunSpec(
+        engine=engine,
+        size="1.5b",
+        batch=2,
+        seq=4096,
+        ac=False,
+        steps=3,
+        warmup=1,
+        device=device,
+        precision="bf16",
+        shard_world=2,
+    )
 
 
 def record(engine, step_ms, loss, *, device="cuda", breakdown=None, nproc=2):
-    result = {"label": resolve_engine(engine).label, "world": nproc, "step_ms": step_ms, "losses": [11.9, loss],
-              "memory_gib": {"allocated": 33.14, "reserved": 36.0, "rss": 3.0} if device == "cuda"
-              else {"allocated": None, "reserved": None, "rss": 0.51},
-              "breakdown": breakdown, "trace": None}
+    result = {
+        "label": resolve_engine(engine).label,
+        "world": nproc,
+        "step_ms": step_ms,
+        "losses": [11.9, loss],
+        "memory_gib": {"allocated": 33.14, "reserved": 36.0, "rss": 3.0}
+        if device == "cuda"
+        else {"allocated": None, "reserved": None, "rss": 0.51},
+        "breakdown": breakdown,
+        "trace": None,
+    }
     return RunRecord(spec=run_spec(engine, device), nproc=nproc, repeat=0, status="ok", wall_s=10.0, result=result)
 
 
-BREAKDOWN = {"steps": 2, "step_ms": 200.0, "compute_ms": 150.0, "exposed_comm_ms": 30.0,
-             "exposed_copy_ms": 10.0, "idle_ms": 10.0, "comm_ms": 120.0, "collectives": 57.0,
-             "beside_comm_ms": 42.5,
-             "gaps": [{"at_ms": 0.0, "ms": 2.25, "during": ["nccl AllGather", "bfloat16_copy_kernel_cuda"]},
-                      {"at_ms": 199.0, "ms": 0.5, "during": []}]}
+BREAKDOWN = {
+    "steps": 2,
+    "step_ms": 200.0,
+    "compute_ms": 150.0,
+    "exposed_comm_ms": 30.0,
+    "exposed_copy_ms": 10.0,
+    "idle_ms": 10.0,
+    "comm_ms": 120.0,
+    "collectives": 57.0,
+    "beside_comm_ms": 42.5,
+    "gaps": [
+        {"at_ms": 0.0, "ms": 2.25, "during": ["nccl AllGather", "bfloat16_copy_kernel_cuda"]},
+        {"at_ms": 199.0, "ms": 0.5, "during": []},
+    ],
+}
 
 
 def rows():
     records = [
         record("shardtrain", [160.0, 170.0, 180.0], 11.7512, breakdown=BREAKDOWN),
         record("fsdp2", [190.0, 200.0, 210.0], 11.7513),
-        RunRecord(spec=run_spec("ddp"), nproc=2, repeat=0, status="out of memory", wall_s=5.0,
-                  error="OutOfMemoryError: CUDA out of memory"),
+        RunRecord(
+            spec=run_spec("ddp"),
+            nproc=2,
+            repeat=0,
+            status="out of memory",
+            wall_s=5.0,
+            error="OutOfMemoryError: CUDA out of memory",
+        ),
         record("ideal", [150.0, 150.0, 150.0], 11.8, nproc=1),
     ]
     return aggregate(records, peak_tflops=790.0)
@@ -54,8 +87,24 @@ def test_rows_pool_steps_and_compare_with_fsdp2_and_the_ideal():
 
 def test_results_table_layout():
     lines = results_table(rows()).splitlines()
-    assert lines[0].split() == ["size", "engine", "tok/s/GPU", "min", "max", "tok/s", "all", "MFU", "alloc", "GiB",
-                                "reserved", "GiB", "vs", "FSDP2", "step/ideal", "loss@2"]
+    assert lines[0].split() == [
+        "size",
+        "engine",
+        "tok/s/GPU",
+        "min",
+        "max",
+        "tok/s",
+        "all",
+        "MFU",
+        "alloc",
+        "GiB",
+        "reserved",
+        "GiB",
+        "vs",
+        "FSDP2",
+        "step/ideal",
+        "loss@2",
+    ]
     assert set(lines[1]) <= {"-", " "}
     assert len({len(line) for line in lines[:3]}) == 1  # padded columns
     shardtrain = lines[2]

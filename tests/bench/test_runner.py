@@ -9,8 +9,20 @@ from shardtrain.bench.runner import BenchOptions, child_environment, planned_run
 
 
 def options(**overrides):
-    base = dict(sizes=("tiny", "2m"), engines=("shardtrain", "fsdp2", "ddp"), batch=2, seq=None, ac=False, steps=2,
-                warmup=1, repeats=2, nproc=2, device="cpu", precision="fp32", peak_tflops=None)
+    base = dict(
+        sizes=("tiny", "2m"),
+        engines=("shardtrain", "fsdp2", "ddp"),
+        batch=2,
+        seq=None,
+        ac=False,
+        steps=2,
+        warmup=1,
+        repeats=2,
+        nproc=2,
+        device="cpu",
+        precision="fp32",
+        peak_tflops=None,
+    )
     return BenchOptions(**{**base, **overrides})
 
 
@@ -18,10 +30,18 @@ def test_engines_interleaved_and_rotated_per_repeat():
     plan = planned_runs(options())
     order = [(spec.size, spec.engine, repeat) for spec, _, repeat in plan]
     assert order == [
-        ("tiny", "shardtrain", 0), ("tiny", "fsdp2", 0), ("tiny", "ddp", 0),
-        ("tiny", "fsdp2", 1), ("tiny", "ddp", 1), ("tiny", "shardtrain", 1),
-        ("2m", "shardtrain", 0), ("2m", "fsdp2", 0), ("2m", "ddp", 0),
-        ("2m", "fsdp2", 1), ("2m", "ddp", 1), ("2m", "shardtrain", 1),
+        ("tiny", "shardtrain", 0),
+        ("tiny", "fsdp2", 0),
+        ("tiny", "ddp", 0),
+        ("tiny", "fsdp2", 1),
+        ("tiny", "ddp", 1),
+        ("tiny", "shardtrain", 1),
+        ("2m", "shardtrain", 0),
+        ("2m", "fsdp2", 0),
+        ("2m", "ddp", 0),
+        ("2m", "fsdp2", 1),
+        ("2m", "ddp", 1),
+        ("2m", "shardtrain", 1),
     ]
     assert plan[0][0].seq == 128 and plan[6][0].seq == 256  # each size's own max_seq_len by default
 

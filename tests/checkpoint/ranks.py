@@ -43,7 +43,7 @@ def train(model, optimizer, scheduler, steps, *, micro: int) -> list[torch.Tenso
         total = torch.zeros(())
         for m in range(micro):
             start = (rank * micro + m) * PER
-            chunk = tuple(t[start:start + PER] for t in batch)
+            chunk = tuple(t[start : start + PER] for t in batch)
             with st.no_sync(model) if m < micro - 1 else contextlib.nullcontext():
                 loss = lm_loss(model, chunk) / micro
                 loss.backward()
@@ -72,8 +72,11 @@ def gathered_optimizer_state(model, optimizer) -> dict[str, dict[str, torch.Tens
             if param not in optimizer.state:
                 continue
             start = shard.held_rows(runtime.comm.shard_rank if shard.world > 1 else 0)[0] * shard.row_numel
-            mine[shard.fqn] = (shard.shape, start,
-                               {k: local_of(v).detach().clone() for k, v in optimizer.state[param].items()})
+            mine[shard.fqn] = (
+                shard.shape,
+                start,
+                {k: local_of(v).detach().clone() for k, v in optimizer.state[param].items()},
+            )
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     out: dict[str, dict[str, torch.Tensor]] = {}
@@ -85,7 +88,7 @@ def gathered_optimizer_state(model, optimizer) -> dict[str, dict[str, torch.Tens
                     entry[key] = value
                     continue
                 full = entry.setdefault(key, torch.zeros(shape, dtype=value.dtype)).view(-1)
-                full[start:start + value.numel()] = value.reshape(-1)
+                full[start : start + value.numel()] = value.reshape(-1)
     return out
 
 
@@ -230,8 +233,8 @@ def bad_inputs(directory: str) -> list[str]:
     import shutil
     from pathlib import Path
 
-    from tests.models import MODELS, FrozenShared
     from shardtrain.models.llama import Llama, llama_config
+    from tests.models import MODELS, FrozenShared
 
     rank = dist.get_rank()
     good = f"{directory}/good"
@@ -239,20 +242,39 @@ def bad_inputs(directory: str) -> list[str]:
     st.save_checkpoint(good, state(model, optimizer, scheduler))
     messages = []
     other = st.shard(FrozenShared(), wrap=MODELS["frozen"][1])
-    messages.append(expect_error(load_into(good, other), r"does not match state\['model'\] \(FrozenShared\): "
-                                 r"missing \[frozen.lin.bias.*unexpected \[embed.weight.*strict=False"))
+    messages.append(
+        expect_error(
+            load_into(good, other),
+            r"does not match state\['model'\] \(FrozenShared\): "
+            r"missing \[frozen.lin.bias.*unexpected \[embed.weight.*strict=False",
+        )
+    )
     narrower = st.shard(Llama(llama_config("tiny", tie_embeddings=True, n_layers=3, ffn_dim=128)), wrap={Block})
-    messages.append(expect_error(load_into(good, narrower), r"mis-shaped \[layers.0.ffn.w1.weight: checkpoint "
-                                 r"\(176, 64\) vs model \(128, 64\)"))
+    messages.append(
+        expect_error(
+            load_into(good, narrower),
+            r"mis-shaped \[layers.0.ffn.w1.weight: checkpoint "
+            r"\(176, 64\) vs model \(128, 64\)",
+        )
+    )
     st.load_checkpoint(good, {"model": narrower}, strict=False)  # the matching part loads
-    assert torch.equal(st.full_state_dict(narrower, rank0_only=False)["embed.weight"],
-                       st.full_state_dict(model, rank0_only=False)["embed.weight"])
+    assert torch.equal(
+        st.full_state_dict(narrower, rank0_only=False)["embed.weight"],
+        st.full_state_dict(model, rank0_only=False)["embed.weight"],
+    )
     plain = tiny_llama()
-    messages.append(expect_error(lambda: st.load_checkpoint(good, {"model": plain}),
-                                 r"saved 'model' as a sharded module; pass the model after st.shard"))
+    messages.append(
+        expect_error(
+            lambda: st.load_checkpoint(good, {"model": plain}),
+            r"saved 'model' as a sharded module; pass the model after st.shard",
+        )
+    )
     with_ema = {**state(model, optimizer, scheduler), "ema": scheduler}
-    messages.append(expect_error(lambda: st.load_checkpoint(good, with_ema),
-                                 r"has no \[ema\]; it holds \[model, optimizer, scheduler\]"))
+    messages.append(
+        expect_error(
+            lambda: st.load_checkpoint(good, with_ema), r"has no \[ema\]; it holds \[model, optimizer, scheduler\]"
+        )
+    )
     messages.append(expect_error(lambda: st.load_checkpoint(f"{directory}/nowhere", {}), "does not exist"))
     Path(directory, "empty").mkdir(exist_ok=True)
     messages.append(expect_error(lambda: st.load_checkpoint(f"{directory}/empty", {}), "is not a checkpoint"))
@@ -281,19 +303,38 @@ def bad_inputs(directory: str) -> list[str]:
 
     # Only rank 1 reads shard 1: rank 0 must fail too, naming rank 1.
     where = "" if rank == 1 else "rank 1 failed: ValueError: "
-    messages.append(expect_error(load_into(damaged("truncated", truncate), model),
-                                 f"{where}.*model-00001-of-00002.safetensors is truncated or altered"))
-    messages.append(expect_error(load_into(damaged("flipped", flip), model),
-                                 f"{where}.*model-00001-of-00002.safetensors is corrupt: sha256"))
-    messages.append(expect_error(load_into(damaged("newer", newer), model),
-                                 "format version 99, newer than the version 2 this shardtrain reads; upgrade"))
+    messages.append(
+        expect_error(
+            load_into(damaged("truncated", truncate), model),
+            f"{where}.*model-00001-of-00002.safetensors is truncated or altered",
+        )
+    )
+    messages.append(
+        expect_error(
+            load_into(damaged("flipped", flip), model), f"{where}.*model-00001-of-00002.safetensors is corrupt: sha256"
+        )
+    )
+    messages.append(
+        expect_error(
+            load_into(damaged("newer", newer), model),
+            "format version 99, newer than the version 2 this shardtrain reads; upgrade",
+        )
+    )
 
     run = f"{directory}/run"
     st.save_checkpoint(f"{run}/a", {"model": model})
-    messages.append(expect_error(lambda: st.save_checkpoint(f"{run}/b", {"model": model, "fn": print}),
-                                 r"state\['fn'\] is a builtin_function_or_method"))
-    messages.append(expect_error(lambda: st.save_checkpoint(f"{run}/b", {"model": model, "t": torch.ones(3)}),
-                                 r"state\['t'\] is a tensor of shape \(3,\)"))
+    messages.append(
+        expect_error(
+            lambda: st.save_checkpoint(f"{run}/b", {"model": model, "fn": print}),
+            r"state\['fn'\] is a builtin_function_or_method",
+        )
+    )
+    messages.append(
+        expect_error(
+            lambda: st.save_checkpoint(f"{run}/b", {"model": model, "t": torch.ones(3)}),
+            r"state\['t'\] is a tensor of shape \(3,\)",
+        )
+    )
 
     class Opaque:
         def state_dict(self):
@@ -302,8 +343,12 @@ def bad_inputs(directory: str) -> list[str]:
         def load_state_dict(self, state):
             raise AssertionError("not reached")
 
-    messages.append(expect_error(lambda: st.save_checkpoint(f"{run}/b", {"model": model, "o": Opaque()}),
-                                 r"state\['o'\].state_dict\(\)\['fn'\] is a builtins.type; .*weights_only=True"))
+    messages.append(
+        expect_error(
+            lambda: st.save_checkpoint(f"{run}/b", {"model": model, "o": Opaque()}),
+            r"state\['o'\].state_dict\(\)\['fn'\] is a builtins.type; .*weights_only=True",
+        )
+    )
     messages.append(expect_error(lambda: st.save_checkpoint(f"{run}/b", {}, format="zip"), "format='zip'"))
     messages.append(expect_error(lambda: st.save_checkpoint(f"{run}/b", {}, keep_last=0), "keep_last=0"))
     assert sorted(p.name for p in Path(run).iterdir() if ".tmp-" not in p.name) == ["a", "latest"]
@@ -353,8 +398,13 @@ def values_objects_and_rng(directory: str) -> None:
     import numpy as np
 
     model, optimizer, scheduler = build()
-    values = {"step": 7, "pair": (1, 2.5), "nested": {"tokens": [1, 2], 3: None, "$odd": "x"},
-              "scale": torch.tensor(0.5, dtype=torch.bfloat16), "name": "run-1"}
+    values = {
+        "step": 7,
+        "pair": (1, 2.5),
+        "nested": {"tokens": [1, 2], 3: None, "$odd": "x"},
+        "scale": torch.tensor(0.5, dtype=torch.bfloat16),
+        "name": "run-1",
+    }
     rank = dist.get_rank()
     st.save_checkpoint(directory, {"model": model, "local": RankLocal(float(rank)), **values})
     after_save = (random.random(), np.random.rand(), torch.rand(3))
@@ -374,8 +424,15 @@ def save_hf_model(directory: str) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     model = st.shard(LlamaForCausalLM(config), wrap={LlamaDecoderLayer})
     st.save_checkpoint(directory, {"model": model})

@@ -40,8 +40,10 @@ def _full_disk_on(where: str, directory: str) -> list[str]:
     model, optimizer, scheduler = build()
     st.save_checkpoint(run / "step1", state(model, optimizer, scheduler, step=1))
     rank = dist.get_rank()
-    failing_rank, target, attr, replacement = {"shard": (1, tensorfile, "open", _open_on_full_disk),
-                                               "metadata": (0, save_module, "write_metadata", _no_space)}[where]
+    failing_rank, target, attr, replacement = {
+        "shard": (1, tensorfile, "open", _open_on_full_disk),
+        "metadata": (0, save_module, "write_metadata", _no_space),
+    }[where]
     original = getattr(target, attr, None)
     if rank == failing_rank:
         setattr(target, attr, replacement)
@@ -61,13 +63,16 @@ def _full_disk_on(where: str, directory: str) -> list[str]:
     return [type(info.value).__name__, str(info.value)]
 
 
-@pytest.mark.parametrize("where, file, failing_rank", [("shard", "model-00001-of-00002.safetensors", 1),
-                                                       ("metadata", "metadata.json", 0)])
+@pytest.mark.parametrize(
+    "where, file, failing_rank", [("shard", "model-00001-of-00002.safetensors", 1), ("metadata", "metadata.json", 0)]
+)
 def test_a_full_disk_names_the_file_on_every_rank(pools, tmp_path, where, file, failing_rank):
     messages = pools(2).run(_full_disk_on, where, str(tmp_path))
     staging = rf"{tmp_path}/run/step2\.tmp-[0-9a-f]{{32}}/{file}"
-    tail = (r"No space left on device; free space on that filesystem or save to a directory on another one "
-            r"\(the last committed checkpoint is untouched\)")
+    tail = (
+        r"No space left on device; free space on that filesystem or save to a directory on another one "
+        r"\(the last committed checkpoint is untouched\)"
+    )
     for rank, (kind, message) in enumerate(messages):
         prefix = "" if rank == failing_rank else rf"rank {failing_rank} failed: CheckpointWriteError: "
         assert kind == ("CheckpointWriteError" if rank == failing_rank else "RuntimeError"), (rank, kind)

@@ -16,8 +16,9 @@ DATA = Path(__file__).parent / "data"
 
 
 def _model() -> Llama:
-    config = llama_config("tiny", vocab_size=40, dim=16, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=24,
-                          max_seq_len=16)
+    config = llama_config(
+        "tiny", vocab_size=40, dim=16, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=24, max_seq_len=16
+    )
     return Llama(config)
 
 
@@ -30,13 +31,21 @@ def load_format_v1(strategy: str) -> dict:
     full = st.full_state_dict(model, rank0_only=False)
     weights = max((full[k] - v).abs().max().item() for k, v in expected.items() if not k.startswith("state."))
     state = gathered_optimizer_state(model, opt)
-    moments = max((state[name][key] - v).abs().max().item() for k, v in expected.items() if k.startswith("state.")
-                  for name, key in [k[len("state."):].rsplit(".", 1)])
+    moments = max(
+        (state[name][key] - v).abs().max().item()
+        for k, v in expected.items()
+        if k.startswith("state.")
+        for name, key in [k[len("state.") :].rsplit(".", 1)]
+    )
     tokens = torch.randint(0, 40, (2, 9), generator=torch.Generator().manual_seed(dist.get_rank()))
     model.loss(tokens[:, :-1], tokens[:, 1:]).backward()
     opt.step()
-    return {"rest": rest, "weights": weights, "moments": moments,
-            "steps": {float(s["step"]) for s in opt.state.values()}}
+    return {
+        "rest": rest,
+        "weights": weights,
+        "moments": moments,
+        "steps": {float(s["step"]) for s in opt.state.values()},
+    }
 
 
 @pytest.mark.parametrize("world", [1, 2, pytest.param(3, marks=pytest.mark.slow)])

@@ -33,7 +33,10 @@ def test_full_weights_load_into_the_plain_model(pools, tmp_path, world):
         torch.testing.assert_close(plain(TOKENS), logits, rtol=1.3e-6, atol=1e-5)
     metadata = json.loads((tmp_path / "ckpt" / "metadata.json").read_text())
     assert metadata["kind"] == "full" and sorted(metadata["files"]) == [
-        "model.safetensors", "optimizer.safetensors", *[f"rank-{r:05d}.pt" for r in range(world)]]
+        "model.safetensors",
+        "optimizer.safetensors",
+        *[f"rank-{r:05d}.pt" for r in range(world)],
+    ]
 
 
 def test_convert_sharded_checkpoint_to_one_file(pools, tmp_path, capsys):

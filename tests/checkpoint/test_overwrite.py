@@ -46,8 +46,11 @@ def test_a_folder_that_is_not_a_checkpoint_is_refused_and_kept(tmp_path):
     run = tmp_path / "run"
     (run / "logs").mkdir(parents=True)
     (run / "notes.txt").write_text("do not lose me")
-    with pytest.raises(ValueError, match=f"cannot save the checkpoint at {run}: it is an existing directory that "
-                                         "is not a shardtrain checkpoint .* pass a new path"):
+    with pytest.raises(
+        ValueError,
+        match=f"cannot save the checkpoint at {run}: it is an existing directory that "
+        "is not a shardtrain checkpoint .* pass a new path",
+    ):
         save(run, 1)
     assert listing(tmp_path) == ["run"] and listing(run) == ["logs", "notes.txt"]
     assert (run / "notes.txt").read_text() == "do not lose me"
@@ -126,8 +129,11 @@ def test_latest_must_name_a_checkpoint_inside_the_folder(tmp_path, pointer):
     save(run / "sub" / "step1", 5)
     (run / "escape").symlink_to(tmp_path / "outside")
     (run / "latest").write_text(pointer + "\n")
-    with pytest.raises(ValueError, match=f"{run / 'latest'} names {pointer!r}, which is not a directory inside "
-                                         f"{run}; .* fix the file or pass the checkpoint directory itself"):
+    with pytest.raises(
+        ValueError,
+        match=f"{run / 'latest'} names {pointer!r}, which is not a directory inside "
+        f"{run}; .* fix the file or pass the checkpoint directory itself",
+    ):
         load(run)
     assert load(run / "step1") == 1
 
@@ -143,8 +149,10 @@ def test_a_pickle_in_a_rank_file_is_refused_as_untrusted(tmp_path):
     with pytest.raises(ValueError) as info:
         load(path)
     message = str(info.value)
-    assert message == (f"{rank_file} holds a pickled {__name__}.Counter, where a checkpoint holds only tensors and "
-                       "primitives: the file is untrusted and cannot be loaded safely; load a checkpoint written by "
-                       "st.save_checkpoint")
+    assert message == (
+        f"{rank_file} holds a pickled {__name__}.Counter, where a checkpoint holds only tensors and "
+        "primitives: the file is untrusted and cannot be loaded safely; load a checkpoint written by "
+        "st.save_checkpoint"
+    )
     assert "weights_only=False" not in message and "\n" not in message
     assert os.path.exists(rank_file)

@@ -17,10 +17,17 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("save_world,strategy,fmt,load_world", [
-    pytest.param(*case, id=f"{case[0]}-{case[1]}-{case[2]}-to-{case[3]}",
-                 marks=[pytest.mark.slow] if 4 in (case[0], case[3]) else [])  # 4 ranks: the slow tier
-    for case in CASES])
+@pytest.mark.parametrize(
+    "save_world,strategy,fmt,load_world",
+    [
+        pytest.param(
+            *case,
+            id=f"{case[0]}-{case[1]}-{case[2]}-to-{case[3]}",
+            marks=[pytest.mark.slow] if 4 in (case[0], case[3]) else [],
+        )  # 4 ranks: the slow tier
+        for case in CASES
+    ],
+)
 def test_load_at_another_world_size(pools, tmp_path, save_world, strategy, fmt, load_world):
     directory = str(tmp_path / "ckpt")
     mesh = (2, 2) if strategy == "hybrid_shard" else None

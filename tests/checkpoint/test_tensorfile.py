@@ -35,7 +35,7 @@ def test_written_file_is_standard_safetensors(tmp_path):
     with safe_open(str(tmp_path / "x.safetensors"), framework="pt") as f:
         assert f.metadata() == {"format": "pt"}
         for start, numel in [(0, 15), (4, 7), (14, 1), (6, 0)]:
-            assert torch.equal(read_flat(f, "w", start, numel), TENSORS["w"].reshape(-1)[start:start + numel])
+            assert torch.equal(read_flat(f, "w", start, numel), TENSORS["w"].reshape(-1)[start : start + numel])
         assert torch.equal(read_flat(f, "step", 0, 1), TENSORS["step"].reshape(-1))
 
 

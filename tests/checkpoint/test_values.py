@@ -7,8 +7,13 @@ from shardtrain.checkpoint.values import check_weights_only, decode, encode
 
 
 def test_round_trip_keeps_types():
-    value = {"a": (1, 2.5, None), "b": [True, "x"], 3: {"$k": torch.tensor(7, dtype=torch.int64)},
-             "lr": torch.tensor(1e-3), "inf": float("inf")}
+    value = {
+        "a": (1, 2.5, None),
+        "b": [True, "x"],
+        3: {"$k": torch.tensor(7, dtype=torch.int64)},
+        "lr": torch.tensor(1e-3),
+        "inf": float("inf"),
+    }
     back = decode(encode(value, "v"))
     assert isinstance(back["a"], tuple) and back["a"] == value["a"] and back["b"] == value["b"]
     assert back[3]["$k"].dtype == torch.int64 and back[3]["$k"].item() == 7

@@ -34,8 +34,10 @@ def test_model_states_are_16_bytes_per_param_over_the_shard(capsys):
 
 
 def test_other_optimizers_change_the_bytes_per_param(capsys):
-    lines = _arithmetic(_estimate(["--model", "8b", "--gpus", "8", "--strategy", "full_shard", "--optimizer", "sgd"],
-                                  capsys))
-    assert lines[0].startswith("model states per device = (4 B fp32 param + 4 B fp32 grad + 4 B sgd state = "
-                               "12 B/param)")
+    lines = _arithmetic(
+        _estimate(["--model", "8b", "--gpus", "8", "--strategy", "full_shard", "--optimizer", "sgd"], capsys)
+    )
+    assert lines[0].startswith(
+        "model states per device = (4 B fp32 param + 4 B fp32 grad + 4 B sgd state = 12 B/param)"
+    )
     assert lines[1:] == [f"  full_shard  12 B x 8.03B / 8 = {12 * 8_030_261_248 / 8 / 2**30:.2f} GiB"]

@@ -10,8 +10,18 @@ from shardtrain.train.config import ConfigError, load_config
 from shardtrain.train.planned_config import planned_setup, resolve_auto_config
 
 TINY = ["--model.name", "llama-tiny", "--data.seq_len", "64", "--train.batch_size", "8", "--engine.devices", "2"]
-EIGHT_B = ["--model.name", "llama-8b", "--engine.accelerator", "cuda", "--engine.devices", "2",
-           "--data.seq_len", "4096", "--train.batch_size", "4"]
+EIGHT_B = [
+    "--model.name",
+    "llama-8b",
+    "--engine.accelerator",
+    "cuda",
+    "--engine.devices",
+    "2",
+    "--data.seq_len",
+    "4096",
+    "--train.batch_size",
+    "4",
+]
 
 
 def _plan(args: list[str], capsys) -> tuple[int, str, str]:
@@ -42,13 +52,17 @@ def test_plan_prints_the_wrap_plan_the_precision_audit_and_the_estimate(capsys):
 
 def test_plan_follows_the_train_configs_checkpointing_offload_and_accumulation(capsys, tmp_path):
     config = tmp_path / "run.toml"
-    config.write_text('[model]\nname = "llama-7m"\nactivation_checkpointing = 2\n'
-                      '[train]\nbatch_size = 8\ngrad_accum = 2\n[engine]\ndevices = 2\ncpu_offload = true\n'
-                      'strategy = "shard_grad_op"\nprecision = "32-true"\n')
+    config.write_text(
+        '[model]\nname = "llama-7m"\nactivation_checkpointing = 2\n'
+        "[train]\nbatch_size = 8\ngrad_accum = 2\n[engine]\ndevices = 2\ncpu_offload = true\n"
+        'strategy = "shard_grad_op"\nprecision = "32-true"\n'
+    )
     code, out, err = _plan([str(config), "--data.seq_len", "128", "--device-memory", "4GiB"], capsys)
     assert code == 0, err
-    assert ("shard_grad_op, 32-true, micro-batch 2 x 2 accumulation steps, seq 128, activation checkpointing "
-            "1 block in 2, CPU offload") in out
+    assert (
+        "shard_grad_op, 32-true, micro-batch 2 x 2 accumulation steps, seq 128, activation checkpointing "
+        "1 block in 2, CPU offload"
+    ) in out
     assert "activation checkpointing: 1 block in 2, CPU offload of params+grads and optimizer" in out
     assert "placement: host (CPU offload)" in out
     assert "with 2 micro-batches, no_sync holds the unsharded gradients between them" in out
@@ -57,8 +71,10 @@ def test_plan_follows_the_train_configs_checkpointing_offload_and_accumulation(c
 def test_plan_auto_for_8b_on_two_h200(capsys):
     code, out, err = _plan([*EIGHT_B, "--auto", "--device-memory", "141GB"], capsys)
     assert code == 0, err
-    assert "2 x cuda, shard_grad_op, bf16-mixed, micro-batch 2 x 1 accumulation step, seq 4096, activation " \
-           "checkpointing none" in out
+    assert (
+        "2 x cuda, shard_grad_op, bf16-mixed, micro-batch 2 x 1 accumulation step, seq 4096, activation "
+        "checkpointing none" in out
+    )
     assert "== automatic plan ==\nautomatic plan: shard_grad_op, activation checkpointing none" in out
     assert "- vs full_shard with every block checkpointed at the same batch split: predicted 1.26x" in out
     assert "shardtrain plan: Llama, shard_grad_op, world size 2, 35 units" in out
@@ -95,7 +111,18 @@ def test_strategy_auto_resolves_the_train_config_and_keeps_the_global_batch(caps
 
 
 def test_strategy_auto_needs_block_classes():
-    cfg = load_config(None, ["--model.name", "torch.nn:Linear", "--model.kwargs", "{in_features: 4, out_features: 4}",
-                             "--engine.devices", "2", "--engine.strategy", "auto"])
+    cfg = load_config(
+        None,
+        [
+            "--model.name",
+            "torch.nn:Linear",
+            "--model.kwargs",
+            "{in_features: 4, out_features: 4}",
+            "--engine.devices",
+            "2",
+            "--engine.strategy",
+            "auto",
+        ],
+    )
     with pytest.raises(ConfigError, match="needs the model's block classes.*--model.wrap"):
         resolve_auto_config(cfg, device_memory=1 << 30)

@@ -24,7 +24,7 @@ def state_bytes(strategy: str) -> int:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     batch = make_batches("llama", steps=1, global_batch=2 * dist.get_world_size())[0]
     rank = dist.get_rank()
-    lm_loss(model, tuple(t[2 * rank:2 * rank + 2] for t in batch)).backward()
+    lm_loss(model, tuple(t[2 * rank : 2 * rank + 2] for t in batch)).backward()
     opt.step()
     total = 0
     for unit in runtime_of(model).units:
@@ -32,7 +32,9 @@ def state_bytes(strategy: str) -> int:
             total += buf.shard.numel() * buf.shard.element_size()
             total += buf.grad.numel() * buf.grad.element_size()
     for state in opt.state.values():
-        total += sum(local_of(v).numel() * v.element_size() for v in state.values() if torch.is_tensor(v) and v.dim() > 0)
+        total += sum(
+            local_of(v).numel() * v.element_size() for v in state.values() if torch.is_tensor(v) and v.dim() > 0
+        )
     return total
 
 
@@ -47,8 +49,9 @@ def meta_init_is_unit_by_unit() -> dict:
     def init(module: nn.Module) -> None:
         if hasattr(module, "reset_parameters"):
             module.reset_parameters()
-        live = sum(p.numel() for p in model.parameters() if not p.is_meta and p.dim() > 1
-                   and not isinstance(p, DTensor))  # sharded parameters (DTensors) hold only their rows
+        live = sum(
+            p.numel() for p in model.parameters() if not p.is_meta and p.dim() > 1 and not isinstance(p, DTensor)
+        )  # sharded parameters (DTensors) hold only their rows
         peaks.append(live)
 
     st.shard(model, strategy="full_shard", wrap={Block}, param_init_fn=init)
@@ -58,8 +61,14 @@ def meta_init_is_unit_by_unit() -> dict:
     rope_ok = torch.allclose(model.rope_cos, cos)
     batch = make_batches("llama", steps=1, global_batch=2)[0]
     loss = lm_loss(model, batch)
-    return {"max_live": max(peaks), "total": full_total, "norms_ok": norms_ok, "rope_ok": rope_ok,
-            "loss": loss.item(), "checksum": sum(v.double().sum().item() for v in sd.values())}
+    return {
+        "max_live": max(peaks),
+        "total": full_total,
+        "norms_ok": norms_ok,
+        "rope_ok": rope_ok,
+        "loss": loss.item(),
+        "checksum": sum(v.double().sum().item() for v in sd.values()),
+    }
 
 
 def synced_states() -> float:
@@ -87,8 +96,11 @@ def full_state_dict_roundtrip() -> dict:
     x = make_batches("llama", steps=1, global_batch=2)[0][0]
     with torch.no_grad():
         same = torch.allclose(fresh(x), plain(x), atol=1e-6)
-    return {"keys": list(sd) == list(plain.state_dict()), "outputs": same,
-            "tied": sd["embed.weight"].data_ptr() == sd["head.weight"].data_ptr()}
+    return {
+        "keys": list(sd) == list(plain.state_dict()),
+        "outputs": same,
+        "tied": sd["embed.weight"].data_ptr() == sd["head.weight"].data_ptr(),
+    }
 
 
 def unused_and_eval_behaviour() -> dict:
@@ -102,10 +114,12 @@ def unused_and_eval_behaviour() -> dict:
     names = {n: p.grad is None for n, p in model.named_parameters()}
     with torch.no_grad():
         after = model(x)
-    return {"unused_none": names["unused.weight"] and names["unused.bias"],
-            "frozen_none": names["frozen.lin.weight"] and names["stem.bias"],
-            "used_has_grad": not names["shared.lin.weight"] and not names["out.weight"],
-            "eval_stable": torch.equal(before, after)}
+    return {
+        "unused_none": names["unused.weight"] and names["unused.bias"],
+        "frozen_none": names["frozen.lin.weight"] and names["stem.bias"],
+        "used_has_grad": not names["shared.lin.weight"] and not names["out.weight"],
+        "eval_stable": torch.equal(before, after),
+    }
 
 
 def collective_counts() -> dict:
@@ -128,7 +142,7 @@ def collective_counts() -> dict:
     with observe(count):
         for b in batch:
             counts.update(gather=0, reduce=0, announce=0)
-            lm_loss(model, tuple(t[2 * rank:2 * rank + 2] for t in b)).backward()
+            lm_loss(model, tuple(t[2 * rank : 2 * rank + 2] for t in b)).backward()
             per_step.append(dict(counts))
     return {"steps": per_step, "units": len(runtime_of(model).units)}
 
@@ -142,14 +156,15 @@ def rmsnorm_is_merged() -> bool:
 def auto_strategy(device_memory: str) -> dict:
     """strategy=st.AutoPolicy: the planner picks; the model then trains like any other."""
     torch.manual_seed(0)
-    model = st.shard(tiny_llama(), strategy=st.AutoPolicy(micro_batch=2, seq_len=16, device_memory=device_memory),
-                     wrap={Block})
+    model = st.shard(
+        tiny_llama(), strategy=st.AutoPolicy(micro_batch=2, seq_len=16, device_memory=device_memory), wrap={Block}
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     rank = dist.get_rank()
     losses = []
     batch = make_batches("llama", steps=1, global_batch=4)[0]
     for _ in range(4):  # one batch, memorised: the loss must fall
-        loss = lm_loss(model, tuple(t[2 * rank:2 * rank + 2] for t in batch))
+        loss = lm_loss(model, tuple(t[2 * rank : 2 * rank + 2] for t in batch))
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -186,9 +201,13 @@ def subgroups_keep_the_timeout() -> dict:
     parent = dist.new_group(list(range(dist.get_world_size())), timeout=timedelta(seconds=17))
     model = st.shard(tiny_llama(), strategy="full_shard", wrap={Block}, process_group=parent)
     runtime = runtime_of(model)
-    hybrid = st.shard(tiny_llama(), strategy="hybrid_shard", wrap={Block}, process_group=parent,
-                      mesh=(1, dist.get_world_size()))
-    groups = {"order": runtime.order.group, "control": runtime.control_group,
-              "hybrid_shard": runtime_of(hybrid).comm.shard,
-              "hybrid_replicate": runtime_of(hybrid).comm.replicate}
+    hybrid = st.shard(
+        tiny_llama(), strategy="hybrid_shard", wrap={Block}, process_group=parent, mesh=(1, dist.get_world_size())
+    )
+    groups = {
+        "order": runtime.order.group,
+        "control": runtime.control_group,
+        "hybrid_shard": runtime_of(hybrid).comm.shard,
+        "hybrid_replicate": runtime_of(hybrid).comm.replicate,
+    }
     return {name: group_timeout(g).total_seconds() for name, g in groups.items()}

@@ -20,8 +20,14 @@ from torch._dynamo.utils import counters
 import shardtrain as st
 from shardtrain.models.llama import SHARD_UNITS, Block, Llama, llama_config
 
-FORMS = ("torch.compile(block)", "block.compile() before", "block.compile() after", "compiled forward",
-         "torch.compile(model)", "model.compile()")
+FORMS = (
+    "torch.compile(block)",
+    "block.compile() before",
+    "block.compile() after",
+    "compiled forward",
+    "torch.compile(model)",
+    "model.compile()",
+)
 
 
 def device() -> torch.device:
@@ -54,8 +60,15 @@ def _apply(model: Llama, form: str, *, backend, when: str) -> nn.Module:
     return model
 
 
-def train_form(form: str, strategy: str, *, precision: str | None = None, ac: bool = False,
-               backend: str = "aot_eager", steps: int = 3) -> dict:
+def train_form(
+    form: str,
+    strategy: str,
+    *,
+    precision: str | None = None,
+    ac: bool = False,
+    backend: str = "aot_eager",
+    steps: int = 3,
+) -> dict:
     """Train `form` and eager side by side; return the worst differences and dynamo's counts."""
     torch._dynamo.reset()
     counters.clear()
@@ -69,15 +82,20 @@ def train_form(form: str, strategy: str, *, precision: str | None = None, ac: bo
         call: nn.Module = model
         if kind != "eager":
             call = _apply(model, form, backend=counter, when="before")
-        st.shard(model, strategy=strategy, wrap=SHARD_UNITS, mixed_precision=precision,
-                 activation_checkpointing={Block} if ac else None)
+        st.shard(
+            model,
+            strategy=strategy,
+            wrap=SHARD_UNITS,
+            mixed_precision=precision,
+            activation_checkpointing={Block} if ac else None,
+        )
         if kind != "eager":
             call = _apply(model, form, backend=counter, when="after")
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6)
         generator = torch.Generator().manual_seed(11)
         losses = []
         for _ in range(steps):
-            tokens = torch.randint(0, 256, (2 * world, 17), generator=generator)[2 * rank:2 * rank + 2].to(device())
+            tokens = torch.randint(0, 256, (2 * world, 17), generator=generator)[2 * rank : 2 * rank + 2].to(device())
             logits = call(tokens[:, :-1])
             loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
             loss.backward()
@@ -86,9 +104,12 @@ def train_form(form: str, strategy: str, *, precision: str | None = None, ac: bo
             losses.append(loss.item())
         results[kind] = (losses, st.full_state_dict(model, rank0_only=False))
     (eager_losses, eager_weights), (losses, weights) = results["eager"], results[form]
-    return {"loss": max(abs(a - b) for a, b in zip(losses, eager_losses)),
-            "weights": max((weights[k] - v).abs().max().item() for k, v in eager_weights.items()),
-            "breaks": sum(counters["graph_break"].values()), "frames": counter.frame_count}
+    return {
+        "loss": max(abs(a - b) for a, b in zip(losses, eager_losses)),
+        "weights": max((weights[k] - v).abs().max().item() for k, v in eager_weights.items()),
+        "breaks": sum(counters["graph_break"].values()),
+        "frames": counter.frame_count,
+    }
 
 
 def recompiles_per_length() -> dict:

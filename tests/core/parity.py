@@ -54,7 +54,8 @@ def wrap_policy(kind: str):
 
 def ac_policy(kind: str):
     return {"llama": MODELS["llama"][1], "split_llama": {Block}, "frozen": MODELS["frozen"][1]}.get(
-        kind, lambda m: isinstance(m, nn.Linear))
+        kind, lambda m: isinstance(m, nn.Linear)
+    )
 
 
 def nanogpt_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -92,7 +93,7 @@ def make_optimizer(model: nn.Module, name: str) -> torch.optim.Optimizer:
 
 def _chunk(batch, rank: int, micro: int, index: int, per: int):
     start = (rank * micro + index) * per
-    return tuple(t[start:start + per] for t in batch)
+    return tuple(t[start : start + per] for t in batch)
 
 
 class Reference:
@@ -158,9 +159,15 @@ def run_case(kind: str, case: Case) -> None:
     torch.manual_seed(0)
     ref_model = factory().to(device)
     model = copy.deepcopy(ref_model)
-    st.shard(model, strategy=case.strategy, wrap=wrap_policy(kind), mixed_precision=case.precision,
-             activation_checkpointing=ac_policy(kind) if case.ac else None, mesh=case.mesh,
-             cpu_offload=st.CPUOffload(fraction=case.offload) if isinstance(case.offload, float) else case.offload)
+    st.shard(
+        model,
+        strategy=case.strategy,
+        wrap=wrap_policy(kind),
+        mixed_precision=case.precision,
+        activation_checkpointing=ac_policy(kind) if case.ac else None,
+        mesh=case.mesh,
+        cpu_offload=st.CPUOffload(fraction=case.offload) if isinstance(case.offload, float) else case.offload,
+    )
     opt = make_optimizer(model, case.optim)
     reference = Reference(ref_model, case, world)
     per = 2
@@ -182,8 +189,12 @@ def run_case(kind: str, case: Case) -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
         ref_losses = reference.step(batch, per)
-        torch.testing.assert_close(loss_sum.float(), ref_losses[rank].float(), **tol,
-                                   msg=lambda m: f"{kind} {case} step {step} rank {rank}: loss {m}")
+        torch.testing.assert_close(
+            loss_sum.float(),
+            ref_losses[rank].float(),
+            **tol,
+            msg=lambda m: f"{kind} {case} step {step} rank {rank}: loss {m}",
+        )
     full = st.full_state_dict(model, rank0_only=False)
     expected = ref_model.state_dict()
     for name, b in reference.buffers[rank].items():
@@ -192,8 +203,9 @@ def run_case(kind: str, case: Case) -> None:
     expected = {k: v.cpu() for k, v in expected.items()}
     assert list(full) == list(expected), f"state dict keys differ: {list(full)} vs {list(expected)}"
     for name in expected:
-        torch.testing.assert_close(full[name], expected[name], **tol,
-                                   msg=lambda m: f"{kind} {case} rank {rank}: {name}: {m}")
+        torch.testing.assert_close(
+            full[name], expected[name], **tol, msg=lambda m: f"{kind} {case} rank {rank}: {name}: {m}"
+        )
 
 
 def run_cases(kind: str, cases: list[Case]) -> int:

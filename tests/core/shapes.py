@@ -24,8 +24,15 @@ from tests.models import split_llama, tiny_llama
 def hf_llama(*, tie: bool = False) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie)
+    config = LlamaConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=tie,
+    )
     return LlamaForCausalLM(config)
 
 
@@ -51,8 +58,13 @@ def device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
-BUILDERS = {"llama": split_llama, "tied_llama": tiny_llama, "hf_llama": hf_llama,
-            "hf_llama_tied": lambda: hf_llama(tie=True), "hf_gpt2": hf_gpt2}
+BUILDERS = {
+    "llama": split_llama,
+    "tied_llama": tiny_llama,
+    "hf_llama": hf_llama,
+    "hf_llama_tied": lambda: hf_llama(tie=True),
+    "hf_gpt2": hf_gpt2,
+}
 
 
 def optimizer_view(kind: str, strategy: str) -> dict:
@@ -81,12 +93,14 @@ def optimizer_view(kind: str, strategy: str) -> dict:
                 problems.append(f"{name}: {p.to_local().shape[0]} local rows, expected {expected}")
     full = st.full_state_dict(model, rank0_only=False)
     states = model.state_dict()
-    mismatched = [k for k, v in states.items() if isinstance(v, DTensor)
-                  and not torch.equal(v.full_tensor(), full[k])]
-    return {"problems": problems, "count": sum(p.numel() for p in model.parameters()) == count,
-            "names": [n for n, _ in after] == [n for n, *_ in before],
-            "state_dict_global": all(tuple(v.shape) == tuple(full[k].shape) for k, v in states.items()),
-            "full_tensor_equal": not mismatched}
+    mismatched = [k for k, v in states.items() if isinstance(v, DTensor) and not torch.equal(v.full_tensor(), full[k])]
+    return {
+        "problems": problems,
+        "count": sum(p.numel() for p in model.parameters()) == count,
+        "names": [n for n, _ in after] == [n for n, *_ in before],
+        "state_dict_global": all(tuple(v.shape) == tuple(full[k].shape) for k, v in states.items()),
+        "full_tensor_equal": not mismatched,
+    }
 
 
 def _lm_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
@@ -101,8 +115,9 @@ def lora_training(strategy: str) -> dict:
 
     torch.manual_seed(0)
     base = hf_llama().to(device())
-    peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                                 lora_dropout=0.0))
+    peft_model = get_peft_model(
+        base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    )
     with torch.no_grad():  # B starts at zero; give it values so that A's gradient is not zero either
         for name, p in peft_model.named_parameters():
             if "lora_B" in name:
@@ -125,17 +140,21 @@ def lora_training(strategy: str) -> dict:
         tokens = torch.randint(0, 96, (2 * world, 9), generator=generator).to(device())
         reduced.append(0)
         with observe(count):
-            loss = _lm_loss(model, tokens[2 * rank:2 * rank + 2])
+            loss = _lm_loss(model, tokens[2 * rank : 2 * rank + 2])
             loss.backward()
-        grad_bytes = sum(buf.grad.numel() * buf.grad.element_size()
-                         for unit in runtime_of(model).units for buf in unit.buffers if buf.grad is not None)
+        grad_bytes = sum(
+            buf.grad.numel() * buf.grad.element_size()
+            for unit in runtime_of(model).units
+            for buf in unit.buffers
+            if buf.grad is not None
+        )
         frozen_none = all(p.grad is None for p in model.parameters() if not p.requires_grad)
         opt.step()
         opt.zero_grad(set_to_none=True)
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         losses.append(mean.item() / world)
-        ref_loss = sum(_lm_loss(reference, tokens[2 * r:2 * r + 2]) for r in range(world)) / world
+        ref_loss = sum(_lm_loss(reference, tokens[2 * r : 2 * r + 2]) for r in range(world)) / world
         ref_loss.backward()
         ref_opt.step()
         ref_opt.zero_grad(set_to_none=True)
@@ -144,12 +163,23 @@ def lora_training(strategy: str) -> dict:
     expected = reference.state_dict()
     worst = max((full[k] - v).abs().max().item() for k, v in expected.items())
     trainable_numel = sum(p.numel() for p in trainable)
-    padded = sum(math.ceil(p.shape[0] / world) * world * math.prod(p.shape[1:]) for p in trainable) \
-        if strategy != "no_shard" else trainable_numel
-    return {"losses": losses, "ref_losses": ref_losses, "worst": worst, "grad_bytes": grad_bytes,
-            "trainable_bytes": trainable_numel * 4, "world": world, "padded_numel": padded,
-            "reduced_per_step": reduced, "frozen_none": frozen_none,
-            "total_numel": sum(p.numel() for p in model.parameters())}
+    padded = (
+        sum(math.ceil(p.shape[0] / world) * world * math.prod(p.shape[1:]) for p in trainable)
+        if strategy != "no_shard"
+        else trainable_numel
+    )
+    return {
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "worst": worst,
+        "grad_bytes": grad_bytes,
+        "trainable_bytes": trainable_numel * 4,
+        "world": world,
+        "padded_numel": padded,
+        "reduced_per_step": reduced,
+        "frozen_none": frozen_none,
+        "total_numel": sum(p.numel() for p in model.parameters()),
+    }
 
 
 class MixedUnit(nn.Module):
@@ -180,11 +210,11 @@ def mixed_dtype_training(strategy: str) -> dict:
     for _ in range(4):
         x = torch.randn(2 * world, 12, generator=generator).to(device())
         y = torch.randint(0, 3, (2 * world,), generator=generator).to(device())
-        loss = F.cross_entropy(model(x[2 * rank:2 * rank + 2]), y[2 * rank:2 * rank + 2])
+        loss = F.cross_entropy(model(x[2 * rank : 2 * rank + 2]), y[2 * rank : 2 * rank + 2])
         loss.backward()
         opt.step()
         opt.zero_grad()
-        ref = sum(F.cross_entropy(plain(x[2 * r:2 * r + 2]), y[2 * r:2 * r + 2]) for r in range(world)) / world
+        ref = sum(F.cross_entropy(plain(x[2 * r : 2 * r + 2]), y[2 * r : 2 * r + 2]) for r in range(world)) / world
         ref.backward()
         ref_opt.step()
         ref_opt.zero_grad()
@@ -194,8 +224,13 @@ def mixed_dtype_training(strategy: str) -> dict:
     full = st.full_state_dict(model, rank0_only=False)
     worst = max((full[k].float() - v.float()).abs().max().item() for k, v in plain.state_dict().items())
     dtypes = {n: p.dtype for n, p in model.named_parameters()}
-    return {"worst": worst, "worst_loss": worst_loss, "base_dtype": dtypes["base.weight"],
-            "adapter_dtype": dtypes["adapter.weight"], "groups": len(runtime_of(model).units[0].buffers)}
+    return {
+        "worst": worst,
+        "worst_loss": worst_loss,
+        "base_dtype": dtypes["base.weight"],
+        "adapter_dtype": dtypes["adapter.weight"],
+        "groups": len(runtime_of(model).units[0].buffers),
+    }
 
 
 def optimizer_built_before_shard() -> dict:
@@ -214,6 +249,9 @@ def optimizer_built_before_shard() -> dict:
     changed = sum(not torch.equal(before[k], after[k]) for k in before)
     owned = {id(p) for p in model.parameters()}
     late.step()
-    return {"changed": changed, "total": len(before),
-            "rebound": all(id(p) in owned for g in early.param_groups for p in g["params"]),
-            "foreign_untouched": not any(id(p) in owned for g in late.param_groups for p in g["params"])}
+    return {
+        "changed": changed,
+        "total": len(before),
+        "rebound": all(id(p) in owned for g in early.param_groups for p in g["params"]),
+        "foreign_untouched": not any(id(p) in owned for g in late.param_groups for p in g["params"]),
+    }

@@ -12,8 +12,14 @@ import pytest
 from tests.core.compiled import FORMS, recompiles_per_length, train_form
 
 
-@pytest.mark.parametrize("strategy", ["full_shard", pytest.param("shard_grad_op", marks=pytest.mark.slow),
-                                      pytest.param("no_shard", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        "full_shard",
+        pytest.param("shard_grad_op", marks=pytest.mark.slow),
+        pytest.param("no_shard", marks=pytest.mark.slow),
+    ],
+)
 def test_every_form_trains_like_eager(pools, strategy):
     for form in FORMS:
         for r in pools(2).run(train_form, form, strategy):
@@ -23,7 +29,9 @@ def test_every_form_trains_like_eager(pools, strategy):
                 assert r["breaks"] == 0, r
 
 
-@pytest.mark.parametrize("form", ["block.compile() after", pytest.param("torch.compile(block)", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "form", ["block.compile() after", pytest.param("torch.compile(block)", marks=pytest.mark.slow)]
+)
 def test_bf16_and_activation_checkpointing_match_eager(pools, form):
     for precision, ac in [("bf16", False), (None, True), ("bf16", True)]:
         for r in pools(2).run(train_form, form, "full_shard", precision=precision, ac=ac):

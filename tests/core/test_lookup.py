@@ -5,13 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 import shardtrain as st
 from shardtrain.core.lookup import LookupUnit
 from shardtrain.core.shard import runtime_of
-from shardtrain.models.llama import SHARD_UNITS, Block
+from shardtrain.models.llama import SHARD_UNITS
 from tests.models import PaddedBag, split_llama, tiny_llama
 
 
@@ -41,8 +40,16 @@ def which_units_look_up() -> dict[str, list[str]]:
 def test_which_units_look_up(pools):
     seen = pools(2).run(which_units_look_up)[0]
     # Note: on the CPU cpu_offload changes nothing (the shard already lives in host memory).
-    assert seen == {"split": ["embed"], "zero2": ["embed"], "tied": [], "no_shard": [], "optimizer_only": [],
-                    "checkpointed": [], "max_norm": [], "offloaded": ["embed"]}
+    assert seen == {
+        "split": ["embed"],
+        "zero2": ["embed"],
+        "tied": [],
+        "no_shard": [],
+        "optimizer_only": [],
+        "checkpointed": [],
+        "max_norm": [],
+        "offloaded": ["embed"],
+    }
 
 
 def uneven_batches_match_torch() -> dict[str, float]:
@@ -69,21 +76,29 @@ def uneven_batches_match_torch() -> dict[str, float]:
     got = st.full_state_dict(model, rank0_only=False)
     unit = runtime_of(model).units[-1]
     grad = dict(model.named_parameters())["0.weight"].grad
-    want = expected_grad[unit.layout.params[0].held_rows(dist.get_rank())[0]:][:grad.to_local().shape[0]]
+    want = expected_grad[unit.layout.params[0].held_rows(dist.get_rank())[0] :][: grad.to_local().shape[0]]
     grad = grad.to_local()
-    return {"out": (out - full(tokens[rank])).abs().max().item(),
-            "eval": (evaluated - out).abs().max().item(),
-            "grad": (grad - want).abs().max().item(),
-            "padding_row_grad": expected_grad[3].abs().max().item(),
-            "weights": (got["0.weight"] - full.weight).abs().max().item(),
-            "gathered_table": sum(b._unsharded.untyped_storage().size() for b in unit.buffers)}
+    return {
+        "out": (out - full(tokens[rank])).abs().max().item(),
+        "eval": (evaluated - out).abs().max().item(),
+        "grad": (grad - want).abs().max().item(),
+        "padding_row_grad": expected_grad[3].abs().max().item(),
+        "weights": (got["0.weight"] - full.weight).abs().max().item(),
+        "gathered_table": sum(b._unsharded.untyped_storage().size() for b in unit.buffers),
+    }
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_uneven_batches_and_padding_index_match_torch(pools, world):
     for seen in pools(world).run(uneven_batches_match_torch):
-        assert seen == {"out": 0.0, "eval": 0.0, "grad": pytest.approx(0.0, abs=1e-6), "padding_row_grad": 0.0,
-                        "weights": 0.0, "gathered_table": 0}
+        assert seen == {
+            "out": 0.0,
+            "eval": 0.0,
+            "grad": pytest.approx(0.0, abs=1e-6),
+            "padding_row_grad": 0.0,
+            "weights": 0.0,
+            "gathered_table": 0,
+        }
 
 
 def frozen_table_and_int32_ids() -> dict[str, object]:
@@ -100,8 +115,12 @@ def frozen_table_and_int32_ids() -> dict[str, object]:
         bad = None
     except TypeError as err:
         bad = str(err)
-    return {"units": _lookup_units(model), "embed_grads": embed_grads, "head_grad": model.head.weight.grad is not None,
-            "bad": bad}
+    return {
+        "units": _lookup_units(model),
+        "embed_grads": embed_grads,
+        "head_grad": model.head.weight.grad is not None,
+        "bad": bad,
+    }
 
 
 def test_frozen_table_int32_ids_and_float_ids(pools):
@@ -116,8 +135,10 @@ def prefetch_order_skips_lookups() -> dict[str, list[str]]:
     model(torch.randint(0, 256, (2, 8))).float().sum().backward()
     runtime = runtime_of(model)
     names = {u.index: u.name for u in runtime.units}
-    return {"after_root": [u.name for u in runtime._next_forward[0]],
-            "forward_prefetchers": sorted(names[i] for i, nxt in runtime._next_forward.items() if nxt)}
+    return {
+        "after_root": [u.name for u in runtime._next_forward[0]],
+        "forward_prefetchers": sorted(names[i] for i, nxt in runtime._next_forward.items() if nxt),
+    }
 
 
 def test_prefetch_order_skips_the_lookup(pools):

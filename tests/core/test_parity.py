@@ -14,8 +14,9 @@ SLOW = pytest.mark.slow  # the default tier runs worlds 1-2; the slow tier (CI r
 
 
 def _matrix(optims, accums, acs):
-    return [Case(strategy=s, optim=o, accum=a, ac=ac)
-            for s, o, a, ac in itertools.product(STRATEGIES, optims, accums, acs)]
+    return [
+        Case(strategy=s, optim=o, accum=a, ac=ac) for s, o, a, ac in itertools.product(STRATEGIES, optims, accums, acs)
+    ]
 
 
 @pytest.mark.parametrize("world", [1, 2, pytest.param(3, marks=SLOW), pytest.param(4, marks=SLOW)])
@@ -38,31 +39,44 @@ def test_parity_fp32_whole_matrix(pools, kind):
 
 @pytest.mark.parametrize("world", [2, pytest.param(3, marks=SLOW)])
 def test_parity_optimizers_clip_and_plain_accumulation(pools, world):
-    cases = [Case(strategy=s, optim=o, accum="plain", clip=0.05)
-             for s in STRATEGIES for o in ["adamw_fused", "adam_foreach"]]
+    cases = [
+        Case(strategy=s, optim=o, accum="plain", clip=0.05) for s in STRATEGIES for o in ["adamw_fused", "adam_foreach"]
+    ]
     cases += [Case(strategy="full_shard", optim="adamw_fused", accum="no_sync")]
     assert pools(world).run(run_cases, "llama", cases) == [len(cases)] * world
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_parity_mixed_precision(pools, precision):
-    cases = [Case(strategy=s, precision=precision, accum=a, ac=ac)
-             for s in STRATEGIES for a, ac in [("none", False), ("no_sync", True)]]
+    cases = [
+        Case(strategy=s, precision=precision, accum=a, ac=ac)
+        for s in STRATEGIES
+        for a, ac in [("none", False), ("no_sync", True)]
+    ]
     assert pools(2).run(run_cases, "llama", cases) == [len(cases)] * 2
 
 
 @pytest.mark.parametrize("kind", ["llama", pytest.param("frozen", marks=SLOW)])
 def test_parity_optimizer_only(pools, kind):
-    cases = [Case(strategy="optimizer_only", optim=o, accum=a, ac=ac, precision=p)
-             for o, a, ac, p in [("sgd", "none", False, None), ("adamw", "no_sync", True, None),
-                                 ("adamw", "no_sync", False, "bf16"), ("adamw_fused", "plain", False, None)]]
+    cases = [
+        Case(strategy="optimizer_only", optim=o, accum=a, ac=ac, precision=p)
+        for o, a, ac, p in [
+            ("sgd", "none", False, None),
+            ("adamw", "no_sync", True, None),
+            ("adamw", "no_sync", False, "bf16"),
+            ("adamw_fused", "plain", False, None),
+        ]
+    ]
     assert pools(3).run(run_cases, kind, cases) == [len(cases)] * 3
 
 
 @SLOW
 def test_parity_hybrid_shard_on_a_two_by_two_mesh(pools):
-    cases = [Case(strategy=s, optim=o, accum=a, mesh=(2, 2))
-             for s in ["hybrid_shard", "hybrid_shard_zero2"] for o, a in [("sgd", "none"), ("adamw", "no_sync")]]
+    cases = [
+        Case(strategy=s, optim=o, accum=a, mesh=(2, 2))
+        for s in ["hybrid_shard", "hybrid_shard_zero2"]
+        for o, a in [("sgd", "none"), ("adamw", "no_sync")]
+    ]
     # bf16: the shard group exchanges bf16 gradients and sums them in fp32, then the replicas all-reduce.
     cases += [Case(strategy="hybrid_shard", optim="adamw", precision="bf16", mesh=(2, 2))]
     assert pools(4).run(run_cases, "llama", cases) == [len(cases)] * 4
@@ -82,25 +96,35 @@ def test_parity_sharded_lookup(pools, world):
     # The embedding as a unit of its own looks rows up where they are held (core/lookup.py); three
     # ranks split the tiny Llama's rows between shards. Note: SGD on three ranks, for the reason of
     # test_parity_bf16_exchange_on_three_ranks (rarely used rows have near-zero gradients).
-    cases = [Case(strategy="full_shard", optim="sgd"), Case(strategy="shard_grad_op", optim="sgd", accum="no_sync"),
-             Case(strategy="full_shard", optim="sgd", accum="plain", ac=True, clip=0.05),
-             Case(strategy="full_shard", optim="sgd", precision="bf16")]
+    cases = [
+        Case(strategy="full_shard", optim="sgd"),
+        Case(strategy="shard_grad_op", optim="sgd", accum="no_sync"),
+        Case(strategy="full_shard", optim="sgd", accum="plain", ac=True, clip=0.05),
+        Case(strategy="full_shard", optim="sgd", precision="bf16"),
+    ]
     if world == 2:
         # Note: SGD under no_sync too: the lookup sums each micro-batch over ranks before the micro-batches
         # (the reference, each rank's micro-batches first), and fused AdamW turned that last-bit
         # difference in a rarely used row into 1.6e-5 after 10 steps (fused AdamW + no_sync: above).
-        cases += [Case(strategy="full_shard", optim="sgd", accum="no_sync"),
-                  Case(strategy="full_shard", precision="bf16"),
-                  Case(strategy="shard_grad_op", precision="fp16", accum="no_sync")]
+        cases += [
+            Case(strategy="full_shard", optim="sgd", accum="no_sync"),
+            Case(strategy="full_shard", precision="bf16"),
+            Case(strategy="shard_grad_op", precision="fp16", accum="no_sync"),
+        ]
     assert pools(world).run(run_cases, "split_llama", cases) == [len(cases)] * world
 
 
 @SLOW
 @pytest.mark.parametrize("world", [3, 4])
 def test_parity_sharded_lookup_with_a_padding_index_and_rows_across_shards(pools, world):
-    cases = [Case(strategy="full_shard", optim="adamw"), Case(strategy="full_shard", optim="sgd", accum="no_sync"),
-             Case(strategy="full_shard", precision="bf16")]
+    cases = [
+        Case(strategy="full_shard", optim="adamw"),
+        Case(strategy="full_shard", optim="sgd", accum="no_sync"),
+        Case(strategy="full_shard", precision="bf16"),
+    ]
     if world == 4:
-        cases += [Case(strategy="hybrid_shard", optim="adamw", accum="no_sync", mesh=(2, 2)),
-                  Case(strategy="hybrid_shard", precision="bf16", mesh=(2, 2))]
+        cases += [
+            Case(strategy="hybrid_shard", optim="adamw", accum="no_sync", mesh=(2, 2)),
+            Case(strategy="hybrid_shard", precision="bf16", mesh=(2, 2)),
+        ]
     assert pools(world).run(run_cases, "bag", cases) == [len(cases)] * world

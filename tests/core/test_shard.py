@@ -9,7 +9,6 @@ from shardtrain.models.llama import Block, Llama, llama_config
 from tests.core import checks
 from tests.models import ConvNet, tiny_llama
 
-
 WORLDS = [2, pytest.param(4, marks=pytest.mark.slow)]  # the default tier keeps worlds 1-2
 
 
@@ -120,11 +119,14 @@ def test_llama_shard_units_split_the_root():
     assert replicated.units[1].unsharded_bytes == replicated.units[1].padded * 4 and not replicated.notes
 
 
-@pytest.mark.parametrize("policy, message", [
-    ({nn.Conv2d}, "wrap={Conv2d} matches no module of Llama; the model contains"),
-    (st.SizePolicy(min_params=10**9), "lower min_params"),
-    (42, "is not a policy"),
-])
+@pytest.mark.parametrize(
+    "policy, message",
+    [
+        ({nn.Conv2d}, "wrap={Conv2d} matches no module of Llama; the model contains"),
+        (st.SizePolicy(min_params=10**9), "lower min_params"),
+        (42, "is not a policy"),
+    ],
+)
 def test_bad_wrap_policy(policy, message):
     with pytest.raises((ValueError, TypeError), match=message):
         st.plan(tiny_llama(), wrap=policy, world_size=2)
@@ -185,7 +187,12 @@ def _shard_errors() -> dict:
 
     with torch.device("meta"):
         meta = NoReset()
-    expect("meta", lambda: st.shard(meta), ValueError, "has no reset_parameters() to fill them; give it one, or pass param_init_fn")
+    expect(
+        "meta",
+        lambda: st.shard(meta),
+        ValueError,
+        "has no reset_parameters() to fill them; give it one, or pass param_init_fn",
+    )
     expect("unsharded", lambda: st.clip_grad_norm_(tiny_llama(), 1.0), ValueError, "is not sharded")
     return cases
 

@@ -12,7 +12,12 @@ from tests.core.parity import Case, run_cases  # noqa: E402
 if __name__ == "__main__":
     dist.init_process_group("gloo")
     # No mesh given: hybrid_shard shards inside each node (LOCAL_WORLD_SIZE ranks) and replicates across.
-    done = run_cases("llama", [Case(strategy="hybrid_shard", optim="adamw", accum="no_sync"),
-                               Case(strategy="hybrid_shard_zero2", optim="sgd")])
+    done = run_cases(
+        "llama",
+        [
+            Case(strategy="hybrid_shard", optim="adamw", accum="no_sync"),
+            Case(strategy="hybrid_shard_zero2", optim="sgd"),
+        ],
+    )
     print(f"rank {dist.get_rank()}: {done} hybrid cases passed", flush=True)
     dist.destroy_process_group()

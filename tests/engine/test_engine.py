@@ -134,13 +134,16 @@ def test_optimizer_of_another_model_is_refused(pools):
     assert "not a parameter of the model" in pools(2).run(_foreign_optimizer)[0]
 
 
-@pytest.mark.parametrize("kwargs, expected", [
-    ({"devices": 0}, "devices=0 is not understood"),
-    ({"devices": "all"}, "devices='all' is not understood"),
-    ({"accelerator": "tpu"}, "accelerator='tpu' is not known"),
-    ({"strategy": "zero4"}, "unknown sharding strategy 'zero4'"),
-    ({"precision": "int8"}, "mixed_precision='int8' is not understood"),
-])
+@pytest.mark.parametrize(
+    "kwargs, expected",
+    [
+        ({"devices": 0}, "devices=0 is not understood"),
+        ({"devices": "all"}, "devices='all' is not understood"),
+        ({"accelerator": "tpu"}, "accelerator='tpu' is not known"),
+        ({"strategy": "zero4"}, "unknown sharding strategy 'zero4'"),
+        ({"precision": "int8"}, "mixed_precision='int8' is not understood"),
+    ],
+)
 def test_bad_engine_arguments(kwargs, expected):
     with pytest.raises(ValueError, match=expected):
         Engine(accelerator=kwargs.pop("accelerator", "cpu"), **kwargs)
@@ -148,7 +151,7 @@ def test_bad_engine_arguments(kwargs, expected):
 
 def test_using_an_engine_before_launch_says_so():
     with pytest.raises(RuntimeError, match=r"call engine.launch\(\) before"):
-        Engine(accelerator="cpu").rank
+        _ = Engine(accelerator="cpu").rank
 
 
 def _save_and_load(path: str) -> bool:
@@ -168,8 +171,11 @@ def _save_and_load(path: str) -> bool:
     fresh, fresh_opt = engine.setup(fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-2))
     rest = engine.load(path, {"model": fresh, "optimizer": fresh_opt})
     same_weights = all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
-    same_moments = all(torch.equal(opt.state[a]["exp_avg"], fresh_opt.state[b]["exp_avg"])
-                       for a, b in zip(model.parameters(), fresh.parameters()) if a.numel())
+    same_moments = all(
+        torch.equal(opt.state[a]["exp_avg"], fresh_opt.state[b]["exp_avg"])
+        for a, b in zip(model.parameters(), fresh.parameters())
+        if a.numel()
+    )
     return rest["step"] == 1 and same_weights and same_moments
 
 
@@ -188,8 +194,14 @@ def _spawned(engine: Engine, tag: str) -> dict:
     engine.backward(model.loss(inputs, targets))
     norm = engine.clip_gradients(model, opt, max_norm=1.0)
     opt.step()
-    return {"tag": tag, "rank": engine.rank, "world": engine.world_size, "env_rank": os.environ["RANK"],
-            "pid": os.getpid(), "norms": engine.all_gather(norm.reshape(1)).flatten().tolist()}
+    return {
+        "tag": tag,
+        "rank": engine.rank,
+        "world": engine.world_size,
+        "env_rank": os.environ["RANK"],
+        "pid": os.getpid(),
+        "norms": engine.all_gather(norm.reshape(1)).flatten().tolist(),
+    }
 
 
 def test_spawn_mode_runs_fn_on_every_rank_and_returns_rank0_result():

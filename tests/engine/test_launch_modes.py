@@ -23,8 +23,23 @@ def _run(cmd: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
 
 
 def _example_args(corpus: Path, tmp_path: Path) -> list[str]:
-    return [str(EXAMPLE), "--size", "tiny", "--steps", "3", "--batch-size", "4", "--seq-len", "32",
-            "--accelerator", "cpu", "--data", str(corpus), "--cache-dir", str(tmp_path / "cache")]
+    return [
+        str(EXAMPLE),
+        "--size",
+        "tiny",
+        "--steps",
+        "3",
+        "--batch-size",
+        "4",
+        "--seq-len",
+        "32",
+        "--accelerator",
+        "cpu",
+        "--data",
+        str(corpus),
+        "--cache-dir",
+        str(tmp_path / "cache"),
+    ]
 
 
 def _loss_lines(out: str) -> list[str]:
@@ -36,8 +51,16 @@ def test_plain_run_relaunches_itself_and_matches_torchrun(corpus, tmp_path):
     plain = _run([sys.executable, *_example_args(corpus, tmp_path)])
     assert plain.returncode == 0, plain.stderr
     assert "done: 2 ranks on cpu" in plain.stdout
-    torchrun = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                     *_example_args(corpus, tmp_path)])
+    torchrun = _run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            *_example_args(corpus, tmp_path),
+        ]
+    )
     assert torchrun.returncode == 0, torchrun.stderr
     assert "done: 2 ranks on cpu" in torchrun.stdout
     assert _loss_lines(plain.stdout) == _loss_lines(torchrun.stdout) != []

@@ -11,7 +11,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.train.test_cli import ROOT, TINY, _one_file
+from tests.train.test_cli import ROOT, TINY, _on_one_file
 
 EXIT_WITHIN_S = 5.0
 
@@ -35,11 +35,23 @@ def _wait_gone(pids: list[int], timeout: float) -> float:
 def _kill_launcher_while_training(tmp_path: Path, command: list[str]) -> float:
     """Start `command` (a launcher of 2 ranks running a long `shardtrain train`), wait until the ranks
     train, SIGKILL the launcher alone; return the seconds until both ranks are gone."""
-    args = [*TINY, "--train.steps", "100000", "--train.log_every", "1", "--train.eval_every", "0",
-            "--train.eval_batches", "1", "--data.path", str(_one_file(tmp_path)), "--data.cache_dir",
-            str(tmp_path / "cache"), "--run.out_dir", str(tmp_path), "--run.name", "run"]
-    launcher = subprocess.Popen([*command, *args], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                start_new_session=True)
+    args = [
+        *TINY,
+        "--train.steps",
+        "100000",
+        "--train.log_every",
+        "1",
+        "--train.eval_every",
+        "0",
+        "--train.eval_batches",
+        "1",
+        *_on_one_file(tmp_path),
+        "--run.name",
+        "run",
+    ]
+    launcher = subprocess.Popen(
+        [*command, *args], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     ranks: list[int] = []
     try:
         metrics = tmp_path / "run" / "metrics.jsonl"
@@ -69,22 +81,38 @@ def test_killing_shardtrain_train_kills_its_ranks(tmp_path):
 
 @pytest.mark.slow
 def test_killing_torchruns_agent_kills_its_ranks(tmp_path):
-    took = _kill_launcher_while_training(tmp_path, [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                    "--nproc_per_node=2", "-m", "shardtrain", "train"])
+    took = _kill_launcher_while_training(
+        tmp_path,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "shardtrain",
+            "train",
+        ],
+    )
     assert took < EXIT_WITHIN_S, f"the ranks outlived torchrun's agent by {took:.2f}s"
 
 
-GRANDCHILD = ("import os, threading; from shardtrain.engine.lifeline import watch; "
-              "t = threading.Thread(target=watch, args=(os.getppid(),), kwargs={'interval': 0.05}); t.start(); "
-              "print('watching', flush=True); t.join()")
-MIDDLE = ("import subprocess, sys; child = subprocess.Popen([sys.executable, '-c', sys.argv[1]]); "
-          "print(child.pid, flush=True); child.wait()")
+GRANDCHILD = (
+    "import os, threading; from shardtrain.engine.lifeline import watch; "
+    "t = threading.Thread(target=watch, args=(os.getppid(),), kwargs={'interval': 0.05}); t.start(); "
+    "print('watching', flush=True); t.join()"
+)
+MIDDLE = (
+    "import subprocess, sys; child = subprocess.Popen([sys.executable, '-c', sys.argv[1]]); "
+    "print(child.pid, flush=True); child.wait()"
+)
 
 
 def test_the_polling_watch_alone_ends_an_orphan():
     """Where prctl is unavailable the watch thread is what remains: on its own it ends the process."""
-    middle = subprocess.Popen([sys.executable, "-c", MIDDLE, GRANDCHILD], cwd=ROOT, stdout=subprocess.PIPE,
-                              text=True, start_new_session=True)
+    middle = subprocess.Popen(
+        [sys.executable, "-c", MIDDLE, GRANDCHILD], cwd=ROOT, stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
     child = int(middle.stdout.readline())
     try:
         assert middle.stdout.readline().strip() == "watching" and not _gone(child)

@@ -20,9 +20,19 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-FORMS = ("eager", "block.compile() after", "compiled forward", "torch FSDP2 Block.compile()", "block.compile() before",
-         "torch.compile(block)", "model.compile()", "eager, checkpointed", "block.compile() after, checkpointed",
-         "eager, offloaded", "block.compile() after, offloaded")
+FORMS = (
+    "eager",
+    "block.compile() after",
+    "compiled forward",
+    "torch FSDP2 Block.compile()",
+    "block.compile() before",
+    "torch.compile(block)",
+    "model.compile()",
+    "eager, checkpointed",
+    "block.compile() after, checkpointed",
+    "eager, offloaded",
+    "block.compile() after, offloaded",
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,10 +81,15 @@ def _build(form: str, setup: Setup):
     if form == "torch.compile(block)":
         for i, block in enumerate(model.layers):
             model.layers[i] = _compile(block, setup)
-    st.shard(model, wrap=SHARD_UNITS, mixed_precision=precision, device=device,
-             activation_checkpointing={Block} if "checkpointed" in form else None,
-             cpu_offload=0.5 if "offloaded" in form else False,
-             param_init_fn=named.param_init_fn(seed=0, device=device, allocate=False))
+    st.shard(
+        model,
+        wrap=SHARD_UNITS,
+        mixed_precision=precision,
+        device=device,
+        activation_checkpointing={Block} if "checkpointed" in form else None,
+        cpu_offload=0.5 if "offloaded" in form else False,
+        param_init_fn=named.param_init_fn(seed=0, device=device, allocate=False),
+    )
     call: nn.Module = model
     if form.startswith("block.compile() after"):
         for block in model.layers:
@@ -125,8 +140,9 @@ def differences(results: dict[str, list[float]]) -> dict[str, float]:
     """Each form's largest per-step difference from its eager reference (eager, checkpointed or offloaded)."""
     out = {}
     for form, losses in results.items():
-        ref = "eager, checkpointed" if "checkpointed" in form else "eager, offloaded" if "offloaded" in form \
-            else "eager"
+        ref = (
+            "eager, checkpointed" if "checkpointed" in form else "eager, offloaded" if "offloaded" in form else "eager"
+        )
         if ref in results and form != ref:
             out[form] = max(abs(a - b) for a, b in zip(losses, results[ref]))
     return out
@@ -144,8 +160,15 @@ def main() -> int:
     parser.add_argument("--tolerance", type=float, default=2e-3)
     parser.add_argument("--forms", default=";".join(FORMS), help="a subset of the forms, separated by ;")
     args = parser.parse_args()
-    setup = Setup(size=args.size, layers=args.layers, batch=args.batch, seq=args.seq, steps=args.steps,
-                  device=args.device, backend=args.backend)
+    setup = Setup(
+        size=args.size,
+        layers=args.layers,
+        batch=args.batch,
+        seq=args.seq,
+        steps=args.steps,
+        device=args.device,
+        backend=args.backend,
+    )
     results = run_all(setup, [f for f in FORMS if f in args.forms.split(";")])
     worst = differences(results)
     print("\n| form | per-step loss | max |Δ| vs eager |\n|---|---|---|")

@@ -24,22 +24,31 @@ def main() -> None:
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     # A GPU subset of the CPU matrix: every strategy and model once, the options on the Llama.
     strategies = ["full_shard", "shard_grad_op", "no_shard"]
-    cases = [("llama", Case(strategy=s, optim="adamw_fused", accum=a, ac=ac))
-             for s in strategies for a, ac in [("none", False), ("no_sync", True)]]
+    cases = [
+        ("llama", Case(strategy=s, optim="adamw_fused", accum=a, ac=ac))
+        for s in strategies
+        for a, ac in [("none", False), ("no_sync", True)]
+    ]
     cases += [(kind, Case(strategy=s, optim="sgd")) for kind in ["cnn", "frozen"] for s in strategies]
     # Note: no_sync accumulates in the same order as the reference; plain accumulation does not,
     # and a last-bit difference can flip a bf16 rounding.
     cases += [("llama", Case(strategy=s, precision="bf16", accum="no_sync", clip=0.05)) for s in strategies]
     # Without accumulation the bf16 gradients cross as bf16 and are summed in fp32 on arrival.
-    cases += [("llama", Case(strategy=s, precision="bf16", optim="adamw_fused")) for s in ["full_shard", "shard_grad_op"]]
-    cases += [("llama", Case(strategy=s, offload=True, accum="no_sync", clip=0.05, optim="adamw_fused"))
-              for s in ["full_shard", "optimizer_only"]]
+    cases += [
+        ("llama", Case(strategy=s, precision="bf16", optim="adamw_fused")) for s in ["full_shard", "shard_grad_op"]
+    ]
+    cases += [
+        ("llama", Case(strategy=s, offload=True, accum="no_sync", clip=0.05, optim="adamw_fused"))
+        for s in ["full_shard", "optimizer_only"]
+    ]
     cases += [("llama", Case(strategy="full_shard", offload=0.5, accum="no_sync", clip=0.05, optim="adamw_fused"))]
     cases += [("llama", Case(strategy="optimizer_only", optim="adamw_fused"))]
     # The embedding as its own unit: a sharded lookup (core/lookup.py), over NCCL with bf16 rows.
-    cases += [("split_llama", Case(strategy="full_shard", precision="bf16", optim="adamw_fused")),
-              ("split_llama", Case(strategy="shard_grad_op", optim="adamw_fused", accum="no_sync", ac=True)),
-              ("bag", Case(strategy="full_shard", optim="sgd"))]
+    cases += [
+        ("split_llama", Case(strategy="full_shard", precision="bf16", optim="adamw_fused")),
+        ("split_llama", Case(strategy="shard_grad_op", optim="adamw_fused", accum="no_sync", ac=True)),
+        ("bag", Case(strategy="full_shard", optim="sgd")),
+    ]
     failed = 0
     for kind, case in cases:
         try:
@@ -103,17 +112,31 @@ def _beyond_parity() -> int:
 
     failed = 0
     checks = [
-        ("mixed dtypes", lambda: shapes.mixed_dtype_training("full_shard"),
-         lambda r: r["worst"] < 1e-5 and r["worst_loss"] < 1e-5),
-        ("lora", lambda: shapes.lora_training("full_shard"),
-         lambda r: r["frozen_none"] and r["worst"] < 1e-4 and r["reduced_per_step"] == [r["padded_numel"]] * 3),
-        ("compiled blocks (aot_eager)", lambda: compiled.train_form("block.compile() after", "full_shard"),
-         lambda r: r["loss"] < 1e-6 and r["frames"] == 1),
-        ("compiled blocks (inductor, bf16)",
-         lambda: compiled.train_form("block.compile() after", "full_shard", precision="bf16", backend="inductor"),
-         lambda r: r["loss"] < 2e-3),
-        ("diverged ranks", lambda: diverge.skipped_blocks([[], [1]] + [[]] * (dist.get_world_size() - 2)),
-         lambda r: r["error"] is not None and "'layers.1'" in r["error"] and r["seconds"] < 60),
+        (
+            "mixed dtypes",
+            lambda: shapes.mixed_dtype_training("full_shard"),
+            lambda r: r["worst"] < 1e-5 and r["worst_loss"] < 1e-5,
+        ),
+        (
+            "lora",
+            lambda: shapes.lora_training("full_shard"),
+            lambda r: r["frozen_none"] and r["worst"] < 1e-4 and r["reduced_per_step"] == [r["padded_numel"]] * 3,
+        ),
+        (
+            "compiled blocks (aot_eager)",
+            lambda: compiled.train_form("block.compile() after", "full_shard"),
+            lambda r: r["loss"] < 1e-6 and r["frames"] == 1,
+        ),
+        (
+            "compiled blocks (inductor, bf16)",
+            lambda: compiled.train_form("block.compile() after", "full_shard", precision="bf16", backend="inductor"),
+            lambda r: r["loss"] < 2e-3,
+        ),
+        (
+            "diverged ranks",
+            lambda: diverge.skipped_blocks([[], [1]] + [[]] * (dist.get_world_size() - 2)),
+            lambda r: r["error"] is not None and "'layers.1'" in r["error"] and r["seconds"] < 60,
+        ),
     ]
     for name, run, ok in checks:
         try:

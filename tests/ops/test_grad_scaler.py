@@ -21,11 +21,11 @@ def _scaled_training(strategy: str) -> dict:
     ref = tiny_llama()
     model = st.shard(copy.deepcopy(ref), strategy=strategy, wrap={Block}, mixed_precision="fp16")
     opt, ref_opt = make_optimizer(model, "adamw"), make_optimizer(ref, "adamw")
-    kwargs = dict(init_scale=2.0 ** 12, growth_interval=3)
+    kwargs = dict(init_scale=2.0**12, growth_interval=3)
     scaler, ref_scaler = st.GradScaler(**kwargs), torch.amp.GradScaler("cpu", **kwargs)
     skipped = []
     for step, (x, y) in enumerate(make_batches("llama", steps=8, global_batch=2 * world)):
-        chunks = [(x[2 * r:2 * r + 2], y[2 * r:2 * r + 2]) for r in range(world)]
+        chunks = [(x[2 * r : 2 * r + 2], y[2 * r : 2 * r + 2]) for r in range(world)]
         scaler.scale(lm_loss(model, chunks[rank])).backward()
         if step == OVERFLOW_STEP and rank == world - 1:
             grad = next(local_of(p.grad) for p in model.parameters() if p.grad is not None and local_of(p.grad).numel())
@@ -62,4 +62,4 @@ def test_fp16_loss_scaling_matches_torch_and_skips_on_every_rank(pools):
         for r in out:
             assert r["skipped"] == [i == OVERFLOW_STEP for i in range(8)], r
             # grown after steps 0-2, halved at the overflow, grown again after steps 4-6
-            assert r["scale"] == r["ref_scale"] == 2.0 ** 12 * 2 / 2 * 2, r
+            assert r["scale"] == r["ref_scale"] == 2.0**12 * 2 / 2 * 2, r

@@ -20,11 +20,17 @@ def _meta_llama() -> Llama:
         return Llama(llama_config("tiny"))
 
 
-@pytest.mark.parametrize("precision, compute, reduce", [
-    (None, "fp32", "fp32"), ("32-true", "fp32", "fp32"),
-    ("bf16", "bf16", "fp32"), ("bf16-mixed", "bf16", "fp32"),
-    ("fp16", "fp16", "fp32"), ("16-mixed", "fp16", "fp32"),
-])
+@pytest.mark.parametrize(
+    "precision, compute, reduce",
+    [
+        (None, "fp32", "fp32"),
+        ("32-true", "fp32", "fp32"),
+        ("bf16", "bf16", "fp32"),
+        ("bf16-mixed", "bf16", "fp32"),
+        ("fp16", "fp16", "fp32"),
+        ("16-mixed", "fp16", "fp32"),
+    ],
+)
 def test_dtypes_per_unit_for_each_precision(precision, compute, reduce):
     audit = audit_precision(_meta_llama(), wrap={Block}, mixed_precision=precision)
     assert [u.name for u in audit.units] == ["", "layers.0", "layers.1"]
@@ -39,19 +45,28 @@ def test_dtypes_per_unit_for_each_precision(precision, compute, reduce):
     assert any("stay as built" in n for n in audit.notes) == (compute != "fp32")
 
 
-NARROW = ("gradients exchanged in bf16 (all-to-all) and summed in fp32 on arrival (a reduce-scatter in fp32 when "
-          "accumulated under no_sync)")
+NARROW = (
+    "gradients exchanged in bf16 (all-to-all) and summed in fp32 on arrival (a reduce-scatter in fp32 when "
+    "accumulated under no_sync)"
+)
 
 
-@pytest.mark.parametrize("strategy, communication, resident", [
-    ("full_shard", f"all-gather (bf16) in forward and again in backward; {NARROW}", False),
-    ("shard_grad_op", f"all-gather (bf16) in forward only (kept through backward); {NARROW}", False),
-    ("optimizer_only", f"{NARROW}; all-gather (bf16) of the updated shards after the step", True),
-    ("no_shard", "all-reduce of gradients in fp32; no all-gather", True),
-    ("hybrid_shard", f"all-gather (bf16) in forward and again in backward; {NARROW}; "
-                     "all-reduce of the shards across replica groups", False),
-    ("SHARD_GRAD_OP", "all-gather (bf16) in forward only", False),
-])
+@pytest.mark.parametrize(
+    "strategy, communication, resident",
+    [
+        ("full_shard", f"all-gather (bf16) in forward and again in backward; {NARROW}", False),
+        ("shard_grad_op", f"all-gather (bf16) in forward only (kept through backward); {NARROW}", False),
+        ("optimizer_only", f"{NARROW}; all-gather (bf16) of the updated shards after the step", True),
+        ("no_shard", "all-reduce of gradients in fp32; no all-gather", True),
+        (
+            "hybrid_shard",
+            f"all-gather (bf16) in forward and again in backward; {NARROW}; "
+            "all-reduce of the shards across replica groups",
+            False,
+        ),
+        ("SHARD_GRAD_OP", "all-gather (bf16) in forward only", False),
+    ],
+)
 def test_each_strategy_keeps_the_dtypes_and_names_its_collectives(strategy, communication, resident):
     audit = audit_precision(_meta_llama(), wrap={Block}, strategy=strategy, mixed_precision="bf16")
     assert audit.communication.startswith(communication)
@@ -86,8 +101,11 @@ def test_frozen_units_have_no_gradients_or_optimizer_state_and_offload_lives_on_
     assert next(u for u in audit.units if u.name == "body.shared").grad is F32
     assert audit.cpu_offload and audit.placement.startswith("host (CPU offload)")
     half = audit_precision(_meta_llama(), wrap={Block}, cpu_offload=st.CPUOffload(fraction=0.5))
-    assert half.offloaded_units == tuple(u.name or "<root>" for u, on in zip(
-        half.units, st.CPUOffload(fraction=0.5).select(u.params for u in half.units)) if on)
+    assert half.offloaded_units == tuple(
+        u.name or "<root>"
+        for u, on in zip(half.units, st.CPUOffload(fraction=0.5).select(u.params for u in half.units))
+        if on
+    )
     assert 0 < len(half.offloaded_units) < len(half.units)
     assert half.placement.startswith(f"host (CPU offload) for {len(half.offloaded_units)} of {len(half.units)} units")
 
@@ -148,8 +166,10 @@ def _observed_dtypes(strategy: str, precision) -> dict:
         "buffers": {b.dtype for b in model.buffers()},
     }
     expected = {
-        "stored": {u.stored for u in audit.units}, "compute": {u.compute for u in audit.units},
-        "reduce": {u.reduce for u in audit.units}, "grad": {u.sharded_grad for u in audit.units},
+        "stored": {u.stored for u in audit.units},
+        "compute": {u.compute for u in audit.units},
+        "reduce": {u.reduce for u in audit.units},
+        "grad": {u.sharded_grad for u in audit.units},
         "state": {u.optimizer_state for u in audit.units},
         "buffers": {d for u in audit.units for d in u.buffer_dtypes},
     }

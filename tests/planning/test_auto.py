@@ -8,8 +8,9 @@ import torch.distributed as dist
 
 import shardtrain as st
 from shardtrain.models.llama import SHARD_UNITS, Block, Llama, llama_config
-from shardtrain.planning.auto import checkpoint_policy, choose_plan, resolve_auto
+from shardtrain.planning.auto import choose_plan, resolve_auto
 from shardtrain.planning.candidates import batch_splits, checkpoint_options
+from shardtrain.planning.checkpointing import checkpoint_policy
 from shardtrain.planning.model_spec import resolve_model
 from shardtrain.planning.speed import GATHER_EXPOSED_TOKENS, STEP_OVERHEAD_TOKENS, efficiency, step_time
 from shardtrain.strategy import Strategy
@@ -24,8 +25,14 @@ RECOMPUTE8 = 32 * (2 * BLOCK8 + 2 * DIM8 * SEQ) / F8  # every block's forward ag
 
 
 def _plan(model="8b", memory="141GB", per_device=2, world=2, **kwargs):
-    return choose_plan(model, world_size=world, device_memory=memory, seq_len=SEQ,
-                       global_batch_tokens=world * per_device * SEQ, **kwargs)
+    return choose_plan(
+        model,
+        world_size=world,
+        device_memory=memory,
+        seq_len=SEQ,
+        global_batch_tokens=world * per_device * SEQ,
+        **kwargs,
+    )
 
 
 def test_8b_on_two_h200_runs_without_checkpointing_and_beats_full_checkpointing_by_more_than_15_percent():
@@ -53,19 +60,36 @@ def test_the_cost_model_reproduces_the_fsdp2_8b_anchors():
     spec = resolve_model("8b")
 
     def tokens_per_s(micro_batch: int, blocks: int) -> float:  # relative: tokens per token-time
-        t = step_time(model=spec, strategy=Strategy.FULL_SHARD, shard_size=2, checkpointed_blocks=blocks,
-                      micro_batch=micro_batch, grad_accum=1, seq_len=SEQ)
+        t = step_time(
+            model=spec,
+            strategy=Strategy.FULL_SHARD,
+            shard_size=2,
+            checkpointed_blocks=blocks,
+            micro_batch=micro_batch,
+            grad_accum=1,
+            seq_len=SEQ,
+        )
         return t.tokens / t.total
 
-    base = tokens_per_s(1, 32)  # torch FSDP2, 8B, batch 1, checkpointed, 2 x H200: 6,784 tokens/s/GPU (BENCHMARKS.md, step-time model)
+    base = tokens_per_s(
+        1, 32
+    )  # torch FSDP2, 8B, batch 1, checkpointed, 2 x H200: 6,784 tokens/s/GPU (BENCHMARKS.md, step-time model)
     assert tokens_per_s(1, 0) / base == pytest.approx(8215 / 6784, rel=0.01)
     assert tokens_per_s(2, 32) / base == pytest.approx(7967 / 6784, rel=0.01)
 
 
 def test_step_time_arithmetic_by_hand():
     spec = resolve_model("8b")
-    t = step_time(model=spec, strategy=Strategy.FULL_SHARD, shard_size=2, checkpointed_blocks=8, micro_batch=1,
-                  grad_accum=3, seq_len=SEQ, offloaded_params=4e9)
+    t = step_time(
+        model=spec,
+        strategy=Strategy.FULL_SHARD,
+        shard_size=2,
+        checkpointed_blocks=8,
+        micro_batch=1,
+        grad_accum=3,
+        seq_len=SEQ,
+        offloaded_params=4e9,
+    )
     compute = 3 * SEQ / efficiency(SEQ)
     assert efficiency(SEQ) == SEQ / (SEQ + 256)
     assert t.compute == pytest.approx(compute)
@@ -73,8 +97,15 @@ def test_step_time_arithmetic_by_hand():
     assert t.gathers == pytest.approx(3 * 0.03 * 4096)  # one exposed gather per micro-batch
     # The host step: 4e9 parameters x 0.45 ns, in token-times of 48.25 GFLOP at 79% of 790 TFLOP/s.
     assert t.offload == pytest.approx(4e9 * 0.45e-9 / (48.25e9 / (0.79 * 790e12)), rel=1e-3) and t.tokens == 3 * SEQ
-    alone = step_time(model=spec, strategy=Strategy.FULL_SHARD, shard_size=1, checkpointed_blocks=0, micro_batch=1,
-                      grad_accum=1, seq_len=SEQ)
+    alone = step_time(
+        model=spec,
+        strategy=Strategy.FULL_SHARD,
+        shard_size=1,
+        checkpointed_blocks=0,
+        micro_batch=1,
+        grad_accum=1,
+        seq_len=SEQ,
+    )
     assert alone.gathers == 0 and alone.recompute == 0  # nothing to gather within a group of one
 
 
@@ -95,8 +126,11 @@ def test_offload_only_when_nothing_fits_on_the_device_and_it_says_so():
 
 
 def test_nothing_fits_says_what_to_change():
-    with pytest.raises(ValueError, match=r"nothing fits in 14.90 GiB per device .* needs 66.64 GiB\. To fit: use at "
-                                         r"least 32 devices .*; or use devices with at least 70.15 GiB; or allow CPU"):
+    with pytest.raises(
+        ValueError,
+        match=r"nothing fits in 14.90 GiB per device .* needs 66.64 GiB\. To fit: use at "
+        r"least 32 devices .*; or use devices with at least 70.15 GiB; or allow CPU",
+    ):
         _plan(memory="16GB", allow_offload=False)
     with pytest.raises(ValueError, match=r"use at least 4 devices .* CPU offload\); or shorten seq_len to 2048"):
         _plan(memory="16GB")
@@ -104,8 +138,18 @@ def test_nothing_fits_says_what_to_change():
 
 def test_less_memory_never_means_less_checkpointing_or_a_faster_step():
     sizes = [141, 130, 120, 110, 100, 95, 90, 85, 80]
-    blocks = [choose_plan("8b", world_size=2, device_memory=f"{gb}GB", seq_len=SEQ, micro_batch=2,
-                          strategies=("full_shard",), split_batch=False).checkpointed_blocks for gb in sizes]
+    blocks = [
+        choose_plan(
+            "8b",
+            world_size=2,
+            device_memory=f"{gb}GB",
+            seq_len=SEQ,
+            micro_batch=2,
+            strategies=("full_shard",),
+            split_batch=False,
+        ).checkpointed_blocks
+        for gb in sizes
+    ]
     assert blocks == sorted(blocks) and blocks[0] == 0 and blocks[-1] == 32
     times = [_plan(memory=f"{gb}GB").step_time.total for gb in sizes + [60, 40]]
     assert times == sorted(times)
@@ -127,14 +171,20 @@ def test_candidates_enumeration():
     assert batch_splits(6) == [(6, 1), (3, 2), (2, 3), (1, 6)]
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(global_batch_tokens=3 * 4096), r"not a multiple of world_size 2 x seq_len 4096 = 8,192 tokens; use 8,192"),
-    (dict(global_batch_tokens=8192, micro_batch=1), r"both give the batch"),
-    (dict(), r"no batch given"),
-    (dict(micro_batch=1, safety_margin=1.0), r"safety_margin=1.0 must be a fraction"),
-    (dict(micro_batch=1, strategies=()), r"strategies=\(\) is empty"),
-    (dict(micro_batch=1, strategies=("zero4",)), r"unknown sharding strategy 'zero4'"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            dict(global_batch_tokens=3 * 4096),
+            r"not a multiple of world_size 2 x seq_len 4096 = 8,192 tokens; use 8,192",
+        ),
+        (dict(global_batch_tokens=8192, micro_batch=1), r"both give the batch"),
+        (dict(), r"no batch given"),
+        (dict(micro_batch=1, safety_margin=1.0), r"safety_margin=1.0 must be a fraction"),
+        (dict(micro_batch=1, strategies=()), r"strategies=\(\) is empty"),
+        (dict(micro_batch=1, strategies=("zero4",)), r"unknown sharding strategy 'zero4'"),
+    ],
+)
 def test_bad_inputs_name_the_value_and_the_fix(kwargs, message):
     with pytest.raises(ValueError, match=message):
         choose_plan("tiny", world_size=2, device_memory="80GB", seq_len=SEQ, **kwargs)
@@ -187,18 +237,21 @@ def _sharded_as_chosen(every: int) -> dict:
     torch.manual_seed(0)
     ref = tiny_llama()
     model = copy.deepcopy(ref)
-    choice = resolve_auto(model, world_size=world, micro_batch=2, seq_len=16, wrap={Block}, device_memory="8GiB",
-                          mixed_precision=None)
+    choice = resolve_auto(
+        model, world_size=world, micro_batch=2, seq_len=16, wrap={Block}, device_memory="8GiB", mixed_precision=None
+    )
     kwargs = choice.shard_kwargs(model, wrap={Block})
     kwargs["activation_checkpointing"] = checkpoint_policy(model, wrap={Block}, every=every)
     st.shard(model, wrap={Block}, **kwargs)
     x, y = make_batches("llama", steps=1, global_batch=2 * world)[0]
-    lm_loss(model, (x[2 * rank:2 * rank + 2], y[2 * rank:2 * rank + 2])).backward()
+    lm_loss(model, (x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2])).backward()
     lm_loss(ref, (x, y)).backward()
-    return {"strategy": choice.strategy.value,
-            "checkpointed": [getattr(b, "_shardtrain_checkpointed", False) for b in model.layers],
-            "norm": float(st.clip_grad_norm_(model, 1e9)),  # the global gradient norm, over every rank's shard
-            "ref_norm": float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in ref.parameters()])))}
+    return {
+        "strategy": choice.strategy.value,
+        "checkpointed": [getattr(b, "_shardtrain_checkpointed", False) for b in model.layers],
+        "norm": float(st.clip_grad_norm_(model, 1e9)),  # the global gradient norm, over every rank's shard
+        "ref_norm": float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in ref.parameters()]))),
+    }
 
 
 def test_the_choice_applies_through_st_shard(pools):
@@ -214,6 +267,9 @@ def test_offload_must_fit_the_host_memory_too():
     roomy = choose_plan("30b", host_memory="125GiB", **kwargs)
     assert roomy.cpu_offload == 0.5 and roomy.estimate.host <= 125 * 2**30 * 0.95
     # Half the model needs ~111 GiB per process on the host; a quarter does not fit the device.
-    with pytest.raises(ValueError, match=r"more host memory per process \(offloading more of the model needs more "
-                                         r"than the 95\.00 GiB usable here\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"more host memory per process \(offloading more of the model needs more "
+        r"than the 95\.00 GiB usable here\)",
+    ):
         choose_plan("30b", host_memory="100GiB", **kwargs)

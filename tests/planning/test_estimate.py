@@ -28,7 +28,11 @@ def test_model_state_arithmetic_by_hand():
     assert 32 * BLOCK8 + 2 * TABLE8 + ROOT8 == P8
     e = st.estimate_memory("8b", world_size=2, activation_checkpointing=True)
     spec = e.inputs.model
-    assert (spec.root_params, spec.unit_params, spec.lookup_params) == (ROOT8, (TABLE8, *[BLOCK8] * 32, TABLE8), (TABLE8,))
+    assert (spec.root_params, spec.unit_params, spec.lookup_params) == (
+        ROOT8,
+        (TABLE8, *[BLOCK8] * 32, TABLE8),
+        (TABLE8,),
+    )
     # AdamW with fp32 master weights: 4 (param) + 4 (grad) + 8 (moments) = 16 B/param, sharded over 2.
     assert e.parameters == P8 * 4 // 2
     assert e.optimizer_state == P8 * 8 // 2
@@ -80,7 +84,10 @@ def test_calibrated_against_fsdp2_peaks(name, batch, ac, strategy, gib):
 
 def test_strategy_ordering():
     kw = dict(world_size=4, micro_batch=1)
-    by = {s: st.estimate_memory("8b", strategy=s, **kw) for s in ("full_shard", "shard_grad_op", "optimizer_only", "no_shard")}
+    by = {
+        s: st.estimate_memory("8b", strategy=s, **kw)
+        for s in ("full_shard", "shard_grad_op", "optimizer_only", "no_shard")
+    }
     states = [e.model_states for e in by.values()]
     assert states[0] == states[1] == states[2] < states[3]
     step = [dict(e.phase_totals)["optimizer step"] for e in by.values()]  # persistent memory
@@ -158,11 +165,19 @@ def test_largest_micro_batch_is_monotone_and_tight():
 def test_input_forms_agree():
     by_name = st.estimate_memory("8b", world_size=2)
     by_config = st.estimate_memory(llama_config("8b"), world_size=2)
-    hf = SimpleNamespace(hidden_size=4096, num_hidden_layers=32, intermediate_size=14336, vocab_size=128256,
-                         num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False)
+    hf = SimpleNamespace(
+        hidden_size=4096,
+        num_hidden_layers=32,
+        intermediate_size=14336,
+        vocab_size=128256,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        tie_word_embeddings=False,
+    )
     by_hf = st.estimate_memory(hf, world_size=2)
-    by_hints = st.estimate_memory(params=P8, dim=4096, layers=32, vocab=128256, ffn=14336, heads=32,
-                                  kv_heads=8, world_size=2)
+    by_hints = st.estimate_memory(
+        params=P8, dim=4096, layers=32, vocab=128256, ffn=14336, heads=32, kv_heads=8, world_size=2
+    )
     assert by_name.total == by_config.total == by_hf.total == by_hints.total
 
 
@@ -190,8 +205,10 @@ def test_meta_module(vocab, split):
     table = cfg.vocab_size * cfg.dim
     assert spec.lookup_params == ((table,) if split else ())
     assert spec.root_params == (cfg.dim if split else 2 * table + cfg.dim)
-    assert (spec.unit_params, spec.lookup_params) == (from_config.inputs.model.unit_params,
-                                                      from_config.inputs.model.lookup_params)
+    assert (spec.unit_params, spec.lookup_params) == (
+        from_config.inputs.model.unit_params,
+        from_config.inputs.model.lookup_params,
+    )
     assert e.total == from_config.total
 
 
@@ -224,9 +241,15 @@ def test_tied_and_frozen_parameters():
         (lambda: st.estimate_memory(world_size=2), "no model given"),
         (lambda: st.estimate_memory("8b", params="7B", world_size=2), "params='7B'"),
         (lambda: st.estimate_memory("8b", world_size=0), "world_size=0 must be a positive integer"),
-        (lambda: st.estimate_memory("8b", world_size=2, activation_checkpointing="yes"), "activation_checkpointing='yes'"),
+        (
+            lambda: st.estimate_memory("8b", world_size=2, activation_checkpointing="yes"),
+            "activation_checkpointing='yes'",
+        ),
         (lambda: st.estimate_memory("8b", world_size=8, strategy="hybrid_shard"), "needs shard_size="),
-        (lambda: st.estimate_memory("8b", world_size=8, strategy="hybrid_shard", shard_size=3), "must divide world_size=8"),
+        (
+            lambda: st.estimate_memory("8b", world_size=8, strategy="hybrid_shard", shard_size=3),
+            "must divide world_size=8",
+        ),
         (lambda: st.estimate_memory("8b", world_size=2, optimizer="lion"), "optimizer='lion'.*bytes per parameter"),
         (lambda: st.estimate_memory("8b", world_size=2, device_memory="80XB"), "'80XB'.*80GiB"),
         (lambda: st.estimate_memory("8b", world_size=2, strategy="zero4"), "unknown sharding strategy 'zero4'"),
@@ -234,7 +257,10 @@ def test_tied_and_frozen_parameters():
         (lambda: st.estimate_memory(params="1M", world_size=2), "leaves nothing for .* blocks"),
         (lambda: st.estimate_memory(object(), world_size=2), "is not understood"),
         (lambda: st.estimate_memory("8b", world_size=2, wrap={nn.Linear}), "applies only to an nn.Module"),
-        (lambda: st.estimate_memory(SimpleNamespace(hidden_size=8, num_hidden_layers=2), world_size=2), r"lacks \['vocab_size'\]"),
+        (
+            lambda: st.estimate_memory(SimpleNamespace(hidden_size=8, num_hidden_layers=2), world_size=2),
+            r"lacks \['vocab_size'\]",
+        ),
     ],
 )
 def test_bad_inputs_name_the_value_and_the_fix(call, match):
@@ -249,8 +275,14 @@ def test_sizes():
 
 def test_printed_bill_and_comparison():
     text = str(st.estimate_memory("8b", world_size=2, activation_checkpointing=True, device_memory="141GB"))
-    for item in ("parameters (fp32 master)", "optimizer state (adamw)", "reduce buffers (fp32)", "total (peak allocated)",
-                 "peak during backward end", "largest micro-batch"):
+    for item in (
+        "parameters (fp32 master)",
+        "optimizer state (adamw)",
+        "reduce buffers (fp32)",
+        "total (peak allocated)",
+        "peak during backward end",
+        "largest micro-batch",
+    ):
         assert item in text
     table = str(compare_strategies("8b", world_size=4, device_memory="80GiB"))
     header = next(line for line in table.splitlines() if line.startswith("GiB per device"))
@@ -269,15 +301,32 @@ def _cli(argv):
 def test_cli_prints_every_strategy(capsys):
     assert _cli(["estimate", "--params", "7B", "--gpus", "4", "--device-memory", "80GiB", "--ac", "2"]) == 0
     out = capsys.readouterr().out
-    for label in ("full_shard", "shard_grad_op", "optimizer_only", "no_shard", "hybrid_shard(2)", "largest micro-batch"):
+    for label in (
+        "full_shard",
+        "shard_grad_op",
+        "optimizer_only",
+        "no_shard",
+        "hybrid_shard(2)",
+        "largest micro-batch",
+    ):
         assert label in out
     assert "device memory: 80.00 GiB (given)" in out and "1 block in 2" in out
 
 
 def test_cli_single_strategy_and_hf_config(capsys, tmp_path):
     config = tmp_path / "config.json"
-    config.write_text(json.dumps({"hidden_size": 2048, "num_hidden_layers": 16, "intermediate_size": 8192,
-                                  "vocab_size": 128256, "num_attention_heads": 16, "num_key_value_heads": 8}))
+    config.write_text(
+        json.dumps(
+            {
+                "hidden_size": 2048,
+                "num_hidden_layers": 16,
+                "intermediate_size": 8192,
+                "vocab_size": 128256,
+                "num_attention_heads": 16,
+                "num_key_value_heads": 8,
+            }
+        )
+    )
     assert _cli(["estimate", "--model", str(config), "--gpus", "2", "--strategy", "full_shard", "--batch", "2"]) == 0
     out = capsys.readouterr().out
     assert "strategy full_shard" in out and "peak during forward + loss" in out and "device memory:" in out

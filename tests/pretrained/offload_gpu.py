@@ -1,6 +1,6 @@
 """st.load_pretrained into a model whose shards live in pinned host memory (cpu_offload), on one GPU.
 
-    python tests/pretrained/offload_gpu.py FOLDER     # prints "offload loads: ok" on success
+python tests/pretrained/offload_gpu.py FOLDER     # prints "offload loads: ok" on success
 """
 
 from __future__ import annotations
@@ -17,8 +17,13 @@ from tests.pretrained import ranks
 
 
 def main(folder: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29561"), RANK="0",
-                      WORLD_SIZE="1", LOCAL_RANK="0")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=os.environ.get("MASTER_PORT", "29561"),
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+    )
     torch.cuda.set_device(0)
     dist.init_process_group("nccl")
     device = torch.device("cuda", 0)

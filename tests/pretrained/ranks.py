@@ -33,8 +33,9 @@ def blocks(model: nn.Module) -> frozenset:
     return classes_by_name(model, tuple(model._no_split_modules))
 
 
-def sharded(folder, strategy: str, *, mesh=None, lora: dict | None = None, seed: int = 0,
-            embedding_unit: bool = False) -> nn.Module:
+def sharded(
+    folder, strategy: str, *, mesh=None, lora: dict | None = None, seed: int = 0, embedding_unit: bool = False
+) -> nn.Module:
     """`folder`'s model on meta (with LoRA adapters when `lora` is given), sharded, weights loaded.
     `embedding_unit`: the embedding is a unit of its own (sharded, it looks rows up where they are held)."""
     torch.manual_seed(seed)
@@ -60,8 +61,9 @@ def logits(model: nn.Module) -> torch.Tensor:
         return model(INPUT).logits
 
 
-def compare_with_from_pretrained(folder: str, strategies: list[str], mesh=None,
-                                 embedding_unit: bool = False) -> dict[str, dict]:
+def compare_with_from_pretrained(
+    folder: str, strategies: list[str], mesh=None, embedding_unit: bool = False
+) -> dict[str, dict]:
     """Per strategy: the largest logit difference from `from_pretrained`'s model, whether every parameter
     and buffer (non-persistent rotary tables included) equals its own, and the rows of each tensor this
     rank read from the files beside the rows it holds."""
@@ -92,11 +94,17 @@ def _compare(folder, strategies, mesh, reads, embedding_unit) -> dict[str, dict]
         diff = (logits(model) - expected).abs().max().item()
         full = st.full_state_dict(model, rank0_only=False)
         buffers = dict(model.named_buffers())
-        same = all(torch.equal(full[k], ref_state[k]) for k in full) and set(full) == set(ref.state_dict()) \
+        same = (
+            all(torch.equal(full[k], ref_state[k]) for k in full)
+            and set(full) == set(ref.state_dict())
             and all(torch.equal(buffers[k], ref_state[k]) for k in buffers)
+        )
         runtime = runtime_of(model)
-        held = {s.fqn: s.held_rows(runtime.comm.shard_rank if s.world > 1 else 0)
-                for u in runtime.units for s in u.layout.params}
+        held = {
+            s.fqn: s.held_rows(runtime.comm.shard_rank if s.world > 1 else 0)
+            for u in runtime.units
+            for s in u.layout.params
+        }
         held = {k: v for k, v in held.items() if v[1] > v[0]}
         out[strategy] = {"diff": diff, "same": same, "held": held, "read": dict(reads)}
         del model
@@ -108,7 +116,7 @@ def train(model: nn.Module, optimizer, scheduler, steps: int, *, seed: int) -> l
     g = torch.Generator().manual_seed(seed)
     rank, world, losses = dist.get_rank(), dist.get_world_size(), []
     for _ in range(steps):
-        tokens = torch.randint(0, VOCAB, (2 * world, 13), generator=g)[2 * rank:2 * rank + 2]
+        tokens = torch.randint(0, VOCAB, (2 * world, 13), generator=g)[2 * rank : 2 * rank + 2]
         out = model(tokens[:, :-1])
         loss = nn.functional.cross_entropy(out.logits.flatten(0, 1), tokens[:, 1:].flatten())
         loss.backward()
@@ -167,23 +175,27 @@ def lora_initial(folder: str, strategy: str) -> dict:
     model.train()
     train(model, optimizer, scheduler, 1, seed=1)
     runtime = runtime_of(model)
-    trainable_rows = sum(u.held(i).numel() for u in runtime.units for i, s in enumerate(u.layout.params)
-                         if s.requires_grad)
-    return {"b_zero": all(torch.count_nonzero(t) == 0 for t in b), "a_count": len(a),
-            "a_within": all(0 < t.abs().max() <= bound for t in a), "diff": diff,
-            "optimizer": sum(len(g["params"]) for g in optimizer.param_groups),
-            "trainable": sum(1 for p in model.parameters() if p.requires_grad),
-            "frozen_with_grad": [n for n, p in model.named_parameters() if not p.requires_grad and p.grad is not None],
-            "grad_storage": sum(buf.group.grad_numel for u in runtime.units for buf in u.buffers),
-            "trainable_rows": trainable_rows}
+    trainable_rows = sum(
+        u.held(i).numel() for u in runtime.units for i, s in enumerate(u.layout.params) if s.requires_grad
+    )
+    return {
+        "b_zero": all(torch.count_nonzero(t) == 0 for t in b),
+        "a_count": len(a),
+        "a_within": all(0 < t.abs().max() <= bound for t in a),
+        "diff": diff,
+        "optimizer": sum(len(g["params"]) for g in optimizer.param_groups),
+        "trainable": sum(1 for p in model.parameters() if p.requires_grad),
+        "frozen_with_grad": [n for n, p in model.named_parameters() if not p.requires_grad and p.grad is not None],
+        "grad_storage": sum(buf.group.grad_numel for u in runtime.units for buf in u.buffers),
+        "trainable_rows": trainable_rows,
+    }
 
 
 def lora_resume(folder: str, checkpoint: str, strategy: str) -> dict:
     """6 steps straight vs 3 + adapter-only save + a fresh model (base reloaded) + load + 3, on every rank."""
     model, optimizer, scheduler = lora_setup(folder, strategy, seed=0)
     straight = train(model, optimizer, scheduler, 3, seed=11)
-    st.save_checkpoint(checkpoint, {"model": model, "optimizer": optimizer, "scheduler": scheduler},
-                       params="trainable")
+    st.save_checkpoint(checkpoint, {"model": model, "optimizer": optimizer, "scheduler": scheduler}, params="trainable")
     straight += train(model, optimizer, scheduler, 3, seed=12)
     expected = lora_state(model)
     del model, optimizer, scheduler
@@ -194,17 +206,21 @@ def lora_resume(folder: str, checkpoint: str, strategy: str) -> dict:
         refused = None
     except ValueError as exc:
         refused = str(exc)
-    st.load_checkpoint(checkpoint, {"model": model, "optimizer": optimizer, "scheduler": scheduler},
-                       params="trainable")
+    st.load_checkpoint(checkpoint, {"model": model, "optimizer": optimizer, "scheduler": scheduler}, params="trainable")
     resumed = train(model, optimizer, scheduler, 3, seed=12)
     got = lora_state(model)
-    return {"straight": straight[3:], "resumed": resumed, "refused": refused,
-            "exact": set(got) == set(expected) and all(torch.equal(got[k], expected[k]) for k in got),
-            "rows": {k: tuple(v.shape) for k, v in got.items()}}
+    return {
+        "straight": straight[3:],
+        "resumed": resumed,
+        "refused": refused,
+        "exact": set(got) == set(expected) and all(torch.equal(got[k], expected[k]) for k in got),
+        "rows": {k: tuple(v.shape) for k, v in got.items()},
+    }
 
 
-def lora_export(folder: str, merged: str, adapter: str, strategy: str,
-                targets: tuple[str, ...]) -> dict[str, torch.Tensor]:
+def lora_export(
+    folder: str, merged: str, adapter: str, strategy: str, targets: tuple[str, ...]
+) -> dict[str, torch.Tensor]:
     """Train LoRA 2 steps; export merged and as an adapter; return the full peft state (rank 0)."""
     model, optimizer, scheduler = lora_setup(folder, strategy, seed=0, targets=targets)
     train(model, optimizer, scheduler, 2, seed=5)

@@ -20,8 +20,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _shardtrain(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    run = subprocess.run([sys.executable, "-m", "shardtrain", *args], capture_output=True, text=True, timeout=timeout,
-                         cwd=ROOT)
+    run = subprocess.run(
+        [sys.executable, "-m", "shardtrain", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
     assert run.returncode == 0, run.stderr
     return run
 
@@ -29,19 +30,45 @@ def _shardtrain(*args: str, timeout: float = 240) -> subprocess.CompletedProcess
 def _common(tmp_path: Path, folder: Path) -> list[str]:
     text = tmp_path / "corpus.txt"
     text.write_text("".join(f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(2000)))
-    return ["train", "--model.pretrained", str(folder), "--data.path", str(text), "--data.seq_len", "32",
-            "--train.batch_size", "4", "--train.eval_batches", "1", "--run.progress", "false",
-            "--data.cache_dir", str(tmp_path / "cache"), "--run.out_dir", str(tmp_path / "runs")]
+    return [
+        "train",
+        "--model.pretrained",
+        str(folder),
+        "--data.path",
+        str(text),
+        "--data.seq_len",
+        "32",
+        "--train.batch_size",
+        "4",
+        "--train.eval_batches",
+        "1",
+        "--run.progress",
+        "false",
+        "--data.cache_dir",
+        str(tmp_path / "cache"),
+        "--run.out_dir",
+        str(tmp_path / "runs"),
+    ]
 
 
 @pytest.mark.slow  # one 2-process run and a conversion, about 25 s
 def test_one_step_at_lr_0_then_convert_gives_back_the_pretrained_weights(tmp_path, hf_folders):
     folder = hf_folders["llama_tied"]
-    run = _shardtrain(*_common(tmp_path, folder), "--train.steps", "1", "--optim.lr", "0",
-                      "--run.checkpoint_every", "1", "--run.name", "acc")
+    run = _shardtrain(
+        *_common(tmp_path, folder),
+        "--train.steps",
+        "1",
+        "--optim.lr",
+        "0",
+        "--run.checkpoint_every",
+        "1",
+        "--run.name",
+        "acc",
+    )
     assert f"loaded 20 tensors from {folder}" in run.stdout and "LlamaForCausalLM" in run.stdout
-    _shardtrain("convert", str(tmp_path / "runs" / "acc" / "checkpoints"), str(tmp_path / "out"), "--hf-config",
-                str(folder))
+    _shardtrain(
+        "convert", str(tmp_path / "runs" / "acc" / "checkpoints"), str(tmp_path / "out"), "--hf-config", str(folder)
+    )
     original, converted = load_file(folder / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
     assert all(torch.equal(converted[k], v) for k, v in original.items())
     assert set(converted) - set(original) == {"lm_head.weight"}  # convert writes tied weights under every name
@@ -49,8 +76,11 @@ def test_one_step_at_lr_0_then_convert_gives_back_the_pretrained_weights(tmp_pat
 
 def _records(run_dir: Path) -> list[dict]:
     keys = ("kind", "step", "loss", "lr", "grad_norm", "eval_loss")
-    return [{k: r.get(k) for k in keys} for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
-            if r["kind"] != "summary"]
+    return [
+        {k: r.get(k) for k in keys}
+        for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+        if r["kind"] != "summary"
+    ]
 
 
 @pytest.mark.slow  # two 2-process runs, about 40 s
@@ -58,10 +88,29 @@ def test_lora_trains_adapters_only_resumes_exactly_and_exports_merged(tmp_path, 
     from transformers import AutoModelForCausalLM
 
     folder = hf_folders["llama_untied"]
-    lora = [*_common(tmp_path, folder), "--lora.rank", "8", "--lora.alpha", "16", "--lora.targets", "q_proj,v_proj",
-            "--lora.dropout", "0.1", "--train.steps", "4", "--run.checkpoint_every", "2", "--train.log_every", "1",
-            "--train.eval_every", "2",
-            "--optim.lr", "1e-2", "--optim.warmup_steps", "1"]
+    lora = [
+        *_common(tmp_path, folder),
+        "--lora.rank",
+        "8",
+        "--lora.alpha",
+        "16",
+        "--lora.targets",
+        "q_proj,v_proj",
+        "--lora.dropout",
+        "0.1",
+        "--train.steps",
+        "4",
+        "--run.checkpoint_every",
+        "2",
+        "--train.log_every",
+        "1",
+        "--train.eval_every",
+        "2",
+        "--optim.lr",
+        "1e-2",
+        "--optim.warmup_steps",
+        "1",
+    ]
     run = _shardtrain(*lora, "--run.name", "lora", "--run.export_hf", "true", "--lora.merge_on_export", "true")
     run_dir = tmp_path / "runs" / "lora"
     assert "8 adapter parameters keep peft's initialisation" in run.stdout and f"{run_dir / 'hf'}" in run.stdout
@@ -72,8 +121,11 @@ def test_lora_trains_adapters_only_resumes_exactly_and_exports_merged(tmp_path, 
 
     _shardtrain(*lora, "--run.name", "resumed", "--resume", str(run_dir / "checkpoints" / "step_000002"))
     replay = _records(tmp_path / "runs" / "resumed")
-    original = [r for r in _records(run_dir) if (r["kind"] == "train" and r["step"] > 2)
-                or (r["kind"] == "eval" and r["step"] >= 2)]
+    original = [
+        r
+        for r in _records(run_dir)
+        if (r["kind"] == "train" and r["step"] > 2) or (r["kind"] == "eval" and r["step"] >= 2)
+    ]
     assert replay == original and len(replay) == 4  # eval at 2, train 3 and 4, eval at 4
 
     merged = AutoModelForCausalLM.from_pretrained(run_dir / "hf").state_dict()
@@ -85,36 +137,49 @@ def test_lora_trains_adapters_only_resumes_exactly_and_exports_merged(tmp_path, 
 
 def test_hf_config_beside_weights_says_it_trains_from_random_initialisation(hf_folders):
     folder = hf_folders["llama_tied"]
-    built = build_model(load_config(None, ["--model.name", "hf", "--model.hf_config", str(folder)]).model,
-                        init_context=None)
-    assert built.notice == (f"model.hf_config {folder} sits beside weights (model.safetensors); training starts from "
-                            f"random initialisation, as model.hf_config asks: pass --model.pretrained {folder} to "
-                            "fine-tune from them")
+    built = build_model(
+        load_config(None, ["--model.name", "hf", "--model.hf_config", str(folder)]).model, init_context=None
+    )
+    assert built.notice == (
+        f"model.hf_config {folder} sits beside weights (model.safetensors); training starts from "
+        f"random initialisation, as model.hf_config asks: pass --model.pretrained {folder} to "
+        "fine-tune from them"
+    )
 
 
 def test_pretrained_builds_on_meta_and_names_bad_folders(hf_folders, tmp_path):
     built = build_model(load_config(None, ["--model.pretrained", str(hf_folders["gpt2"])]).model, init_context=None)
     assert all(p.is_meta for p in built.module.parameters()) and "GPT2LMHeadModel" in built.description
     (tmp_path / "config.json").write_text((hf_folders["gpt2"] / "config.json").read_text())
-    with pytest.raises(ValueError, match=f"^model.pretrained='{tmp_path}' does not build: {tmp_path} holds a "
-                                         "config.json but no model.safetensors"):
+    with pytest.raises(
+        ValueError,
+        match=f"^model.pretrained='{tmp_path}' does not build: {tmp_path} holds a config.json but no model.safetensors",
+    ):
         build_model(load_config(None, ["--model.pretrained", str(tmp_path)]).model, init_context=None)
     weights_only = tmp_path / "weights_only"
     weights_only.mkdir()
     (weights_only / "model.safetensors").write_bytes((hf_folders["gpt2"] / "model.safetensors").read_bytes())
-    with pytest.raises(ValueError, match=f"^model.pretrained='{weights_only}' does not build: {weights_only} is not a "
-                                         "Hugging Face model folder with a config.json"):
+    with pytest.raises(
+        ValueError,
+        match=f"^model.pretrained='{weights_only}' does not build: {weights_only} is not a "
+        "Hugging Face model folder with a config.json",
+    ):
         build_model(load_config(None, ["--model.pretrained", str(weights_only)]).model, init_context=None)
     with pytest.raises(ValueError, match="drop --model.name llama-tiny"):
-        build_model(load_config(None, ["--model.pretrained", str(hf_folders["gpt2"]), "--model.name",
-                                       "llama-tiny"]).model, init_context=None)
+        build_model(
+            load_config(None, ["--model.pretrained", str(hf_folders["gpt2"]), "--model.name", "llama-tiny"]).model,
+            init_context=None,
+        )
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--lora.rank", "8"], "lora.rank=8 trains adapters over pretrained weights; pass --model.pretrained DIR"),
-    (["--model.pretrained", "x", "--lora.merge_on_export", "true"], "lora.merge_on_export=true merges LoRA"),
-    (["--run.export_hf", "true"], "run.export_hf=true writes a Hugging Face folder, but model.name='llama-2m'"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--lora.rank", "8"], "lora.rank=8 trains adapters over pretrained weights; pass --model.pretrained DIR"),
+        (["--model.pretrained", "x", "--lora.merge_on_export", "true"], "lora.merge_on_export=true merges LoRA"),
+        (["--run.export_hf", "true"], "run.export_hf=true writes a Hugging Face folder, but model.name='llama-2m'"),
+    ],
+)
 def test_option_combinations_that_cannot_work(args, message):
     with pytest.raises(ValueError, match=message):
         check_finetune_config(load_config(None, args))

@@ -34,19 +34,23 @@ def _rewrite(folder, change):
 def test_missing_path_and_folders_without_weights(pools, llama, tmp_path):
     assert _messages(pools, tmp_path / "nowhere", llama) == (
         f"{tmp_path / 'nowhere'} does not exist; pass a .safetensors file or a Hugging Face model folder holding "
-        "model.safetensors or model.safetensors.index.json")
+        "model.safetensors or model.safetensors.index.json"
+    )
     (tmp_path / "config_only").mkdir()
     shutil.copy(llama / "config.json", tmp_path / "config_only")
     assert _messages(pools, tmp_path / "config_only", llama) == (
         f"{tmp_path / 'config_only'} holds no model.safetensors or model.safetensors.index.json (it holds "
-        "config.json); pass a Hugging Face model folder written by save_pretrained, or a .safetensors file")
+        "config.json); pass a Hugging Face model folder written by save_pretrained, or a .safetensors file"
+    )
     (tmp_path / "empty").mkdir()
-    assert "holds no model.safetensors or model.safetensors.index.json (it holds nothing)" in \
-        _messages(pools, tmp_path / "empty", llama)
+    assert "holds no model.safetensors or model.safetensors.index.json (it holds nothing)" in _messages(
+        pools, tmp_path / "empty", llama
+    )
     (tmp_path / "pickled").mkdir()
     (tmp_path / "pickled" / "pytorch_model.bin").write_bytes(b"x")
-    assert "holds only pickled PyTorch weights (pytorch_model.bin); shardtrain reads safetensors only" in \
-        _messages(pools, tmp_path / "pickled", llama)
+    assert "holds only pickled PyTorch weights (pytorch_model.bin); shardtrain reads safetensors only" in _messages(
+        pools, tmp_path / "pickled", llama
+    )
 
 
 def test_missing_key_names_it_and_strict_false_keeps_the_initial_value(pools, llama):
@@ -54,7 +58,8 @@ def test_missing_key_names_it_and_strict_false_keeps_the_initial_value(pools, ll
     assert _messages(pools, llama, llama) == (
         f"{llama}: no tensor for the model's 'model.layers.1.mlp.up_proj.weight' (1 missing: "
         "[model.layers.1.mlp.up_proj.weight]); load weights of this model, or pass strict=False to keep the "
-        "initial values of what is missing")
+        "initial values of what is missing"
+    )
     assert _messages(pools, llama, llama, strict=False) is None
 
 
@@ -63,7 +68,8 @@ def test_unexpected_key_names_the_file_and_the_key(pools, llama):
     assert _messages(pools, llama, llama) == (
         f"{llama / 'model.safetensors'}: tensor 'model.layers.9.extra.weight' matches no parameter or buffer of the "
         "model (1 unexpected: [model.layers.9.extra.weight]); load weights of this model, or pass strict=False to "
-        "ignore them")
+        "ignore them"
+    )
     assert _messages(pools, llama, llama, strict=False) is None
 
 
@@ -71,7 +77,8 @@ def test_shape_mismatch_names_the_file_the_key_and_both_shapes(pools, llama):
     _rewrite(llama, lambda t: t.update({"model.norm.weight": torch.ones(65)}))
     assert _messages(pools, llama, llama, strict=False) == (
         f"{llama / 'model.safetensors'}: tensor 'model.norm.weight' has shape (65,), the model's 'model.norm.weight' "
-        "has (64,); the weights belong to another configuration: build the model from the config.json saved with them")
+        "has (64,); the weights belong to another configuration: build the model from the config.json saved with them"
+    )
 
 
 def test_corrupt_and_truncated_files(pools, llama):
@@ -91,15 +98,18 @@ def test_index_errors(pools, hf_folders, tmp_path):
     (split / files[-1]).unlink()
     assert _messages(pools, split, split) == (
         f"{split / 'model.safetensors.index.json'} lists {files[-1]}, which is missing from {split}; copy the whole "
-        "model folder")
+        "model folder"
+    )
     shutil.copy(hf_folders["llama_split"] / files[-1], split)
     index["weight_map"]["model.norm.weight"] = "../elsewhere.safetensors"
     (split / "model.safetensors.index.json").write_text(json.dumps(index))
-    assert "names file '../elsewhere.safetensors', which is not a plain file name in its folder" in \
-        _messages(pools, split, split)
+    assert "names file '../elsewhere.safetensors', which is not a plain file name in its folder" in _messages(
+        pools, split, split
+    )
     (split / "model.safetensors.index.json").write_text("{not json")
-    assert _messages(pools, split, split).startswith(f"{split / 'model.safetensors.index.json'} is not a readable "
-                                                     "JSON index (")
+    assert _messages(pools, split, split).startswith(
+        f"{split / 'model.safetensors.index.json'} is not a readable JSON index ("
+    )
 
 
 def test_loads_from_a_single_file_and_from_an_index_file(pools, hf_folders):

@@ -16,12 +16,13 @@ def _opened(folder):
     return AutoModelForCausalLM.from_pretrained(folder)
 
 
-@pytest.mark.parametrize("kind,world,max_shard_size", [
-    ("llama_tied", 2, "5GB"), ("gpt2", 2, "5GB"), pytest.param("llama_untied", 3, "60KB", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "kind,world,max_shard_size",
+    [("llama_tied", 2, "5GB"), ("gpt2", 2, "5GB"), pytest.param("llama_untied", 3, "60KB", marks=pytest.mark.slow)],
+)
 def test_export_round_trip_equals_full_state_dict(pools, hf_folders, tmp_path, kind, world, max_shard_size):
     out = str(tmp_path / "hf")
-    result = pools(world).run(ranks.export_after_training, str(hf_folders[kind]), out, "full_shard",
-                              max_shard_size)[0]
+    result = pools(world).run(ranks.export_after_training, str(hf_folders[kind]), out, "full_shard", max_shard_size)[0]
     state = result["state"]
     for folder in (out, out + "-method"):
         opened = _opened(folder).state_dict()
@@ -48,7 +49,9 @@ def test_export_round_trip_equals_full_state_dict(pools, hf_folders, tmp_path, k
         # Tied weights are written once, under the embedding's name, as save_pretrained writes them.
         assert keys == set(state) - {"lm_head.weight"}
     bf16 = _opened(out + "-bf16")
-    assert bf16.config.dtype == torch.bfloat16 and json.loads((tmp_path / "hf-bf16" / "config.json").read_text())[
-        "dtype"] == "bfloat16"
+    assert (
+        bf16.config.dtype == torch.bfloat16
+        and json.loads((tmp_path / "hf-bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+    )
     assert all(torch.equal(v, state[k].to(torch.bfloat16)) for k, v in bf16.state_dict().items())
     assert result["refused"].startswith("save_pretrained(push_to_hub=...) is not supported on a sharded model")

@@ -29,16 +29,18 @@ def test_loads_what_from_pretrained_loads(pools, hf_folders, kind, world):
 
 @pytest.mark.parametrize("kind", ["llama_untied", "gpt2"])
 def test_loads_into_an_embedding_that_looks_rows_up_where_they_are_held(pools, hf_folders, kind):
-    results = pools(2).run(ranks.compare_with_from_pretrained, str(hf_folders[kind]), ["full_shard"],
-                           embedding_unit=True)
+    results = pools(2).run(
+        ranks.compare_with_from_pretrained, str(hf_folders[kind]), ["full_shard"], embedding_unit=True
+    )
     assert all(r["full_shard"]["diff"] <= 1e-6 and r["full_shard"]["same"] for r in results)
     assert all(r["full_shard"]["read"] == r["full_shard"]["held"] for r in results)
 
 
 @pytest.mark.slow  # a world of 4
 def test_hybrid_shard_reads_rows_per_shard_group(pools, hf_folders):
-    results = pools(4).run(ranks.compare_with_from_pretrained, str(hf_folders["llama_untied"]), ["hybrid_shard"],
-                           mesh=(2, 2))
+    results = pools(4).run(
+        ranks.compare_with_from_pretrained, str(hf_folders["llama_untied"]), ["hybrid_shard"], mesh=(2, 2)
+    )
     embed = [r["hybrid_shard"]["read"]["model.embed_tokens.weight"] for r in results]
     assert embed == [(0, 130), (130, 259), (0, 130), (130, 259)]
     assert all(r["hybrid_shard"]["diff"] <= 1e-6 and r["hybrid_shard"]["same"] for r in results)

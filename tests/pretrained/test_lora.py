@@ -20,9 +20,15 @@ def test_adapters_start_as_peft_initialises_them_and_only_they_train(pools, hf_f
         assert r["grad_storage"] == r["trainable_rows"]  # the frozen base has no gradient storage
 
 
-@pytest.mark.parametrize("world,strategy", [
-    (2, "full_shard"), (2, "no_shard"), pytest.param(3, "full_shard", marks=pytest.mark.slow),
-    pytest.param(3, "shard_grad_op", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "world,strategy",
+    [
+        (2, "full_shard"),
+        (2, "no_shard"),
+        pytest.param(3, "full_shard", marks=pytest.mark.slow),
+        pytest.param(3, "shard_grad_op", marks=pytest.mark.slow),
+    ],
+)
 def test_adapter_only_checkpoint_resumes_bit_for_bit_on_every_rank(pools, hf_folders, tmp_path, world, strategy):
     checkpoint = tmp_path / "step_3"
     results = pools(world).run(ranks.lora_resume, str(hf_folders["llama_untied"]), str(checkpoint), strategy)
@@ -30,9 +36,11 @@ def test_adapter_only_checkpoint_resumes_bit_for_bit_on_every_rank(pools, hf_fol
         assert r["exact"], rank
         assert r["resumed"] == r["straight"], rank
         # Loading it as a whole model is refused, naming the fix.
-        assert r["refused"] == ("the checkpoint holds only the trainable parameters of state['model'] (saved with "
-                                "params='trainable'); load the others first (e.g. st.load_pretrained from the "
-                                "pretrained folder) and pass params='trainable' to load_checkpoint")
+        assert r["refused"] == (
+            "the checkpoint holds only the trainable parameters of state['model'] (saved with "
+            "params='trainable'); load the others first (e.g. st.load_pretrained from the "
+            "pretrained folder) and pass params='trainable' to load_checkpoint"
+        )
     if strategy != "no_shard":  # every rank holds rows of every adapter matrix, so each rank's rows were kept
         assert all(all(shape[0] > 0 for shape in r["rows"].values()) for r in results)
     metadata = json.loads((checkpoint / "metadata.json").read_text())
@@ -41,12 +49,16 @@ def test_adapter_only_checkpoint_resumes_bit_for_bit_on_every_rank(pools, hf_fol
     assert all(".lora_A." in name or ".lora_B." in name for name in saved)
 
 
-@pytest.mark.parametrize("kind,targets,adapted", [
-    ("llama_tied", ("q_proj", "v_proj"), "model.layers.{i}.self_attn.{t}.weight"),
-    ("gpt2", ("c_attn",), "transformer.h.{i}.attn.{t}.weight"),  # Conv1D: fan_in_fan_out, B @ A transposed
-])
-def test_merged_export_equals_merge_and_unload_and_adapter_export_loads_in_peft(pools, hf_folders, tmp_path, kind,
-                                                                                 targets, adapted):
+@pytest.mark.parametrize(
+    "kind,targets,adapted",
+    [
+        ("llama_tied", ("q_proj", "v_proj"), "model.layers.{i}.self_attn.{t}.weight"),
+        ("gpt2", ("c_attn",), "transformer.h.{i}.attn.{t}.weight"),  # Conv1D: fan_in_fan_out, B @ A transposed
+    ],
+)
+def test_merged_export_equals_merge_and_unload_and_adapter_export_loads_in_peft(
+    pools, hf_folders, tmp_path, kind, targets, adapted
+):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -63,5 +75,6 @@ def test_merged_export_equals_merge_and_unload_and_adapter_export_loads_in_peft(
     assert set(got) == set(expected)
     assert max((got[k] - expected[k]).abs().max().item() for k in got) <= 1e-6
     base = AutoModelForCausalLM.from_pretrained(folder).state_dict()
-    assert {k for k in base if not torch.equal(got[k], base[k])} == {adapted.format(i=i, t=t) for i in range(2)
-                                                                      for t in targets}
+    assert {k for k in base if not torch.equal(got[k], base[k])} == {
+        adapted.format(i=i, t=t) for i in range(2) for t in targets
+    }

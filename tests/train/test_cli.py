@@ -16,15 +16,18 @@ TINY = ["--model.name", "llama-tiny", "--data.seq_len", "64", "--train.batch_siz
 
 
 def _train(args: list[str], timeout: float = 150) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shardtrain", "train", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "shardtrain", "train", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
 
 
 def test_missing_subcommand_module_answers_instead_of_crashing(monkeypatch, capsys):
     monkeypatch.setitem(cli.SUBCOMMANDS, "nosuch", "a subcommand nobody wrote")
     assert cli.main(["nosuch", "--any", "args"]) == 2
-    assert "shardtrain nosuch: not available yet in this build (module shardtrain.cli.nosuch is missing)" \
+    assert (
+        "shardtrain nosuch: not available yet in this build (module shardtrain.cli.nosuch is missing)"
         in capsys.readouterr().err
+    )
 
 
 def test_config_error_is_one_line_with_the_fix(capsys):
@@ -47,9 +50,27 @@ def _records(run_dir: Path) -> list[dict]:
 
 
 def test_short_run_writes_metrics_plot_and_config_and_resumes_exactly(tmp_path):
-    common = [*TINY, "--train.steps", "6", "--train.grad_accum", "2", "--train.eval_every", "3",
-              "--train.log_every", "1", "--optim.warmup_steps", "2", "--data.cache_dir", str(tmp_path / "cache"),
-              "--train.ema_decay", "0.9", "--run.checkpoint_every", "3", "--run.out_dir", str(tmp_path)]
+    common = [
+        *TINY,
+        "--train.steps",
+        "6",
+        "--train.grad_accum",
+        "2",
+        "--train.eval_every",
+        "3",
+        "--train.log_every",
+        "1",
+        "--optim.warmup_steps",
+        "2",
+        "--data.cache_dir",
+        str(tmp_path / "cache"),
+        "--train.ema_decay",
+        "0.9",
+        "--run.checkpoint_every",
+        "3",
+        "--run.out_dir",
+        str(tmp_path),
+    ]
     run = _train([*common, "--run.name", "e2e"])
     assert run.returncode == 0, run.stderr
     assert "held-out loss" in run.stdout and "2 x cpu, full_shard" in run.stdout
@@ -74,14 +95,29 @@ def test_short_run_writes_metrics_plot_and_config_and_resumes_exactly(tmp_path):
     assert resumed.returncode == 0, resumed.stderr
     keys = ("step", "loss", "lr", "grad_norm", "eval_loss", "eval_loss_ema")
     replay = [{k: r.get(k) for k in keys} for r in _records(tmp_path / "resumed") if r["kind"] != "summary"]
-    original = [r for r in records if (r["kind"] == "train" and r["step"] > 3) or (r["kind"] == "eval" and r["step"] >= 3)]
+    original = [
+        r for r in records if (r["kind"] == "train" and r["step"] > 3) or (r["kind"] == "eval" and r["step"] >= 3)
+    ]
     assert replay == [{k: r.get(k) for k in keys} for r in original]
 
 
 @pytest.mark.slow  # two 2-process runs, one of them compiling; tests/core/test_compile.py covers the forms
 def test_compiled_run_trains_like_the_eager_one(tmp_path):
-    common = [*TINY, "--train.steps", "4", "--train.log_every", "1", "--train.eval_every", "0",
-              "--train.eval_batches", "1", "--data.cache_dir", str(tmp_path / "cache"), "--run.out_dir", str(tmp_path)]
+    common = [
+        *TINY,
+        "--train.steps",
+        "4",
+        "--train.log_every",
+        "1",
+        "--train.eval_every",
+        "0",
+        "--train.eval_batches",
+        "1",
+        "--data.cache_dir",
+        str(tmp_path / "cache"),
+        "--run.out_dir",
+        str(tmp_path),
+    ]
     losses = {}
     for name in ("eager", "compiled"):
         run = _train([*common, "--run.name", name, "--train.compile", str(name == "compiled").lower()], timeout=300)
@@ -97,11 +133,36 @@ def _one_file(tmp_path: Path) -> Path:
     return path
 
 
+def _on_one_file(tmp_path: Path) -> list[str]:
+    """Arguments for a run on one small text file, with its cache and runs under `tmp_path`."""
+    return [
+        "--data.path",
+        str(_one_file(tmp_path)),
+        "--data.cache_dir",
+        str(tmp_path / "cache"),
+        "--run.out_dir",
+        str(tmp_path),
+    ]
+
+
 @pytest.mark.slow  # the Engine-level test (tests/engine) covers the scheduler fix in the default tier
 def test_fp16_with_the_scheduler_trains_on_a_single_file(tmp_path):
-    run = _train([*TINY, "--engine.precision", "16-mixed", "--train.steps", "2", "--train.log_every", "1",
-                  "--train.eval_batches", "1", "--data.path", str(_one_file(tmp_path)),
-                  "--data.cache_dir", str(tmp_path / "cache"), "--run.out_dir", str(tmp_path), "--run.name", "fp16"])
+    run = _train(
+        [
+            *TINY,
+            "--engine.precision",
+            "16-mixed",
+            "--train.steps",
+            "2",
+            "--train.log_every",
+            "1",
+            "--train.eval_batches",
+            "1",
+            *_on_one_file(tmp_path),
+            "--run.name",
+            "fp16",
+        ]
+    )
     assert run.returncode == 0, run.stderr
     assert "2 x cpu, full_shard, 16-mixed" in run.stdout
     train = [r for r in _records(tmp_path / "fp16") if r["kind"] == "train"]
@@ -122,14 +183,39 @@ def test_user_errors_are_reported_by_every_rank():
 @pytest.mark.slow  # end to end in fresh processes; tests/pretrained/ trains Hugging Face models on pools
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers (extra 'hf')")
 def test_hugging_face_llama_from_config_trains(tmp_path):
-    hf = ("{model_type: llama, hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2, num_attention_heads: 4, "
-          "num_key_value_heads: 2, vocab_size: 256, max_position_embeddings: 128}")
-    run = _train(["--model.name", "hf", "--model.kwargs", hf, "--data.seq_len", "64", "--train.batch_size", "8",
-                  "--train.steps", "12", "--train.eval_every", "0", "--optim.lr", "1e-2",
-                  "--data.cache_dir", str(tmp_path / "cache"), "--run.out_dir", str(tmp_path), "--run.name", "hf",
-                  "--run.progress", "false"])
+    hf = (
+        "{model_type: llama, hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2, num_attention_heads: 4, "
+        "num_key_value_heads: 2, vocab_size: 256, max_position_embeddings: 128}"
+    )
+    run = _train(
+        [
+            "--model.name",
+            "hf",
+            "--model.kwargs",
+            hf,
+            "--data.seq_len",
+            "64",
+            "--train.batch_size",
+            "8",
+            "--train.steps",
+            "12",
+            "--train.eval_every",
+            "0",
+            "--optim.lr",
+            "1e-2",
+            "--data.cache_dir",
+            str(tmp_path / "cache"),
+            "--run.out_dir",
+            str(tmp_path),
+            "--run.name",
+            "hf",
+            "--run.progress",
+            "false",
+        ]
+    )
     assert run.returncode == 0, run.stderr
     assert "LlamaForCausalLM" in run.stdout
-    evals = [json.loads(line) for line in (tmp_path / "hf" / "metrics.jsonl").read_text().splitlines()
-             if '"eval"' in line]
+    evals = [
+        json.loads(line) for line in (tmp_path / "hf" / "metrics.jsonl").read_text().splitlines() if '"eval"' in line
+    ]
     assert evals[-1]["eval_loss"] < evals[0]["eval_loss"] - 0.5

@@ -10,8 +10,23 @@ def test_defaults_need_no_file():
 
 
 def test_overrides_are_typed():
-    cfg = load_config(None, ["--train.steps", "5", "--optim.lr=1e-3", "--run.tensorboard", "--engine.devices", "1",
-                             "--model.wrap", "Block,Attention", "--data.path", "none", "--model.kwargs.n_layers", "2"])
+    cfg = load_config(
+        None,
+        [
+            "--train.steps",
+            "5",
+            "--optim.lr=1e-3",
+            "--run.tensorboard",
+            "--engine.devices",
+            "1",
+            "--model.wrap",
+            "Block,Attention",
+            "--data.path",
+            "none",
+            "--model.kwargs.n_layers",
+            "2",
+        ],
+    )
     assert cfg.train.steps == 5 and cfg.optim.lr == 1e-3 and cfg.run.tensorboard is True
     assert cfg.engine.devices == 1 and cfg.model.wrap == ("Block", "Attention")
     assert cfg.data.path is None and cfg.model.kwargs == {"n_layers": 2}
@@ -23,7 +38,12 @@ def test_file_then_overrides(tmp_path):
     toml = tmp_path / "job.toml"
     toml.write_text('[train]\nsteps = 7\nbatch_size = 4\n[model]\nname = "llama-tiny"\nkwargs = { n_layers = 1 }\n')
     cfg = load_config(toml, ["--train.steps", "9"])
-    assert (cfg.train.steps, cfg.train.batch_size, cfg.model.name, cfg.model.kwargs) == (9, 4, "llama-tiny", {"n_layers": 1})
+    assert (cfg.train.steps, cfg.train.batch_size, cfg.model.name, cfg.model.kwargs) == (
+        9,
+        4,
+        "llama-tiny",
+        {"n_layers": 1},
+    )
     yml = tmp_path / "job.yaml"
     yml.write_text("optim:\n  lr: 0.01\nengine:\n  devices: 2\n")
     cfg = load_config(yml)
@@ -36,12 +56,15 @@ def test_saved_config_reloads(tmp_path):
     assert load_config(tmp_path / "config.yaml") == cfg
 
 
-@pytest.mark.parametrize("tokens, expected", [
-    (["--train.stpes", "5"], "did you mean 'train.steps'"),
-    (["--steps", "5"], "did you mean 'train.steps'"),
-    (["--trian.steps", "5"], "did you mean 'train.steps'"),
-    (["--optim.learning_rate", "1"], "Valid keys: optim.lr"),
-])
+@pytest.mark.parametrize(
+    "tokens, expected",
+    [
+        (["--train.stpes", "5"], "did you mean 'train.steps'"),
+        (["--steps", "5"], "did you mean 'train.steps'"),
+        (["--trian.steps", "5"], "did you mean 'train.steps'"),
+        (["--optim.learning_rate", "1"], "Valid keys: optim.lr"),
+    ],
+)
 def test_unknown_key_suggests_and_lists(tokens, expected):
     with pytest.raises(ConfigError, match=expected):
         load_config(None, tokens)
@@ -54,25 +77,31 @@ def test_unknown_key_in_file_is_an_error(tmp_path):
         load_config(path)
 
 
-@pytest.mark.parametrize("tokens, expected", [
-    (["--train.steps", "many"], r"train.steps='many': expected int"),
-    (["--train.steps", "0"], r"train.steps=0 is invalid: use 1 or more"),
-    (["--run.tensorboard", "maybe"], "expected bool"),
-    (["--data.seq_len"], r"--data.seq_len needs a value"),
-    (["--data.val_fraction", "1.5"], r"use a value in \(0, 1\)"),
-    (["stray"], "unexpected argument 'stray'"),
-    (["--train.steps.x", "1"], "is not a table"),
-])
+@pytest.mark.parametrize(
+    "tokens, expected",
+    [
+        (["--train.steps", "many"], r"train.steps='many': expected int"),
+        (["--train.steps", "0"], r"train.steps=0 is invalid: use 1 or more"),
+        (["--run.tensorboard", "maybe"], "expected bool"),
+        (["--data.seq_len"], r"--data.seq_len needs a value"),
+        (["--data.val_fraction", "1.5"], r"use a value in \(0, 1\)"),
+        (["stray"], "unexpected argument 'stray'"),
+        (["--train.steps.x", "1"], "is not a table"),
+    ],
+)
 def test_bad_values_name_key_and_fix(tokens, expected):
     with pytest.raises(ConfigError, match=expected):
         load_config(None, tokens)
 
 
-@pytest.mark.parametrize("text, key, shown", [
-    ("optim:\n  lr: .inf\n", "optim.lr", "inf"),
-    ("optim:\n  grad_clip: .nan\n", "optim.grad_clip", "nan"),
-    ("train:\n  ema_decay: -.inf\n", "train.ema_decay", "-inf"),
-])
+@pytest.mark.parametrize(
+    "text, key, shown",
+    [
+        ("optim:\n  lr: .inf\n", "optim.lr", "inf"),
+        ("optim:\n  grad_clip: .nan\n", "optim.grad_clip", "nan"),
+        ("train:\n  ema_decay: -.inf\n", "train.ema_decay", "-inf"),
+    ],
+)
 def test_non_finite_numbers_in_a_file_are_refused(tmp_path, text, key, shown):
     path = tmp_path / "job.yaml"
     path.write_text(text)

@@ -6,8 +6,9 @@ from shardtrain.train.data import ByteTokenizer, TokenBatches, build_cache, corp
 
 
 def _batches(tokens, *, rank=0, world_size=1, seed=0, global_batch=8, seq_len=16, shuffle=True):
-    return TokenBatches(tokens, seq_len=seq_len, global_batch=global_batch, rank=rank, world_size=world_size,
-                        seed=seed, shuffle=shuffle)
+    return TokenBatches(
+        tokens, seq_len=seq_len, global_batch=global_batch, rank=rank, world_size=world_size, seed=seed, shuffle=shuffle
+    )
 
 
 def _rows(batches, index):
@@ -77,8 +78,14 @@ def _corpus(tmp_path, n=40):
 def test_cache_split_and_reuse(tmp_path):
     root, files = corpus_files(str(_corpus(tmp_path)), "**/*.py")
     assert len(files) == 40 and all(f.suffix == ".py" for f in files)
-    kwargs = dict(root=root, files=files, val_fraction=0.2, cache_dir=str(tmp_path / "cache"),
-                  tokenizer=ByteTokenizer(), progress=False)
+    kwargs = dict(
+        root=root,
+        files=files,
+        val_fraction=0.2,
+        cache_dir=str(tmp_path / "cache"),
+        tokenizer=ByteTokenizer(),
+        progress=False,
+    )
     cache = build_cache(**kwargs)
     assert cache.tokens.dtype == np.uint8
     total = sum(f.stat().st_size for f in files)
@@ -105,8 +112,14 @@ def test_too_few_files_split_by_tokens(tmp_path, names):
     path = tmp_path / names[0] if len(names) == 1 else tmp_path
     root, files = corpus_files(str(path), "*.txt")
     assert all(is_held_out(f.relative_to(root).as_posix(), 0.1) is False for f in files)
-    cache = build_cache(root=root, files=files, val_fraction=0.1, cache_dir=str(tmp_path / "cache"),
-                        tokenizer=ByteTokenizer(), progress=False)
+    cache = build_cache(
+        root=root,
+        files=files,
+        val_fraction=0.1,
+        cache_dir=str(tmp_path / "cache"),
+        tokenizer=ByteTokenizer(),
+        progress=False,
+    )
     stream = "".join(texts).encode()
     assert len(cache.tokens) == len(stream) and len(cache.held_out) == int(len(stream) * 0.1)
     assert bytes(cache.train) + bytes(cache.held_out) == stream
@@ -115,10 +128,19 @@ def test_too_few_files_split_by_tokens(tmp_path, names):
 def test_a_split_that_holds_out_nothing_names_the_fix(tmp_path):
     (tmp_path / "tiny.txt").write_text("short\n")
     root, files = corpus_files(str(tmp_path / "tiny.txt"), "*")
-    with pytest.raises(ValueError, match=r"data.val_fraction=0.1 of the 6 tokens in the 1 file\(s\) of .* holds out "
-                                         "no token; use more text or a larger --data.val_fraction"):
-        build_cache(root=root, files=files, val_fraction=0.1, cache_dir=str(tmp_path / "cache"),
-                    tokenizer=ByteTokenizer(), progress=False)
+    with pytest.raises(
+        ValueError,
+        match=r"data.val_fraction=0.1 of the 6 tokens in the 1 file\(s\) of .* holds out "
+        "no token; use more text or a larger --data.val_fraction",
+    ):
+        build_cache(
+            root=root,
+            files=files,
+            val_fraction=0.1,
+            cache_dir=str(tmp_path / "cache"),
+            tokenizer=ByteTokenizer(),
+            progress=False,
+        )
 
 
 def test_corpus_errors_name_the_fix(tmp_path):

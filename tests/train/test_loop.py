@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from shardtrain.core.sharded_param import local_of
-
 from shardtrain.engine import Engine
 from shardtrain.train.config import load_config
 from shardtrain.train.loop import _prepare, build_job, check_batch
@@ -23,8 +22,24 @@ def corpus(tmp_path_factory) -> Path:
 def _job(corpus: str, cache: str, *extra: str):
     engine = Engine(accelerator="cpu")
     engine.launch()
-    cfg = load_config(None, ["--model.name", "llama-tiny", "--data.path", corpus, "--data.cache_dir", cache,
-                             "--data.seq_len", "32", "--run.progress", "false", "--optim.warmup_steps", "2", *extra])
+    cfg = load_config(
+        None,
+        [
+            "--model.name",
+            "llama-tiny",
+            "--data.path",
+            corpus,
+            "--data.cache_dir",
+            cache,
+            "--data.seq_len",
+            "32",
+            "--run.progress",
+            "false",
+            "--optim.warmup_steps",
+            "2",
+            *extra,
+        ],
+    )
     return build_job(cfg, engine)[0]
 
 
@@ -44,8 +59,13 @@ def _accumulate(corpus: str, cache: str) -> dict:
     for step in range(4):
         job.train_step(step)
         lrs.append(job.scheduler.get_last_lr()[0])
-    return {"read": read, "optimizer_steps": optimizer_steps, "scheduler_steps": job.scheduler.last_epoch,
-            "lrs": lrs, "samples": samples}
+    return {
+        "read": read,
+        "optimizer_steps": optimizer_steps,
+        "scheduler_steps": job.scheduler.last_epoch,
+        "lrs": lrs,
+        "samples": samples,
+    }
 
 
 def test_one_scheduler_step_per_optimizer_step_and_disjoint_ranks(pools, corpus, tmp_path):
@@ -69,8 +89,11 @@ def _ema(corpus: str, cache: str) -> dict:
     with job.ema.swapped_in():
         swapped = rows()
     restored = all(torch.equal(p, t) for p, t in zip(rows(), trained))
-    return {"record": record, "restored": restored,
-            "ema_ok": all(torch.allclose(s, e) for s, e in zip(swapped, expected))}
+    return {
+        "record": record,
+        "restored": restored,
+        "ema_ok": all(torch.allclose(s, e) for s, e in zip(swapped, expected)),
+    }
 
 
 def test_ema_is_evaluated_and_the_trained_weights_come_back(pools, corpus, tmp_path):
@@ -96,20 +119,30 @@ def _prepare_error(*overrides: str) -> str:
     return "no error"
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["--train.batch_size", "1"], "train.batch_size=1 must be a multiple of world size 2 x train.grad_accum 1 = 2; "
-                                  "use --train.batch_size 2"),
-    (["--model.name", "llama-3t"], "model.name='llama-3t' does not build: unknown Llama size '3t'"),
-    (["--model.name", "llama-tiny"], "data.seq_len=256 exceeds the model's maximum sequence length 128"),
-    (["--data.path", "/no/such/corpus"], "data.path='/no/such/corpus' does not exist"),
-    (["--run.resume", "/no/such/ckpt"], "run.resume='/no/such/ckpt' does not exist"),
-    (["--run.out_dir", __file__], f"run.out_dir={__file__!r}: {__file__!r} is an existing file, not a directory; "
-                                  "pass a directory for the runs"),
-    (["--run.out_dir", f"{__file__}/runs"], f"run.out_dir='{__file__}/runs': {__file__!r} is an existing file"),
-    (["--model.name", "llama-tiny", "--model.kwargs.n_layers", "abc"],
-     "model.name='llama-tiny' does not build: model.kwargs.n_layers='abc' must be a positive integer "
-     "(LlamaConfig.n_layers); e.g. --model.kwargs.n_layers 4"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["--train.batch_size", "1"],
+            "train.batch_size=1 must be a multiple of world size 2 x train.grad_accum 1 = 2; use --train.batch_size 2",
+        ),
+        (["--model.name", "llama-3t"], "model.name='llama-3t' does not build: unknown Llama size '3t'"),
+        (["--model.name", "llama-tiny"], "data.seq_len=256 exceeds the model's maximum sequence length 128"),
+        (["--data.path", "/no/such/corpus"], "data.path='/no/such/corpus' does not exist"),
+        (["--run.resume", "/no/such/ckpt"], "run.resume='/no/such/ckpt' does not exist"),
+        (
+            ["--run.out_dir", __file__],
+            f"run.out_dir={__file__!r}: {__file__!r} is an existing file, not a directory; "
+            "pass a directory for the runs",
+        ),
+        (["--run.out_dir", f"{__file__}/runs"], f"run.out_dir='{__file__}/runs': {__file__!r} is an existing file"),
+        (
+            ["--model.name", "llama-tiny", "--model.kwargs.n_layers", "abc"],
+            "model.name='llama-tiny' does not build: model.kwargs.n_layers='abc' must be a positive integer "
+            "(LlamaConfig.n_layers); e.g. --model.kwargs.n_layers 4",
+        ),
+    ],
+)
 def test_user_errors_are_found_on_every_rank_before_any_communication(pools, overrides, message):
     for error in pools(2).run(_prepare_error, *overrides):
         assert error.startswith(message)

@@ -3,11 +3,11 @@ import math
 import pytest
 import torch
 
+from shardtrain.engine import Engine
 from shardtrain.models.llama import SHARD_UNITS, Block, Llama
-from shardtrain.train.config import ModelConfig
 from shardtrain.train.models import build_model, classes_by_name, lm_loss
 from shardtrain.train.schedule import make_scheduler, warmup_cosine
-from shardtrain.engine import Engine
+from shardtrain.train.sections import ModelConfig
 
 
 def test_warmup_then_cosine_to_floor():
@@ -48,29 +48,42 @@ def test_builtin_llama_units_split_the_embedding_once_it_outgrows_a_block(size, 
     assert built.wrap == (SHARD_UNITS if split else {Block})
 
 
-@pytest.mark.parametrize("name, kwargs, expected", [
-    ("llama-3t", {}, "unknown Llama size '3t'; built-in sizes: llama-tiny"),
-    ("gpt", {}, "use one of llama-tiny"),
-    ("llama-tiny", {"layers": 1}, "LlamaConfig fields are vocab_size"),
-    ("llama-tiny", {"dim": 65}, "must be divisible"),
-    ("llama-tiny", {"n_layers": "abc"}, r"model.kwargs.n_layers='abc' must be a positive integer \(LlamaConfig"),
-    ("llama-tiny", {"dim": 0}, "model.kwargs.dim=0 must be a positive integer"),
-    ("llama-tiny", {"norm_eps": float("nan")}, "model.kwargs.norm_eps=nan must be a positive finite number"),
-    ("llama-tiny", {"tie_embeddings": "yes"}, r"model.kwargs.tie_embeddings='yes' must be true or false "
-                                              r"\(LlamaConfig.tie_embeddings\); e.g. --model.kwargs.tie_embeddings false"),
-    ("no_such_module:make", {}, "cannot import 'make' from 'no_such_module'"),
-    ("torch.nn:Linear", {}, r"raised TypeError"),
-    ("builtins:float", {}, "returned float, not an nn.Module"),
-    ("hf", {}, "hf_config|transformers"),
-])
+@pytest.mark.parametrize(
+    "name, kwargs, expected",
+    [
+        ("llama-3t", {}, "unknown Llama size '3t'; built-in sizes: llama-tiny"),
+        ("gpt", {}, "use one of llama-tiny"),
+        ("llama-tiny", {"layers": 1}, "LlamaConfig fields are vocab_size"),
+        ("llama-tiny", {"dim": 65}, "must be divisible"),
+        ("llama-tiny", {"n_layers": "abc"}, r"model.kwargs.n_layers='abc' must be a positive integer \(LlamaConfig"),
+        ("llama-tiny", {"dim": 0}, "model.kwargs.dim=0 must be a positive integer"),
+        ("llama-tiny", {"norm_eps": float("nan")}, "model.kwargs.norm_eps=nan must be a positive finite number"),
+        (
+            "llama-tiny",
+            {"tie_embeddings": "yes"},
+            r"model.kwargs.tie_embeddings='yes' must be true or false "
+            r"\(LlamaConfig.tie_embeddings\); e.g. --model.kwargs.tie_embeddings false",
+        ),
+        ("no_such_module:make", {}, "cannot import 'make' from 'no_such_module'"),
+        ("torch.nn:Linear", {}, r"raised TypeError"),
+        ("builtins:float", {}, "returned float, not an nn.Module"),
+        ("hf", {}, "hf_config|transformers"),
+    ],
+)
 def test_model_that_does_not_build_says_why(name, kwargs, expected):
     with pytest.raises(ValueError, match=f"model.name='{name}' does not build: .*({expected})"):
         build_model(ModelConfig(name=name, kwargs=kwargs), init_context=INIT)
 
 
 def test_factory_and_explicit_wrap():
-    built = build_model(ModelConfig(name="torch.nn:Transformer", kwargs={"d_model": 16, "nhead": 2, "batch_first": True},
-                                    wrap=("TransformerEncoderLayer",)), init_context=INIT)
+    built = build_model(
+        ModelConfig(
+            name="torch.nn:Transformer",
+            kwargs={"d_model": 16, "nhead": 2, "batch_first": True},
+            wrap=("TransformerEncoderLayer",),
+        ),
+        init_context=INIT,
+    )
     assert {c.__name__ for c in built.wrap} == {"TransformerEncoderLayer"}
     with pytest.raises(ValueError, match=r"not module classes of Linear; its classes are \['Linear'\]"):
         classes_by_name(torch.nn.Linear(2, 2), ("Block",))

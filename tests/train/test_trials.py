@@ -43,8 +43,21 @@ def test_fastest_and_all_failed():
 
 
 def test_trial_config_is_short_and_private(tmp_path):
-    cfg = load_config(None, ["--model.name", "llama-8b", "--engine.devices", "2", "--engine.strategy", "auto",
-                             "--run.checkpoint_every", "100", "--train.steps", "1000"])
+    cfg = load_config(
+        None,
+        [
+            "--model.name",
+            "llama-8b",
+            "--engine.devices",
+            "2",
+            "--engine.strategy",
+            "auto",
+            "--run.checkpoint_every",
+            "100",
+            "--train.steps",
+            "1000",
+        ],
+    )
     choice = choose_plan("8b", world_size=2, device_memory="141GB", seq_len=cfg.data.seq_len, micro_batch=1)
     trial = trial_config(cfg, choice, out_dir=tmp_path, name="trial-0")
     assert trial.engine.strategy == choice.strategy.value and trial.train.steps == TRIAL_STEPS
@@ -59,12 +72,33 @@ def test_negative_trials_rejected():
 
 @pytest.mark.slow
 def test_auto_with_trials_trains_with_the_fastest_measured(tmp_path):
-    args = ["--model.name", "llama-tiny", "--data.seq_len", "64", "--train.batch_size", "8", "--run.progress",
-            "false", "--train.steps", "3", "--engine.strategy", "auto", "--engine.auto_trials", "2",
-            "--engine.accelerator", "cpu", "--data.cache_dir", str(tmp_path / "cache"), "--run.out_dir",
-            str(tmp_path), "--run.name", "job"]
-    run = subprocess.run([sys.executable, "-m", "shardtrain", "train", *args], capture_output=True, text=True,
-                         timeout=300, cwd=ROOT)
+    args = [
+        "--model.name",
+        "llama-tiny",
+        "--data.seq_len",
+        "64",
+        "--train.batch_size",
+        "8",
+        "--run.progress",
+        "false",
+        "--train.steps",
+        "3",
+        "--engine.strategy",
+        "auto",
+        "--engine.auto_trials",
+        "2",
+        "--engine.accelerator",
+        "cpu",
+        "--data.cache_dir",
+        str(tmp_path / "cache"),
+        "--run.out_dir",
+        str(tmp_path),
+        "--run.name",
+        "job",
+    ]
+    run = subprocess.run(
+        [sys.executable, "-m", "shardtrain", "train", *args], capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
     assert run.returncode == 0, run.stderr
     trials = [line for line in run.stdout.splitlines() if line.startswith("trial ")]
     assert [t.split(":")[0] for t in trials] == ["trial 1/2", "trial 2/2"]

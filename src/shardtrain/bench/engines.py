@@ -11,8 +11,9 @@ shardtrain's units); FSDP1 per Block.
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -55,8 +56,11 @@ def compile_blocks(model: nn.Module) -> int:
     recomputation is compiled too), as torchtitan compiles per block; returns how many were compiled."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-    blocks = [m for m in model.modules()
-              if isinstance(m, CheckpointWrapper) and isinstance(m._checkpoint_wrapped_module, Block)]
+    blocks = [
+        m
+        for m in model.modules()
+        if isinstance(m, CheckpointWrapper) and isinstance(m._checkpoint_wrapped_module, Block)
+    ]
     wrapped = {id(m._checkpoint_wrapped_module) for m in blocks}
     blocks += [m for m in model.modules() if isinstance(m, Block) and id(m) not in wrapped]
     for block in blocks:
@@ -81,31 +85,50 @@ def build_shardtrain(spec: RunSpec, device: torch.device, *, strategy: str) -> P
 def build_shardtrain_auto(spec: RunSpec, device: torch.device) -> Prepared:
     """strategy="auto" for this run's micro-batch: the planner picks strategy, checkpointing and offload
     (so `--ac` does not apply); the row's label names what it picked."""
-    from ..planning.auto import local_device_memory, resolve_auto
+    from ..planning.auto import resolve_auto
+    from ..planning.machine import local_device_memory
     from ..planning.report import checkpointing_label
 
     named = build_meta_model(spec.model_config())
     precision = "bf16" if compute_dtype(spec) else "fp32"
-    memory, _ = local_device_memory(accelerator=device.type, processes=1 if device.type == "cuda" else dist.get_world_size())
-    choice = resolve_auto(named.model, world_size=dist.get_world_size(), micro_batch=spec.batch, seq_len=spec.seq,
-                          wrap=SHARD_UNITS, device_memory=memory, mixed_precision=precision)
+    memory, _ = local_device_memory(
+        accelerator=device.type, processes=1 if device.type == "cuda" else dist.get_world_size()
+    )
+    choice = resolve_auto(
+        named.model,
+        world_size=dist.get_world_size(),
+        micro_batch=spec.batch,
+        seq_len=spec.seq,
+        wrap=SHARD_UNITS,
+        device_memory=memory,
+        mixed_precision=precision,
+    )
     model = _shard(named, spec, device, **choice.shard_kwargs(named.model, wrap=SHARD_UNITS))
     checkpointing = f"ckpt {checkpointing_label(choice.checkpoint_every)}"
     offload = ", offload" if choice.cpu_offload else ""
-    return Prepared(model=model, optimizer=make_optimizer(model.parameters()),
-                    label=f"shardtrain auto ({choice.strategy.value}, {checkpointing}{offload})")
+    return Prepared(
+        model=model,
+        optimizer=make_optimizer(model.parameters()),
+        label=f"shardtrain auto ({choice.strategy.value}, {checkpointing}{offload})",
+    )
 
 
 def _shard(named, spec: RunSpec, device: torch.device, **options: Any) -> nn.Module:
     import shardtrain as st
 
-    return st.shard(named.model, wrap=SHARD_UNITS, mixed_precision="bf16" if compute_dtype(spec) else None,
-                    device=device, param_init_fn=named.param_init_fn(seed=spec.seed, device=device, allocate=False),
-                    **options)
+    return st.shard(
+        named.model,
+        wrap=SHARD_UNITS,
+        mixed_precision="bf16" if compute_dtype(spec) else None,
+        device=device,
+        param_init_fn=named.param_init_fn(seed=spec.seed, device=device, allocate=False),
+        **options,
+    )
 
 
-def build_fsdp2(spec: RunSpec, device: torch.device, *, reshard_after_forward: bool,
-                split_root: bool = False) -> Prepared:
+def build_fsdp2(
+    spec: RunSpec, device: torch.device, *, reshard_after_forward: bool, split_root: bool = False
+) -> Prepared:
     """The FSDP2 baseline: `fully_shard` per Block and on the root; `split_root` also gives the
     embedding and the output head their own units, as shardtrain's plan does (torchtitan's recipe)."""
     from torch.distributed.device_mesh import init_device_mesh

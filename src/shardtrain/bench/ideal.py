@@ -27,8 +27,9 @@ class ShardStep:
 
     def __init__(self, model: nn.Module, *, shard_world: int, device: torch.device) -> None:
         self.model = model
-        self.shards = [nn.Parameter(torch.zeros(math.ceil(p.numel() / shard_world), device=device))
-                       for p in model.parameters()]
+        self.shards = [
+            nn.Parameter(torch.zeros(math.ceil(p.numel() / shard_world), device=device)) for p in model.parameters()
+        ]
         for shard in self.shards:
             shard.grad = torch.zeros_like(shard)  # its values do not change the work done
         self.adamw = make_optimizer(self.shards)

@@ -7,7 +7,7 @@ length of (communication kernels − compute kernels).
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 Interval = tuple[float, float]
 

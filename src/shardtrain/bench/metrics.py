@@ -7,8 +7,8 @@ tokens/s per GPU / peak FLOP/s, the peak being a stated bf16 matmul rate (790 TF
 from __future__ import annotations
 
 import statistics
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
-from typing import Iterable
 
 from ..models.llama import flops_per_token
 from .spec import RunSpec

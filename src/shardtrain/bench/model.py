@@ -9,8 +9,8 @@ order and of the wrapping, so every engine starts from the same weights on a giv
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn

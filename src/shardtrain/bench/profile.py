@@ -24,8 +24,8 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Callable
 
 import torch
 
@@ -100,8 +100,9 @@ def breakdown_from_events(events: list[dict], *, steps: int) -> Breakdown | None
     )
 
 
-def _longest_gaps(spans: list[tuple[float, float]], events: list[dict], compute: list[tuple[float, float]], *,
-                  origin: float) -> tuple[Gap, ...]:
+def _longest_gaps(
+    spans: list[tuple[float, float]], events: list[dict], compute: list[tuple[float, float]], *, origin: float
+) -> tuple[Gap, ...]:
     """The GAPS_LISTED longest compute-stream gaps, in time order. Note: only other streams' work can
     overlap a gap of the compute stream, so every event that does is named."""
     idle = difference([(origin, max(end for _, end in spans))], compute)
@@ -126,8 +127,7 @@ def short_kernel_name(name: str) -> str:
     return base.rsplit("::", 1)[-1].strip() or name[:40]
 
 
-def profile_steps(step: Callable[[], None], *, steps: int, device: torch.device,
-                  trace_path: str) -> Breakdown | None:
+def profile_steps(step: Callable[[], None], *, steps: int, device: torch.device, trace_path: str) -> Breakdown | None:
     """Run `step` `steps` times under torch.profiler; return the breakdown, and keep the trace,
     gzipped, at `trace_path` when it is not empty."""
     from torch.profiler import ProfilerActivity, profile

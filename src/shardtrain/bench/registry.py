@@ -9,8 +9,8 @@ reference step of `ideal.py`, run in one process.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -33,12 +33,19 @@ class BenchEngine:
 
 
 _FIXED = {
-    "fsdp2": BenchEngine(name="fsdp2", label="torch FSDP2",
-                    build=functools.partial(build_fsdp2, reshard_after_forward=True)),
-    "fsdp2-noreshard": BenchEngine(name="fsdp2-noreshard", label="torch FSDP2 (reshard_after_forward=False)",
-                              build=functools.partial(build_fsdp2, reshard_after_forward=False)),
-    "fsdp2-split": BenchEngine(name="fsdp2-split", label="torch FSDP2 (embedding, head apart)",
-                          build=functools.partial(build_fsdp2, reshard_after_forward=True, split_root=True)),
+    "fsdp2": BenchEngine(
+        name="fsdp2", label="torch FSDP2", build=functools.partial(build_fsdp2, reshard_after_forward=True)
+    ),
+    "fsdp2-noreshard": BenchEngine(
+        name="fsdp2-noreshard",
+        label="torch FSDP2 (reshard_after_forward=False)",
+        build=functools.partial(build_fsdp2, reshard_after_forward=False),
+    ),
+    "fsdp2-split": BenchEngine(
+        name="fsdp2-split",
+        label="torch FSDP2 (embedding, head apart)",
+        build=functools.partial(build_fsdp2, reshard_after_forward=True, split_root=True),
+    ),
     "fsdp1": BenchEngine(name="fsdp1", label="torch FSDP1 (FULL_SHARD)", build=build_fsdp1),
     "ddp": BenchEngine(name="ddp", label="DDP", build=build_ddp),
     "shardtrain-auto": BenchEngine(name="shardtrain-auto", label="shardtrain auto", build=build_shardtrain_auto),
@@ -56,7 +63,12 @@ def resolve_engine(name: str) -> BenchEngine:
             strategy = parse_strategy(key.partition("-")[2] or "full_shard")
         except ValueError as exc:
             raise ValueError(f"engine {name!r}: {exc}") from None
-        return BenchEngine(name=key, label=f"shardtrain ({strategy.value})",
-                      build=functools.partial(build_shardtrain, strategy=strategy.value))
-    raise ValueError(f"unknown engine {name!r}; use shardtrain, shardtrain-<strategy> (e.g. shardtrain-zero2), "
-                     f"or one of {sorted(_FIXED)}")
+        return BenchEngine(
+            name=key,
+            label=f"shardtrain ({strategy.value})",
+            build=functools.partial(build_shardtrain, strategy=strategy.value),
+        )
+    raise ValueError(
+        f"unknown engine {name!r}; use shardtrain, shardtrain-<strategy> (e.g. shardtrain-zero2), "
+        f"or one of {sorted(_FIXED)}"
+    )

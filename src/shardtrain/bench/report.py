@@ -7,7 +7,7 @@ place of its throughput.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from .metrics import MFU_FORMULA
 from .results import Row
@@ -34,24 +34,45 @@ def results_table(rows: list[Row]) -> str:
     throughput is per rank and memory is the resident set size."""
     cuda = any(r.spec.device == "cuda" for r in rows)
     loss_step = next((r.loss_step for r in rows if r.loss_step), None)
-    memory: list[tuple[str, Callable[[Row], float | None]]] = \
-        [("alloc GiB", lambda r: r.allocated_gib), ("reserved GiB", lambda r: r.reserved_gib)] if cuda \
+    memory: list[tuple[str, Callable[[Row], float | None]]] = (
+        [("alloc GiB", lambda r: r.allocated_gib), ("reserved GiB", lambda r: r.reserved_gib)]
+        if cuda
         else [("peak RSS GiB", lambda r: r.rss_gib)]
-    headers = ["size", "engine", "tok/s/GPU" if cuda else "tok/s/rank", "min", "max", "tok/s all", "MFU",
-               *(name for name, _ in memory), "vs FSDP2", "step/ideal", f"loss@{loss_step or 'N'}"]
+    )
+    headers = [
+        "size",
+        "engine",
+        "tok/s/GPU" if cuda else "tok/s/rank",
+        "min",
+        "max",
+        "tok/s all",
+        "MFU",
+        *(name for name, _ in memory),
+        "vs FSDP2",
+        "step/ideal",
+        f"loss@{loss_step or 'N'}",
+    ]
     body = []
     for r in rows:
         if not r.ok:
             body.append([r.size, r.label, r.status, *[DASH] * (len(headers) - 3)])
             continue
         t = r.tokens_per_s_gpu
-        body.append([
-            r.size, r.label, f"{t.median:,.0f}", f"{t.min:,.0f}", f"{t.max:,.0f}", _fmt(r.tokens_per_s_all, ",.0f"),
-            _fmt(None if r.mfu is None else 100 * r.mfu, ".1f", "%"),
-            *(_fmt(get(r), ".1f") for _, get in memory),
-            _fmt(r.vs_baseline, ".3f"), _fmt(r.over_ideal, ".2f"),
-            DASH if r.engine == "ideal" else _fmt(r.loss, ".4f"),
-        ])
+        body.append(
+            [
+                r.size,
+                r.label,
+                f"{t.median:,.0f}",
+                f"{t.min:,.0f}",
+                f"{t.max:,.0f}",
+                _fmt(r.tokens_per_s_all, ",.0f"),
+                _fmt(None if r.mfu is None else 100 * r.mfu, ".1f", "%"),
+                *(_fmt(get(r), ".1f") for _, get in memory),
+                _fmt(r.vs_baseline, ".3f"),
+                _fmt(r.over_ideal, ".2f"),
+                DASH if r.engine == "ideal" else _fmt(r.loss, ".4f"),
+            ]
+        )
     return format_table(headers, body)
 
 
@@ -60,15 +81,36 @@ def breakdown_table(rows: list[Row]) -> str | None:
     profiled = [r for r in rows if r.ok and r.breakdown]
     if not profiled:
         return None
-    headers = ["size", "engine", "step ms", "compute", "exposed comm", "exposed copies", "idle", "NCCL total",
-               "NCCL kernels", "compute beside NCCL"]
+    headers = [
+        "size",
+        "engine",
+        "step ms",
+        "compute",
+        "exposed comm",
+        "exposed copies",
+        "idle",
+        "NCCL total",
+        "NCCL kernels",
+        "compute beside NCCL",
+    ]
     body = []
     for r in profiled:
         b = r.breakdown
         share = (lambda v: f"{v:.1f} ({100 * v / b['step_ms']:.0f}%)") if b["step_ms"] > 0 else (lambda v: f"{v:.1f}")
-        body.append([r.size, r.label, f"{b['step_ms']:.1f}", share(b["compute_ms"]), share(b["exposed_comm_ms"]),
-                     share(b["exposed_copy_ms"]), share(b["idle_ms"]), f"{b['comm_ms']:.1f}",
-                     f"{b.get('collectives', 0.0):.0f}", f"{b.get('beside_comm_ms', 0.0):.1f}"])
+        body.append(
+            [
+                r.size,
+                r.label,
+                f"{b['step_ms']:.1f}",
+                share(b["compute_ms"]),
+                share(b["exposed_comm_ms"]),
+                share(b["exposed_copy_ms"]),
+                share(b["idle_ms"]),
+                f"{b['comm_ms']:.1f}",
+                f"{b.get('collectives', 0.0):.0f}",
+                f"{b.get('beside_comm_ms', 0.0):.1f}",
+            ]
+        )
     return format_table(headers, body)
 
 
@@ -77,8 +119,15 @@ def gaps_table(rows: list[Row]) -> str | None:
     body = []
     for r in rows:
         for gap in (r.breakdown or {}).get("gaps", ()) if r.ok else ():
-            body.append([r.size, r.label, f"{gap['at_ms']:.1f}", f"{gap['ms']:.2f}",
-                         ", ".join(gap["during"]) or "nothing (waiting for the host)"])
+            body.append(
+                [
+                    r.size,
+                    r.label,
+                    f"{gap['at_ms']:.1f}",
+                    f"{gap['ms']:.2f}",
+                    ", ".join(gap["during"]) or "nothing (waiting for the host)",
+                ]
+            )
     if not body:
         return None
     return format_table(["size", "engine", "at ms", "gap ms", "running meanwhile"], body)
@@ -92,17 +141,23 @@ def footnotes(rows: list[Row]) -> str:
     for size in dict.fromkeys(r.size for r in rows):
         r = next(r for r in rows if r.size == size)
         s = r.spec
-        lines.append(f"{size}: {r.flops_per_token / 1e9:.2f} GFLOP/token; batch {s.batch} × seq {s.seq} per rank, "
-                     f"{r.nproc} ranks, {s.precision}, activation checkpointing {'on' if s.ac else 'off'}, "
-                     f"{'every Block compiled' if s.compile else 'eager'}, "
-                     f"{s.warmup} warm-up + {s.steps} timed steps")
-    lines.append("tok/s per GPU (per rank on the CPU): median/min/max over all timed steps of all repeats; "
-                 "tok/s all = median × ranks; "
-                 "vs FSDP2 = tok/s ratio; step/ideal = step time over the ideal step's (resident params, "
-                 "no collectives, AdamW on 1/N)")
+        lines.append(
+            f"{size}: {r.flops_per_token / 1e9:.2f} GFLOP/token; batch {s.batch} × seq {s.seq} per rank, "
+            f"{r.nproc} ranks, {s.precision}, activation checkpointing {'on' if s.ac else 'off'}, "
+            f"{'every Block compiled' if s.compile else 'eager'}, "
+            f"{s.warmup} warm-up + {s.steps} timed steps"
+        )
+    lines.append(
+        "tok/s per GPU (per rank on the CPU): median/min/max over all timed steps of all repeats; "
+        "tok/s all = median × ranks; "
+        "vs FSDP2 = tok/s ratio; step/ideal = step time over the ideal step's (resident params, "
+        "no collectives, AdamW on 1/N)"
+    )
     lines.append("loss@N: training loss at step N, mean over ranks (same weights and data for every engine)")
-    lines.append("units: shardtrain one per Block, the embedding and the output head, plus the root; torch FSDP2 "
-                 "fully_shard per Block and on the root (fsdp2-split: as shardtrain)")
+    lines.append(
+        "units: shardtrain one per Block, the embedding and the output head, plus the root; torch FSDP2 "
+        "fully_shard per Block and on the root (fsdp2-split: as shardtrain)"
+    )
     lines += [f"{r.size} {r.label}: {r.error}" for r in rows if r.error]
     lines += [f"{r.size} {r.label}: trace {r.trace}" for r in rows if r.trace]
     return "\n".join(lines)

@@ -91,15 +91,26 @@ def _row(records: list[RunRecord], *, peak_tflops: float | None) -> Row:
     spec = first.spec
     good = [r for r in records if r.status == OK and r.result]
     bad = [r for r in records if r not in good]
-    base = dict(size=spec.size, engine=spec.engine, label=resolve_engine(spec.engine).label, spec=spec,
-                nproc=first.nproc, runs=len(good),
-                failed_runs=len(bad), flops_per_token=model_flops_per_token(spec), peak_tflops=peak_tflops)
+    base = dict(
+        size=spec.size,
+        engine=spec.engine,
+        label=resolve_engine(spec.engine).label,
+        spec=spec,
+        nproc=first.nproc,
+        runs=len(good),
+        failed_runs=len(bad),
+        flops_per_token=model_flops_per_token(spec),
+        peak_tflops=peak_tflops,
+    )
     if not good:
         return Row(status=bad[0].status, error=bad[0].error, **base)
     results = [r.result for r in good]
     base["label"] = results[0].get("label", base["label"])  # what the run decided (shardtrain-auto)
-    per_step = [t for res in results for t in tokens_per_second(tokens_per_step=spec.tokens_per_rank_step,
-                                                                 step_ms=res["step_ms"])]
+    per_step = [
+        t
+        for res in results
+        for t in tokens_per_second(tokens_per_step=spec.tokens_per_rank_step, step_ms=res["step_ms"])
+    ]
     stats = Stats.of(per_step)
     losses = tuple(results[0]["losses"])
     profiled = next((res for res in results if res.get("breakdown") or res.get("trace")), {})
@@ -108,8 +119,9 @@ def _row(records: list[RunRecord], *, peak_tflops: float | None) -> Row:
         tokens_per_s_gpu=stats,
         tokens_per_s_all=stats.median * results[0]["world"],
         step_ms=spec.tokens_per_rank_step * 1000.0 / stats.median,
-        mfu=None if peak_tflops is None else mfu(flops_per_token=base["flops_per_token"],
-                                                 tokens_per_s_per_gpu=stats.median, peak_tflops=peak_tflops),
+        mfu=None
+        if peak_tflops is None
+        else mfu(flops_per_token=base["flops_per_token"], tokens_per_s_per_gpu=stats.median, peak_tflops=peak_tflops),
         allocated_gib=_max(res["memory_gib"]["allocated"] for res in results),
         reserved_gib=_max(res["memory_gib"]["reserved"] for res in results),
         rss_gib=_max(res["memory_gib"]["rss"] for res in results),

@@ -22,8 +22,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Callable
 
 import torch
 
@@ -73,9 +73,20 @@ class BenchOptions:
             raise ValueError(f"repeats={self.repeats} and nproc={self.nproc} must be at least 1")
 
     def spec(self, *, size: str, engine: str) -> RunSpec:
-        return RunSpec(engine=engine, size=size, batch=self.batch, seq=self.seq or llama_config(size).max_seq_len,
-                       ac=self.ac, steps=self.steps, warmup=self.warmup, device=self.device,
-                       precision=self.precision, seed=self.seed, compile=self.compile, shard_world=self.nproc)
+        return RunSpec(
+            engine=engine,
+            size=size,
+            batch=self.batch,
+            seq=self.seq or llama_config(size).max_seq_len,
+            ac=self.ac,
+            steps=self.steps,
+            warmup=self.warmup,
+            device=self.device,
+            precision=self.precision,
+            seed=self.seed,
+            compile=self.compile,
+            shard_world=self.nproc,
+        )
 
 
 def planned_runs(options: BenchOptions) -> list[tuple[RunSpec, int, int]]:
@@ -98,8 +109,11 @@ def _profiled(options: BenchOptions, spec: RunSpec) -> RunSpec:
     if not options.profile_steps:
         return spec
     name = f"trace_{spec.size}_{spec.engine}.json.gz"
-    return replace(spec, profile_steps=options.profile_steps,
-                   trace_path=os.path.join(options.trace_dir, name) if options.trace_dir else "")
+    return replace(
+        spec,
+        profile_steps=options.profile_steps,
+        trace_path=os.path.join(options.trace_dir, name) if options.trace_dir else "",
+    )
 
 
 def child_environment(*, device: str, nproc: int) -> dict[str, str]:
@@ -124,21 +138,41 @@ def launch(spec: RunSpec, *, nproc: int, repeat: int, workdir: str, timeout_s: f
     """One torchrun process group running the worker for `spec`; its result or the reason it has none."""
     tag = f"{spec.size}_{spec.engine}_r{repeat}"
     out, log_path = os.path.join(workdir, f"{tag}.json"), os.path.join(workdir, f"{tag}.log")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={nproc}",
-           "--master_addr=127.0.0.1", f"--master_port={free_port()}",
-           "-m", "shardtrain.bench.worker", "--json-out", out, *spec.to_argv()]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        f"--nproc_per_node={nproc}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        "-m",
+        "shardtrain.bench.worker",
+        "--json-out",
+        out,
+        *spec.to_argv(),
+    ]
     start = time.monotonic()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, env=child_environment(device=spec.device, nproc=spec.shard_world), stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            env=child_environment(device=spec.device, nproc=spec.shard_world),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             rc = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             _stop(proc)
             rc = None
-    return read_outcome(RunRecord(spec=spec, nproc=nproc, repeat=repeat, status=OK,
-                                  wall_s=time.monotonic() - start),
-                        out=out, rc=rc, log_path=log_path, timeout_s=timeout_s)
+    return read_outcome(
+        RunRecord(spec=spec, nproc=nproc, repeat=repeat, status=OK, wall_s=time.monotonic() - start),
+        out=out,
+        rc=rc,
+        log_path=log_path,
+        timeout_s=timeout_s,
+    )
 
 
 def read_outcome(record: RunRecord, *, out: str, rc: int | None, log_path: str, timeout_s: float) -> RunRecord:
@@ -194,8 +228,14 @@ def run_bench(options: BenchOptions, *, log: Callable[[str], None] = print) -> l
     with tempfile.TemporaryDirectory(prefix="shardtrain-bench-") as workdir:
         for i, (spec, nproc, repeat) in enumerate(plan, 1):
             if options.deadline_s is not None and time.monotonic() - start > options.deadline_s:
-                record = RunRecord(spec=spec, nproc=nproc, repeat=repeat, status=SKIPPED, wall_s=0.0,
-                                   error=f"not started: the --deadline of {options.deadline_s:.0f} s had passed")
+                record = RunRecord(
+                    spec=spec,
+                    nproc=nproc,
+                    repeat=repeat,
+                    status=SKIPPED,
+                    wall_s=0.0,
+                    error=f"not started: the --deadline of {options.deadline_s:.0f} s had passed",
+                )
             else:
                 record = launch(spec, nproc=nproc, repeat=repeat, workdir=workdir, timeout_s=options.timeout_s)
             records.append(record)
@@ -214,16 +254,23 @@ def _progress(record: RunRecord) -> str:
     ms = sorted(res["step_ms"])[len(res["step_ms"]) // 2]
     mem = res["memory_gib"]
     memory = f"{mem['allocated']:.1f} GiB allocated" if mem["allocated"] is not None else f"{mem['rss']:.2f} GiB RSS"
-    return head + (f"{spec.tokens_per_rank_step * 1000 / ms:,.0f} tok/s/rank, step {ms:.1f} ms, {memory}, "
-                   f"loss@{len(res['losses'])} {res['losses'][-1]:.4f} ({record.wall_s:.0f} s)")
+    return head + (
+        f"{spec.tokens_per_rank_step * 1000 / ms:,.0f} tok/s/rank, step {ms:.1f} ms, {memory}, "
+        f"loss@{len(res['losses'])} {res['losses'][-1]:.4f} ({record.wall_s:.0f} s)"
+    )
 
 
 def write_json(path: str, *, options: BenchOptions, records: list[RunRecord]) -> None:
     """Rows, raw runs and the conditions, written atomically (a partial bench still leaves valid JSON)."""
     rows = aggregate(records, peak_tflops=options.peak_tflops)
-    meta = {"torch": torch.__version__, "python": platform.python_version(), "host": platform.node(),
-            "argv": sys.argv, "options": {k: getattr(options, k) for k in options.__dataclass_fields__},
-            "device_name": next((r.result["device_name"] for r in records if r.result), None)}
+    meta = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "host": platform.node(),
+        "argv": sys.argv,
+        "options": {k: getattr(options, k) for k in options.__dataclass_fields__},
+        "device_name": next((r.result["device_name"] for r in records if r.result), None),
+    }
     payload = {"meta": meta, "rows": [r.to_dict() for r in rows], "runs": [r.to_dict() for r in records]}
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:

@@ -53,5 +53,8 @@ def peak_memory_gib(device: torch.device) -> dict[str, float | None]:
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB  # Linux reports KiB
     if device.type != "cuda":
         return {"allocated": None, "reserved": None, "rss": rss}
-    return {"allocated": torch.cuda.max_memory_allocated(device) / GIB,
-            "reserved": torch.cuda.max_memory_reserved(device) / GIB, "rss": rss}
+    return {
+        "allocated": torch.cuda.max_memory_allocated(device) / GIB,
+        "reserved": torch.cuda.max_memory_reserved(device) / GIB,
+        "rss": rss,
+    }

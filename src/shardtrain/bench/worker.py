@@ -39,8 +39,11 @@ OUT_OF_MEMORY = "out of memory"
 def train_step(prepared: Prepared, batch: Batch) -> torch.Tensor:
     """One optimizer step on one batch; returns the loss (not synchronised with the host)."""
     tokens, targets = batch
-    autocast = torch.autocast(tokens.device.type, dtype=prepared.autocast_dtype) \
-        if prepared.autocast_dtype is not None else contextlib.nullcontext()
+    autocast = (
+        torch.autocast(tokens.device.type, dtype=prepared.autocast_dtype)
+        if prepared.autocast_dtype is not None
+        else contextlib.nullcontext()
+    )
     with autocast:
         logits = prepared.model(tokens)
     loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
@@ -61,11 +64,18 @@ def measure(spec: RunSpec, device: torch.device) -> dict:
         label += " compiled"
     if device.type == "cuda":
         torch.cuda.empty_cache()  # initialisation transients must not count as reserved training memory
-    batches = token_batches(vocab_size=spec.model_config().vocab_size, batch=spec.batch, seq=spec.seq,
-                            steps=spec.total_steps, rank=rank, seed=spec.seed, device=device)
+    batches = token_batches(
+        vocab_size=spec.model_config().vocab_size,
+        batch=spec.batch,
+        seq=spec.seq,
+        steps=spec.total_steps,
+        rank=rank,
+        seed=spec.seed,
+        device=device,
+    )
     timer = StepTimer(device)
     losses = []
-    for i, batch in enumerate(batches[:spec.warmup + spec.steps]):
+    for i, batch in enumerate(batches[: spec.warmup + spec.steps]):
         timed = i >= spec.warmup
         if i == spec.warmup:
             reset_peak_memory(device)
@@ -76,11 +86,15 @@ def measure(spec: RunSpec, device: torch.device) -> dict:
             timer.stop()
     step_ms = torch.tensor(timer.milliseconds(), dtype=torch.float64, device=device)
     memory = peak_memory_gib(device)
-    extra = iter(batches[spec.warmup + spec.steps:])
+    extra = iter(batches[spec.warmup + spec.steps :])
     breakdown = None
     if spec.profile_steps and rank == 0:
-        breakdown = profile_steps(lambda: train_step(prepared, next(extra)), steps=spec.profile_steps,
-                                  device=device, trace_path=spec.trace_path)
+        breakdown = profile_steps(
+            lambda: train_step(prepared, next(extra)),
+            steps=spec.profile_steps,
+            device=device,
+            trace_path=spec.trace_path,
+        )
     else:
         for batch in extra:
             train_step(prepared, batch)

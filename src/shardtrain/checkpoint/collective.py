@@ -8,8 +8,9 @@ in a collective for a peer that gave up. Without a process group everything runs
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch.distributed as dist
 
@@ -21,7 +22,7 @@ class Comm:
     world: int
 
     @staticmethod
-    def over(group) -> "Comm":
+    def over(group) -> Comm:
         """Talk over `group` (None: the default group, or a single process without one)."""
         if not (dist.is_available() and dist.is_initialized()):
             return Comm(group=None, rank=0, world=1)

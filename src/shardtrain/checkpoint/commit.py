@@ -21,8 +21,8 @@ import os
 import re
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from .format import FORMAT_NAME, LATEST_FILE, METADATA_FILE, created_ns
 
@@ -67,8 +67,10 @@ def _make_parent(final: Path) -> None:
         final.parent.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError):
         blocker = next((p for p in (final.parent, *final.parent.parents) if p.exists() and not p.is_dir()), None)
-        raise ValueError(f"cannot save the checkpoint {final}: {blocker or final.parent} is a file, not a directory; "
-                         "pass a path under a directory") from None
+        raise ValueError(
+            f"cannot save the checkpoint {final}: {blocker or final.parent} is a file, not a directory; "
+            "pass a path under a directory"
+        ) from None
 
 
 def check_target(final: Path) -> None:
@@ -77,12 +79,16 @@ def check_target(final: Path) -> None:
     if not final.exists() and not final.is_symlink():
         return
     if not final.is_dir():
-        raise ValueError(f"cannot save the checkpoint at {final}: it is an existing file, which saving would "
-                         "replace; pass a new path, or move the file away")
+        raise ValueError(
+            f"cannot save the checkpoint at {final}: it is an existing file, which saving would "
+            "replace; pass a new path, or move the file away"
+        )
     if created_ns(final) is None and any(final.iterdir()):
-        raise ValueError(f"cannot save the checkpoint at {final}: it is an existing directory that is not a "
-                         f"shardtrain checkpoint (no {METADATA_FILE} of format {FORMAT_NAME!r}), which saving "
-                         f"would replace; pass a new path such as {final / 'checkpoint'}")
+        raise ValueError(
+            f"cannot save the checkpoint at {final}: it is an existing directory that is not a "
+            f"shardtrain checkpoint (no {METADATA_FILE} of format {FORMAT_NAME!r}), which saving "
+            f"would replace; pass a new path such as {final / 'checkpoint'}"
+        )
 
 
 def recover(parent: Path) -> None:
@@ -147,7 +153,7 @@ def _rotate(final: Path, keep_last: int) -> None:
     """Keep the `keep_last` newest checkpoints of `final`'s parent (by commit time), `final` included."""
     stamps = {d: created_ns(d) for d in final.parent.iterdir() if d.is_dir() and d != final}
     older = sorted((d for d, t in stamps.items() if t is not None), key=stamps.__getitem__, reverse=True)
-    for old in older[keep_last - 1:]:
+    for old in older[keep_last - 1 :]:
         trash = staging_dir(old, new_token())
         os.rename(old, trash)  # atomic: a crash mid-delete leaves a stale staging dir, not half a checkpoint
         shutil.rmtree(trash)
@@ -168,8 +174,11 @@ def _committed(directory: Path) -> Path | None:
         return directory
     if directory.exists() or not directory.parent.is_dir():
         return None
-    asides = [child for child in directory.parent.iterdir()
-              if (m := _ASIDE.match(child.name)) and m["name"] == directory.name and created_ns(child) is not None]
+    asides = [
+        child
+        for child in directory.parent.iterdir()
+        if (m := _ASIDE.match(child.name)) and m["name"] == directory.name and created_ns(child) is not None
+    ]
     return max(asides, key=created_ns, default=None)
 
 
@@ -178,13 +187,17 @@ def _pointed(path: Path, pointer: Path) -> Path:
     name = pointer.read_text(encoding="utf-8").strip()
     target = path / name
     if name in ("", ".", "..") or Path(name).name != name or target.resolve().parent != path.resolve():
-        raise ValueError(f"{pointer} names {name!r}, which is not a directory inside {path}; a {LATEST_FILE!r} "
-                         f"pointer holds the name of one checkpoint next to it: fix the file or pass the "
-                         "checkpoint directory itself")
+        raise ValueError(
+            f"{pointer} names {name!r}, which is not a directory inside {path}; a {LATEST_FILE!r} "
+            f"pointer holds the name of one checkpoint next to it: fix the file or pass the "
+            "checkpoint directory itself"
+        )
     found = _committed(target)
     if found is None:
-        raise ValueError(f"{pointer} points to {name!r}, which is not a committed checkpoint; pass one "
-                         f"of the checkpoint directories in {path} instead")
+        raise ValueError(
+            f"{pointer} points to {name!r}, which is not a committed checkpoint; pass one "
+            f"of the checkpoint directories in {path} instead"
+        )
     return found
 
 
@@ -199,5 +212,7 @@ def resolve(path: str | os.PathLike) -> Path:
         return _pointed(path, pointer)
     if not path.exists():
         raise ValueError(f"checkpoint path {path} does not exist; pass a directory written by st.save_checkpoint")
-    raise ValueError(f"{path} is not a checkpoint: it has neither {METADATA_FILE} nor a {LATEST_FILE!r} pointer; "
-                     "pass a directory written by st.save_checkpoint (or the directory holding its 'latest')")
+    raise ValueError(
+        f"{path} is not a checkpoint: it has neither {METADATA_FILE} nor a {LATEST_FILE!r} pointer; "
+        "pass a directory written by st.save_checkpoint (or the directory holding its 'latest')"
+    )

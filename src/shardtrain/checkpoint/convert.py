@@ -29,8 +29,13 @@ class Converted:
     tensors: int
 
 
-def convert_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, *, module: str | None = None,
-                       hf_config: str | os.PathLike | None = None) -> Converted:
+def convert_checkpoint(
+    checkpoint: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    module: str | None = None,
+    hf_config: str | os.PathLike | None = None,
+) -> Converted:
     """Write module `module` (default: the only one) of a sharded checkpoint as full tensors.
 
     `out` ending in `.safetensors` is the file to write; otherwise `out` is a folder for
@@ -41,8 +46,10 @@ def convert_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, *,
     metadata = read_metadata(directory)
     modules = metadata["modules"]
     if metadata["kind"] != "sharded":
-        raise ValueError(f"{directory} is already a full checkpoint: its weights are the files "
-                         f"{[full_file(k) for k in modules]} there")
+        raise ValueError(
+            f"{directory} is already a full checkpoint: its weights are the files "
+            f"{[full_file(k) for k in modules]} there"
+        )
     key = _pick_module(directory, modules, module)
     record = modules[key]
     out = Path(out)
@@ -50,12 +57,16 @@ def convert_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, *,
     if out.suffix == ".safetensors" and hf_config is None:
         config = None
     elif config is None:
-        raise ValueError(f"output {out} does not end in .safetensors and the checkpoint holds no Hugging Face config; "
-                         "name a .safetensors file, or pass --hf-config CONFIG_JSON to write a from_pretrained folder")
+        raise ValueError(
+            f"output {out} does not end in .safetensors and the checkpoint holds no Hugging Face config; "
+            "name a .safetensors file, or pass --hf-config CONFIG_JSON to write a from_pretrained folder"
+        )
     if config is not None and saved_params_kind(record) == "trainable":
-        raise ValueError(f"{directory} holds only the trainable parameters of {key!r} (e.g. LoRA adapters), not a "
-                         "whole model for from_pretrained; convert them to a .safetensors file, or export the model "
-                         "with --run.export_hf true")
+        raise ValueError(
+            f"{directory} holds only the trainable parameters of {key!r} (e.g. LoRA adapters), not a "
+            "whole model for from_pretrained; convert them to a .safetensors file, or export the model "
+            "with --run.export_hf true"
+        )
     weights = out / "model.safetensors" if config is not None else out
     weights.parent.mkdir(parents=True, exist_ok=True)
     with CheckpointFiles(directory, metadata["files"]) as files:
@@ -69,10 +80,14 @@ def convert_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, *,
 
 def _write_weights(source: ModuleSource, record: dict[str, Any], weights: Path) -> int:
     names = [(fqn, (fqn, *aliases)) for fqn, aliases in source.params]
-    specs = [TensorSpec(name=name, dtype=source.param_dtypes[fqn], shape=source.param_shapes[fqn])
-             for fqn, every in names for name in every]
-    specs += [TensorSpec(name=n, dtype=dtype_of(b["dtype"]), shape=tuple(b["shape"]))
-              for n, b in record["buffers"].items()]
+    specs = [
+        TensorSpec(name=name, dtype=source.param_dtypes[fqn], shape=source.param_shapes[fqn])
+        for fqn, every in names
+        for name in every
+    ]
+    specs += [
+        TensorSpec(name=n, dtype=dtype_of(b["dtype"]), shape=tuple(b["shape"])) for n, b in record["buffers"].items()
+    ]
     partial = weights.with_name(f".{weights.name}.partial")
     writer = SafetensorsWriter(partial, specs)
     for fqn, every in names:
@@ -105,5 +120,6 @@ def _read_config(path: str | os.PathLike) -> dict[str, Any]:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"--hf-config {path}: cannot read a JSON config ({exc}); pass a config.json "
-                         "or a folder holding one") from None
+        raise ValueError(
+            f"--hf-config {path}: cannot read a JSON config ({exc}); pass a config.json or a folder holding one"
+        ) from None

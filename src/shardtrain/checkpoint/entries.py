@@ -61,8 +61,7 @@ class Entries:
 
 
 def param_refs(module: nn.Module) -> dict[int, ParamRef]:
-    return {id(p): ParamRef(unit=unit, index=i)
-            for unit in runtime_of(module).units for i, p in enumerate(unit.params)}
+    return {id(p): ParamRef(unit=unit, index=i) for unit in runtime_of(module).units for i, p in enumerate(unit.params)}
 
 
 def classify(state: dict[str, Any]) -> Entries:
@@ -99,6 +98,8 @@ def _owner(key: str, optimizer: torch.optim.Optimizer, refs: dict[str, dict[int,
     if None in owners or len(owners) > 1:
         found = sorted(o for o in owners if o is not None)
         also = " and parameters of no sharded module in state" if None in owners else ""
-        raise ValueError(f"optimizer state[{key!r}] holds parameters of sharded modules {found}{also}; checkpoints "
-                         "need one optimizer per sharded model, with that model in state")
+        raise ValueError(
+            f"optimizer state[{key!r}] holds parameters of sharded modules {found}{also}; checkpoints "
+            "need one optimizer per sharded model, with that model in state"
+        )
     return owners.pop()

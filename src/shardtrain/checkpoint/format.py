@@ -28,9 +28,18 @@ KINDS = ("sharded", "full")
 PARAMS = ("all", "trainable")  # which parameters a module record (and its files) holds
 
 _DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
 }
 _BY_CODE = {code: dtype for dtype, code in _DTYPES.items()}
 
@@ -100,9 +109,19 @@ def dtype_of(code: str) -> torch.dtype:
 def params_record(runtime: Runtime, *, params: str = "all") -> list[dict[str, Any]]:
     """The parameters of a sharded module that are saved (`params`: "all", or "trainable": those that
     require gradients), in unit order: name, aliases, shape, stored dtype, unit."""
-    return [{"fqn": s.fqn, "aliases": list(s.aliases), "shape": list(s.shape), "dtype": dtype_code(s.dtype),
-             "requires_grad": s.requires_grad, "unit": unit.name}
-            for unit in runtime.units for s in unit.layout.params if saves(s.requires_grad, params)]
+    return [
+        {
+            "fqn": s.fqn,
+            "aliases": list(s.aliases),
+            "shape": list(s.shape),
+            "dtype": dtype_code(s.dtype),
+            "requires_grad": s.requires_grad,
+            "unit": unit.name,
+        }
+        for unit in runtime.units
+        for s in unit.layout.params
+        if saves(s.requires_grad, params)
+    ]
 
 
 def saves(requires_grad: bool, params: str) -> bool:
@@ -148,8 +167,10 @@ def read_metadata(directory: Path) -> dict[str, Any]:
     try:
         metadata = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise ValueError(f"{directory} is not a checkpoint: it has no {METADATA_FILE}; pass a directory written "
-                         "by st.save_checkpoint (or the directory holding its 'latest' pointer)") from None
+        raise ValueError(
+            f"{directory} is not a checkpoint: it has no {METADATA_FILE}; pass a directory written "
+            "by st.save_checkpoint (or the directory holding its 'latest' pointer)"
+        ) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"{path} is corrupt ({exc}); load an earlier checkpoint") from None
     if not isinstance(metadata, dict) or metadata.get("format") != FORMAT_NAME:
@@ -157,8 +178,10 @@ def read_metadata(directory: Path) -> dict[str, Any]:
         raise ValueError(f"{path} is not a shardtrain checkpoint (format {found!r}, expected {FORMAT_NAME!r})")
     version = metadata.get("version")
     if not isinstance(version, int) or version > FORMAT_VERSION:
-        raise ValueError(f"{directory} has checkpoint format version {version!r}, newer than the version "
-                         f"{FORMAT_VERSION} this shardtrain reads; upgrade shardtrain to load it")
+        raise ValueError(
+            f"{directory} has checkpoint format version {version!r}, newer than the version "
+            f"{FORMAT_VERSION} this shardtrain reads; upgrade shardtrain to load it"
+        )
     if metadata.get("kind") not in KINDS:
         raise ValueError(f"{path} has unknown kind {metadata.get('kind')!r}; expected one of {KINDS}")
     for key, record in metadata.get("modules", {}).items():
@@ -170,8 +193,10 @@ def _check_module_record(path: Path, key: str, record: dict[str, Any], version: 
     """The layout a module record describes must be consistent, so that an edited file cannot load wrong values."""
     where = f"{path}: module {key!r}"
     if not isinstance(key, str) or not key or any(c in key for c in "/\\") or key.startswith("."):
-        raise ValueError(f"{where} is not a plain name (it would name a file outside the checkpoint); the metadata "
-                         "was edited or damaged: load an earlier checkpoint")
+        raise ValueError(
+            f"{where} is not a plain name (it would name a file outside the checkpoint); the metadata "
+            "was edited or damaged: load an earlier checkpoint"
+        )
     try:
         shard_world = record["shard_world"]
         if not isinstance(shard_world, int) or shard_world < 1:
@@ -185,8 +210,10 @@ def _check_module_record(path: Path, key: str, record: dict[str, Any], version: 
             for u, unit in enumerate(record["units"]):
                 _check_legacy_unit(u, unit, shard_world)
     except (KeyError, TypeError) as exc:
-        raise ValueError(f"{where} is malformed ({type(exc).__name__}: {exc}); the metadata was edited or damaged: "
-                         "load an earlier checkpoint") from None
+        raise ValueError(
+            f"{where} is malformed ({type(exc).__name__}: {exc}); the metadata was edited or damaged: "
+            "load an earlier checkpoint"
+        ) from None
     except ValueError as exc:
         raise ValueError(f"{where}: {exc}; the metadata was edited or damaged: load an earlier checkpoint") from None
 
@@ -197,15 +224,19 @@ def _check_legacy_unit(u: int, unit: dict[str, Any], shard_world: int) -> None:
     for slot in unit["slots"]:
         numel = math.prod(slot["shape"])
         if slot["offset"] != offset:
-            raise ValueError(f"unit {u} slot {slot['fqn']!r} starts at {slot['offset']}, expected {offset} "
-                             "(slots must tile the flat buffer)")
+            raise ValueError(
+                f"unit {u} slot {slot['fqn']!r} starts at {slot['offset']}, expected {offset} "
+                "(slots must tile the flat buffer)"
+            )
         offset += numel
     if unit["numel"] != offset:
         raise ValueError(f"unit {u} numel {unit['numel']} differs from its slots' total {offset}")
     shard_numel = -(-offset // shard_world)
     if unit["shard_numel"] != shard_numel or unit["padded_numel"] != shard_numel * shard_world:
-        raise ValueError(f"unit {u} shard_numel {unit['shard_numel']} / padded_numel {unit['padded_numel']} do not "
-                         f"match {offset} elements over {shard_world} shards")
+        raise ValueError(
+            f"unit {u} shard_numel {unit['shard_numel']} / padded_numel {unit['padded_numel']} do not "
+            f"match {offset} elements over {shard_world} shards"
+        )
 
 
 def created_ns(directory: Path) -> int | None:

@@ -13,8 +13,9 @@ written; here each gathered unit (`gather_params`) is written and freed before t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -57,17 +58,22 @@ class _GuardedWriter:
         return record
 
 
-def write_full(entries: Entries, snapshots: dict[str, OptimizerSnapshot], staging: Path, *,
-               rank: int, params: str = "all") -> dict[str, FileRecord]:
+def write_full(
+    entries: Entries, snapshots: dict[str, OptimizerSnapshot], staging: Path, *, rank: int, params: str = "all"
+) -> dict[str, FileRecord]:
     """All ranks gather; rank 0 writes each module's and optimizer's file. Returns rank 0's records.
     `params`: "all", or "trainable" for only the parameters that require gradients."""
     records = {}
     for key, module in entries.modules.items():
         units = runtime_of(module).units
         buffers = persistent_buffers(module)
-        specs = [TensorSpec(name=name, dtype=unit.held(i).dtype, shape=s.shape)
-                 for unit in units for i, s in enumerate(unit.layout.params) if saves(s.requires_grad, params)
-                 for name in (s.fqn, *s.aliases)]
+        specs = [
+            TensorSpec(name=name, dtype=unit.held(i).dtype, shape=s.shape)
+            for unit in units
+            for i, s in enumerate(unit.layout.params)
+            if saves(s.requires_grad, params)
+            for name in (s.fqn, *s.aliases)
+        ]
         specs += [TensorSpec(name=n, dtype=b.dtype, shape=tuple(b.shape)) for n, b in buffers.items()]
         writer = _GuardedWriter(staging / full_file(key), specs) if rank == 0 else None
         for unit in units:
@@ -85,16 +91,23 @@ def write_full(entries: Entries, snapshots: dict[str, OptimizerSnapshot], stagin
             records[full_file(key)] = writer.close()
     for key, snap in snapshots.items():
         units = runtime_of(entries.modules[snap.module]).units
-        specs = [TensorSpec(name=full_state_tensor(s.fqn, k), dtype=snap.elementwise[k], shape=s.shape)
-                 for unit in units for k in snap.elementwise for s in unit.layout.params if snap.has(s.fqn, k)]
+        specs = [
+            TensorSpec(name=full_state_tensor(s.fqn, k), dtype=snap.elementwise[k], shape=s.shape)
+            for unit in units
+            for k in snap.elementwise
+            for s in unit.layout.params
+            if snap.has(s.fqn, k)
+        ]
         writer = _GuardedWriter(staging / full_file(key), specs) if rank == 0 else None
         for unit in units:
             for k in snap.elementwise:
                 have = [snap.has(s.fqn, k) for s in unit.layout.params]
                 if not any(have):
                     continue
-                local = [snap.piece(s.fqn, k) if h else unit.held(i).new_zeros(unit.held(i).shape, dtype=snap.elementwise[k])
-                         for i, (s, h) in enumerate(zip(unit.layout.params, have))]
+                local = [
+                    snap.piece(s.fqn, k) if h else unit.held(i).new_zeros(unit.held(i).shape, dtype=snap.elementwise[k])
+                    for i, (s, h) in enumerate(zip(unit.layout.params, have))
+                ]
                 whole = gather_params(unit, local)
                 if writer is not None:
                     for s, h, tensor in zip(unit.layout.params, have, whole):

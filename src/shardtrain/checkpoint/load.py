@@ -22,8 +22,11 @@ from .source import restore_module
 from .tensorfile import CheckpointFiles
 from .values import decode
 
-_KIND_NAMES = {"modules": "a sharded module", "optimizers": "a sharded optimizer",
-               "objects": "a plain object (state_dict)"}
+_KIND_NAMES = {
+    "modules": "a sharded module",
+    "optimizers": "a sharded optimizer",
+    "objects": "a plain object (state_dict)",
+}
 _KIND_FIXES = {
     "modules": "pass the model after st.shard(...) (or convert the checkpoint with `shardtrain convert`)",
     "optimizers": "pass the optimizer built over the sharded model's parameters, with that model in state",
@@ -31,8 +34,9 @@ _KIND_FIXES = {
 }
 
 
-def load_checkpoint(path: str | os.PathLike, state: dict[str, Any], *, strict: bool = True,
-                    params: str = "all") -> dict[str, Any]:
+def load_checkpoint(
+    path: str | os.PathLike, state: dict[str, Any], *, strict: bool = True, params: str = "all"
+) -> dict[str, Any]:
     """Load the checkpoint at `path` into the objects of `state`, in place; return its plain values.
 
     `path` is a checkpoint directory, or a directory whose `latest` pointer names one. A sharded
@@ -58,8 +62,9 @@ def load_checkpoint(path: str | os.PathLike, state: dict[str, Any], *, strict: b
                 restore_module(entries.modules[key], key, source, strict=strict, params=params)
             for name, sharded in entries.optimizers.items():
                 if name in metadata["optimizers"] and sharded.module in sources:
-                    restore_optimizer(sharded, name, metadata["optimizers"][name], sources[sharded.module],
-                                      strict=strict)
+                    restore_optimizer(
+                        sharded, name, metadata["optimizers"][name], sources[sharded.module], strict=strict
+                    )
             objects = {k: o for k, o in entries.objects.items() if k in metadata["objects"]}
             restore_objects(files, objects, rank=comm.rank, same_world=metadata["world_size"] == comm.world)
         values.update(decode(metadata["values"]))
@@ -85,15 +90,21 @@ def _check_entries(metadata: dict[str, Any], entries: Entries, *, strict: bool) 
                 continue
             saved_as = next((k for k in _KIND_NAMES if key in metadata[k]), None)
             if saved_as is not None:
-                raise ValueError(f"state[{key!r}] is {_KIND_NAMES[kind]}, but the checkpoint saved {key!r} as "
-                                 f"{_KIND_NAMES[saved_as]}; {_KIND_FIXES[saved_as]}")
+                raise ValueError(
+                    f"state[{key!r}] is {_KIND_NAMES[kind]}, but the checkpoint saved {key!r} as "
+                    f"{_KIND_NAMES[saved_as]}; {_KIND_FIXES[saved_as]}"
+                )
             missing.append(key)
     for name, sharded in entries.optimizers.items():
         saved = metadata["optimizers"].get(name)
         if saved is not None and saved["module"] != sharded.module:
-            raise ValueError(f"optimizer state[{name!r}] was saved over module {saved['module']!r} but now holds the "
-                             f"parameters of state[{sharded.module!r}]; pass the model under {saved['module']!r}")
+            raise ValueError(
+                f"optimizer state[{name!r}] was saved over module {saved['module']!r} but now holds the "
+                f"parameters of state[{sharded.module!r}]; pass the model under {saved['module']!r}"
+            )
     if strict and missing:
         held = sorted(set(metadata["modules"]) | set(metadata["optimizers"]) | set(metadata["objects"]))
-        raise ValueError(f"the checkpoint has no {short_list(missing)}; it holds {short_list(held)} and values "
-                         f"{short_list(sorted(metadata['values']))}; pass strict=False to load the rest")
+        raise ValueError(
+            f"the checkpoint has no {short_list(missing)}; it holds {short_list(held)} and values "
+            f"{short_list(sorted(metadata['values']))}; pass strict=False to load the rest"
+        )

@@ -50,11 +50,17 @@ class OptimizerSnapshot:
             "module": self.module,
             "class": self.cls,
             "elementwise": {k: dtype_code(d) for k, d in self.elementwise.items()},
-            "groups": [{"hparams": encode(h, f"{where} param group {i}"), "params": names}
-                       for i, (h, names) in enumerate(self.groups)],
-            "state": {fqn: {"elementwise": sorted(self.pieces.get(fqn, {})),
-                            "scalars": encode(self.scalars.get(fqn, {}), f"{where}[{fqn!r}]")}
-                      for fqn in sorted(self.pieces.keys() | self.scalars.keys())},
+            "groups": [
+                {"hparams": encode(h, f"{where} param group {i}"), "params": names}
+                for i, (h, names) in enumerate(self.groups)
+            ],
+            "state": {
+                fqn: {
+                    "elementwise": sorted(self.pieces.get(fqn, {})),
+                    "scalars": encode(self.scalars.get(fqn, {}), f"{where}[{fqn!r}]"),
+                }
+                for fqn in sorted(self.pieces.keys() | self.scalars.keys())
+            },
         }
 
 
@@ -71,18 +77,29 @@ def snapshot(sharded: ShardedOptimizer) -> OptimizerSnapshot:
         if shaped_like_param and any(v.dim() for _, v in values):
             dtypes = {v.dtype for _, v in values}
             if len(dtypes) > 1:
-                raise ValueError(f"optimizer state {key!r} mixes dtypes {sorted(map(str, dtypes))} across parameters; "
-                                 "checkpoints store it in one dtype: keep it in one dtype")
+                raise ValueError(
+                    f"optimizer state {key!r} mixes dtypes {sorted(map(str, dtypes))} across parameters; "
+                    "checkpoints store it in one dtype: keep it in one dtype"
+                )
             elementwise[key] = dtypes.pop()
     pieces, scalars = {}, {}
     for i, s in per_param.items():
         pieces[fqns[i]] = {k: local_of(v).detach() for k, v in s.items() if k in elementwise}
-        scalars[fqns[i]] = {k: local_of(v) if isinstance(v, torch.Tensor) else v
-                            for k, v in s.items() if k not in elementwise}
-    groups = [({k: v for k, v in g.items() if k not in _NOT_HYPERPARAMETERS}, [fqns[i] for i in g["params"]])
-              for g in state_dict["param_groups"]]
-    return OptimizerSnapshot(cls=type(sharded.optimizer).__name__, module=sharded.module, elementwise=elementwise,
-                             pieces=pieces, scalars=scalars, groups=groups)
+        scalars[fqns[i]] = {
+            k: local_of(v) if isinstance(v, torch.Tensor) else v for k, v in s.items() if k not in elementwise
+        }
+    groups = [
+        ({k: v for k, v in g.items() if k not in _NOT_HYPERPARAMETERS}, [fqns[i] for i in g["params"]])
+        for g in state_dict["param_groups"]
+    ]
+    return OptimizerSnapshot(
+        cls=type(sharded.optimizer).__name__,
+        module=sharded.module,
+        elementwise=elementwise,
+        pieces=pieces,
+        scalars=scalars,
+        groups=groups,
+    )
 
 
 class StateSource(Protocol):
@@ -90,8 +107,9 @@ class StateSource(Protocol):
     def read_state(self, optimizer: str, key: str, name: str, start: int, numel: int) -> torch.Tensor: ...
 
 
-def restore_optimizer(sharded: ShardedOptimizer, name: str, record: dict[str, Any], source: StateSource, *,
-                      strict: bool) -> None:
+def restore_optimizer(
+    sharded: ShardedOptimizer, name: str, record: dict[str, Any], source: StateSource, *, strict: bool
+) -> None:
     """Load the saved state of optimizer `name` into `sharded.optimizer`, cut to this rank's rows."""
     optimizer = sharded.optimizer
     params = sharded.params()
@@ -101,17 +119,21 @@ def restore_optimizer(sharded: ShardedOptimizer, name: str, record: dict[str, An
     missing = [r.shard.fqn for r, n in zip(refs, saved) if n not in group_of]
     unexpected = sorted(group_of.keys() - set(saved))
     if strict and (missing or unexpected):
-        raise ValueError(f"optimizer state[{name!r}] does not match the checkpoint: parameters missing from it "
-                         f"{short_list(missing)}, parameters only in it {short_list(unexpected)}; build the optimizer "
-                         "over the same parameters, or pass strict=False")
+        raise ValueError(
+            f"optimizer state[{name!r}] does not match the checkpoint: parameters missing from it "
+            f"{short_list(missing)}, parameters only in it {short_list(unexpected)}; build the optimizer "
+            "over the same parameters, or pass strict=False"
+        )
     groups, first = [], 0
     for g, group in enumerate(optimizer.param_groups):
         indices = list(range(first, first + len(group["params"])))
         first += len(indices)
         origins = sorted({group_of[saved[i]] for i in indices if saved[i] in group_of})
         if len(origins) > 1:
-            raise ValueError(f"param group {g} of optimizer state[{name!r}] holds parameters the checkpoint keeps "
-                             f"in param groups {origins}; group the parameters as they were when saved")
+            raise ValueError(
+                f"param group {g} of optimizer state[{name!r}] holds parameters the checkpoint keeps "
+                f"in param groups {origins}; group the parameters as they were when saved"
+            )
         hparams = {k: v for k, v in group.items() if k not in _NOT_HYPERPARAMETERS}
         if origins:
             hparams.update(decode(record["groups"][origins[0]]["hparams"]))

@@ -35,8 +35,14 @@ from .tensorfile import writing
 from .values import encode
 
 
-def save_checkpoint(path: str | os.PathLike, state: dict[str, Any], *, format: str = "sharded",
-                    keep_last: int | None = None, params: str = "all") -> Path:
+def save_checkpoint(
+    path: str | os.PathLike,
+    state: dict[str, Any],
+    *,
+    format: str = "sharded",
+    keep_last: int | None = None,
+    params: str = "all",
+) -> Path:
     """Save `state` to the checkpoint directory `path`, atomically; return `path`.
 
     Objects (sharded modules, their optimizers, anything with state_dict/load_state_dict) are saved
@@ -85,8 +91,9 @@ def save_checkpoint(path: str | os.PathLike, state: dict[str, Any], *, format: s
 
     def finish(per_rank):
         files = {name: record for records in per_rank for name, record in sorted(records.items())}
-        metadata = _metadata(entries, snapshots, kind=format, world=comm.world, values=values, files=files,
-                             params=params)
+        metadata = _metadata(
+            entries, snapshots, kind=format, world=comm.world, values=values, files=files, params=params
+        )
         with writing(staging / METADATA_FILE):
             write_metadata(staging, metadata)
         with writing(final):
@@ -102,8 +109,16 @@ def save_checkpoint(path: str | os.PathLike, state: dict[str, Any], *, format: s
     return final
 
 
-def _metadata(entries: Entries, snapshots: dict[str, OptimizerSnapshot], *, kind: str, world: int,
-              values: dict[str, Any], files: dict[str, Any], params: str) -> dict[str, Any]:
+def _metadata(
+    entries: Entries,
+    snapshots: dict[str, OptimizerSnapshot],
+    *,
+    kind: str,
+    world: int,
+    values: dict[str, Any],
+    files: dict[str, Any],
+    params: str,
+) -> dict[str, Any]:
     return {
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,
@@ -129,8 +144,10 @@ def _module_record(module: nn.Module, *, params: str) -> dict[str, Any]:
         "shard_world": runtime.comm.shard_world,
         "replicate_world": runtime.comm.replicate_world,
         "params": params_record(runtime, params=params),
-        "buffers": {name: {"shape": list(b.shape), "dtype": dtype_code(b.dtype)}
-                    for name, b in persistent_buffers(module).items()},
+        "buffers": {
+            name: {"shape": list(b.shape), "dtype": dtype_code(b.dtype)}
+            for name, b in persistent_buffers(module).items()
+        },
     }
     config = getattr(module, "config", None)
     if callable(getattr(config, "to_json_string", None)) and hasattr(config, "model_type"):

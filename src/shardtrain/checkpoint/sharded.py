@@ -22,16 +22,26 @@ import torch
 
 from ..core.shard import runtime_of
 from .entries import Entries
-from .format import (buffer_tensor, legacy_param_tensor, legacy_state_tensor, param_tensor, saved_shape, saves,
-                     shard_file, shard_rows, state_tensor)
+from .format import (
+    buffer_tensor,
+    legacy_param_tensor,
+    legacy_state_tensor,
+    param_tensor,
+    saved_shape,
+    saves,
+    shard_file,
+    shard_rows,
+    state_tensor,
+)
 from .local import persistent_buffers, writes_shards
 from .optim_state import OptimizerSnapshot
 from .source import ModuleSource
 from .tensorfile import CheckpointFiles, FileRecord, SafetensorsWriter, TensorSpec
 
 
-def write_shards(entries: Entries, snapshots: dict[str, OptimizerSnapshot], staging: Path, *,
-                 params: str = "all") -> dict[str, FileRecord]:
+def write_shards(
+    entries: Entries, snapshots: dict[str, OptimizerSnapshot], staging: Path, *, params: str = "all"
+) -> dict[str, FileRecord]:
     """Write this rank's shard files (if it is in the first replica); return their records. `params`:
     "all", or "trainable" for only the parameters that require gradients."""
     records = {}
@@ -52,10 +62,17 @@ def write_shards(entries: Entries, snapshots: dict[str, OptimizerSnapshot], stag
                 for name, k, snap in states:
                     piece = snap.piece(s.fqn, k)
                     if piece is not None:
-                        tensors.append((TensorSpec(name=state_tensor(name, k, s.fqn), dtype=piece.dtype,
-                                                   shape=tuple(piece.shape)), piece))
-        tensors += [(TensorSpec(name=buffer_tensor(n), dtype=b.dtype, shape=tuple(b.shape)), b)
-                    for n, b in buffers.items()]
+                        tensors.append(
+                            (
+                                TensorSpec(
+                                    name=state_tensor(name, k, s.fqn), dtype=piece.dtype, shape=tuple(piece.shape)
+                                ),
+                                piece,
+                            )
+                        )
+        tensors += [
+            (TensorSpec(name=buffer_tensor(n), dtype=b.dtype, shape=tuple(b.shape)), b) for n, b in buffers.items()
+        ]
         file = shard_file(key, shard, runtime.comm.shard_world)
         writer = SafetensorsWriter(staging / file, [spec for spec, _ in tensors])
         for spec, tensor in tensors:
@@ -81,7 +98,7 @@ class ShardedSource(ModuleSource):
         shape = self.param_shapes[self.canonical[name]]
         shards = len(self._shards)
         if not shape:
-            return self._checked(0, tensor, shape).get_slice(tensor)[:].reshape(-1)[start:start + numel]
+            return self._checked(0, tensor, shape).get_slice(tensor)[:].reshape(-1)[start : start + numel]
         row = math.prod(shape[1:])
         parts, position, end = [], start, start + numel
         for s in range(shards):
@@ -93,7 +110,7 @@ class ShardedSource(ModuleSource):
             r0, r1 = (lo - first * row) // row, -(-(hi - first * row) // row)
             rows = handle.get_slice(tensor)[r0:r1].reshape(-1)
             begin = lo - first * row - r0 * row
-            parts.append(rows[begin:begin + hi - lo])
+            parts.append(rows[begin : begin + hi - lo])
             position = hi
         if not parts:
             return torch.zeros(0, dtype=self.param_dtypes[self.canonical[name]])
@@ -104,8 +121,10 @@ class ShardedSource(ModuleSource):
         expected = saved_shape(shape, s, len(self._shards))
         found = tuple(handle.get_slice(tensor).get_shape()) if tensor in handle.keys() else None
         if found != expected:
-            raise ValueError(f"{self._files.root / self._shards[s]}: tensor {tensor!r} has shape {found}, but the "
-                             f"metadata implies {expected}; the checkpoint was edited or damaged: load an earlier one")
+            raise ValueError(
+                f"{self._files.root / self._shards[s]}: tensor {tensor!r} has shape {found}, but the "
+                f"metadata implies {expected}; the checkpoint was edited or damaged: load an earlier one"
+            )
         return handle
 
     def read_param(self, name: str, start: int, numel: int) -> torch.Tensor:
@@ -138,7 +157,7 @@ class LegacyShardedSource(ModuleSource):
             shard = position // per
             low = shard * per
             high = min(end, low + per)
-            parts.append(self._handle(shard, tensor, per).get_slice(tensor)[position - low:high - low])
+            parts.append(self._handle(shard, tensor, per).get_slice(tensor)[position - low : high - low])
             position = high
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
@@ -146,8 +165,10 @@ class LegacyShardedSource(ModuleSource):
         handle = self._files.tensors(self._shards[shard])
         found = tuple(handle.get_slice(tensor).get_shape()) if tensor in handle.keys() else None
         if found != (per,):
-            raise ValueError(f"{self._files.root / self._shards[shard]}: tensor {tensor!r} has shape {found}, but the "
-                             f"metadata implies ({per},); the checkpoint was edited or damaged: load an earlier one")
+            raise ValueError(
+                f"{self._files.root / self._shards[shard]}: tensor {tensor!r} has shape {found}, but the "
+                f"metadata implies ({per},); the checkpoint was edited or damaged: load an earlier one"
+            )
         return handle
 
     def read_param(self, name: str, start: int, numel: int) -> torch.Tensor:

@@ -62,8 +62,11 @@ def saved_params(record: dict[str, Any]) -> list[dict[str, Any]]:
     """The parameters of a module record: listed (version 2), or the slots of its units (version 1)."""
     if "params" in record:
         return record["params"]
-    return [{"fqn": s["fqn"], "aliases": s["aliases"], "shape": s["shape"], "dtype": unit["dtype"]}
-            for unit in record["units"] for s in unit["slots"]]
+    return [
+        {"fqn": s["fqn"], "aliases": s["aliases"], "shape": s["shape"], "dtype": unit["dtype"]}
+        for unit in record["units"]
+        for s in unit["slots"]
+    ]
 
 
 def restore_module(module: nn.Module, key: str, source: ModuleSource, *, strict: bool, params: str = "all") -> None:
@@ -74,9 +77,11 @@ def restore_module(module: nn.Module, key: str, source: ModuleSource, *, strict:
     """
     runtime = runtime_of(module)
     if strict and params == "all" and source.saved == "trainable":
-        raise ValueError(f"the checkpoint holds only the trainable parameters of state[{key!r}] (saved with "
-                         "params='trainable'); load the others first (e.g. st.load_pretrained from the pretrained "
-                         "folder) and pass params='trainable' to load_checkpoint")
+        raise ValueError(
+            f"the checkpoint holds only the trainable parameters of state[{key!r}] (saved with "
+            "params='trainable'); load the others first (e.g. st.load_pretrained from the pretrained "
+            "folder) and pass params='trainable' to load_checkpoint"
+        )
     buffers = persistent_buffers(module)
     shards = [s for unit in runtime.units for s in unit.layout.params]
     current = {name: s.shape for s in shards if saves(s.requires_grad, params) for name in (s.fqn, *s.aliases)}
@@ -85,14 +90,22 @@ def restore_module(module: nn.Module, key: str, source: ModuleSource, *, strict:
     saved = {**source.param_shapes, **source.buffer_shapes}
     missing = sorted(current.keys() - saved.keys())
     unexpected = sorted(saved.keys() - current.keys() - skipped)
-    mis_shaped = [f"{n}: checkpoint {saved[n]} vs model {current[n]}"
-                  for n in sorted(current.keys() & saved.keys()) if saved[n] != current[n]]
-    problems = [f"{what} {short_list(names)}" for what, names in
-                (("missing", missing), ("unexpected", unexpected), ("mis-shaped", mis_shaped)) if names]
+    mis_shaped = [
+        f"{n}: checkpoint {saved[n]} vs model {current[n]}"
+        for n in sorted(current.keys() & saved.keys())
+        if saved[n] != current[n]
+    ]
+    problems = [
+        f"{what} {short_list(names)}"
+        for what, names in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", mis_shaped))
+        if names
+    ]
     if strict and problems:
-        raise ValueError(f"the checkpoint does not match state[{key!r}] ({type(module).__name__}): "
-                         f"{', '.join(problems)}; load a checkpoint of this model, or pass strict=False to load "
-                         "the matching part")
+        raise ValueError(
+            f"the checkpoint does not match state[{key!r}] ({type(module).__name__}): "
+            f"{', '.join(problems)}; load a checkpoint of this model, or pass strict=False to load "
+            "the matching part"
+        )
     with torch.no_grad():
         for unit in runtime.units:
             for i, shard in enumerate(unit.layout.params):

@@ -21,9 +21,10 @@ import os
 import pickle
 import re
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -48,10 +49,14 @@ def writing(path: Path):
         raise
     except OSError as exc:
         reason = exc.strerror or str(exc) or type(exc).__name__
-        remedy = ("free space on that filesystem or save to a directory on another one" if exc.errno in _NO_SPACE
-                  else "check that the directory exists and is writable, or save to another directory")
-        raise CheckpointWriteError(exc.errno, f"could not write {path}: {reason}; {remedy} (the last committed "
-                                   "checkpoint is untouched)") from exc
+        remedy = (
+            "free space on that filesystem or save to a directory on another one"
+            if exc.errno in _NO_SPACE
+            else "check that the directory exists and is writable, or save to another directory"
+        )
+        raise CheckpointWriteError(
+            exc.errno, f"could not write {path}: {reason}; {remedy} (the last committed checkpoint is untouched)"
+        ) from exc
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,7 +67,7 @@ class FileRecord:
     sha256: str
 
     @staticmethod
-    def of(path: Path) -> "FileRecord":
+    def of(path: Path) -> FileRecord:
         digest = hashlib.sha256()
         with open(path, "rb") as f:
             while chunk := f.read(_CHUNK):
@@ -90,8 +95,11 @@ class SafetensorsWriter:
         for spec in specs:
             if spec.name in header:
                 raise ValueError(f"tensor name {spec.name!r} appears twice in {path.name}")
-            header[spec.name] = {"dtype": dtype_code(spec.dtype), "shape": list(spec.shape),
-                                 "data_offsets": [offset, offset + spec.nbytes]}
+            header[spec.name] = {
+                "dtype": dtype_code(spec.dtype),
+                "shape": list(spec.shape),
+                "data_offsets": [offset, offset + spec.nbytes],
+            }
             offset += spec.nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned, as safetensors writes it
@@ -111,8 +119,10 @@ class SafetensorsWriter:
     def write(self, name: str, tensor: torch.Tensor) -> None:
         spec = self._specs[self._next]
         if name != spec.name or tensor.dtype != spec.dtype or tensor.numel() != math.prod(spec.shape):
-            raise RuntimeError(f"{self.path.name}: expected tensor {spec.name!r} {spec.dtype} {spec.shape}, got "
-                               f"{name!r} {tensor.dtype} {tuple(tensor.shape)}")
+            raise RuntimeError(
+                f"{self.path.name}: expected tensor {spec.name!r} {spec.dtype} {spec.shape}, got "
+                f"{name!r} {tensor.dtype} {tuple(tensor.shape)}"
+            )
         self._next += 1
         if tensor.numel():
             data = tensor.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy()
@@ -138,7 +148,7 @@ class CheckpointFiles:
         self._stack = contextlib.ExitStack()
         self._open: dict[str, Any] = {}
 
-    def __enter__(self) -> "CheckpointFiles":
+    def __enter__(self) -> CheckpointFiles:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -148,18 +158,24 @@ class CheckpointFiles:
         path = self.root / name
         record = self._records.get(name)
         if record is None:
-            raise ValueError(f"{self.root} does not list {name} in its metadata; the checkpoint is incomplete or "
-                             "was edited: load an earlier checkpoint")
+            raise ValueError(
+                f"{self.root} does not list {name} in its metadata; the checkpoint is incomplete or "
+                "was edited: load an earlier checkpoint"
+            )
         if not path.is_file():
             raise ValueError(f"{path} is missing; the checkpoint is incomplete: load an earlier checkpoint")
         size = path.stat().st_size
         if size != record["bytes"]:
-            raise ValueError(f"{path} is truncated or altered: {size} bytes, the metadata says {record['bytes']}; "
-                             "load an earlier checkpoint")
+            raise ValueError(
+                f"{path} is truncated or altered: {size} bytes, the metadata says {record['bytes']}; "
+                "load an earlier checkpoint"
+            )
         digest = FileRecord.of(path).sha256
         if digest != record["sha256"]:
-            raise ValueError(f"{path} is corrupt: sha256 {digest} differs from {record['sha256']} in the metadata; "
-                             "load an earlier checkpoint")
+            raise ValueError(
+                f"{path} is corrupt: sha256 {digest} differs from {record['sha256']} in the metadata; "
+                "load an earlier checkpoint"
+            )
         return path
 
     def tensors(self, name: str):
@@ -169,8 +185,9 @@ class CheckpointFiles:
             try:
                 self._open[name] = self._stack.enter_context(safe_open(str(path), framework="pt"))
             except SafetensorError as exc:
-                raise ValueError(f"{path} is not a readable safetensors file ({exc}); load an earlier "
-                                 "checkpoint") from None
+                raise ValueError(
+                    f"{path} is not a readable safetensors file ({exc}); load an earlier checkpoint"
+                ) from None
         return self._open[name]
 
     def torch_file(self, name: str) -> Any:
@@ -181,9 +198,11 @@ class CheckpointFiles:
         except pickle.UnpicklingError as exc:
             blocked = re.search(r"GLOBAL (\S+)", str(exc))
             what = f"a pickled {blocked[1]}" if blocked else "pickled objects"
-            raise ValueError(f"{path} holds {what}, where a checkpoint holds only tensors and primitives: the file is "
-                             "untrusted and cannot be loaded safely; load a checkpoint written by "
-                             "st.save_checkpoint") from None
+            raise ValueError(
+                f"{path} holds {what}, where a checkpoint holds only tensors and primitives: the file is "
+                "untrusted and cannot be loaded safely; load a checkpoint written by "
+                "st.save_checkpoint"
+            ) from None
 
 
 def read_flat(handle, name: str, start: int, numel: int) -> torch.Tensor:
@@ -191,11 +210,11 @@ def read_flat(handle, name: str, start: int, numel: int) -> torch.Tensor:
     view = handle.get_slice(name)
     shape = view.get_shape()
     if not shape:
-        return handle.get_tensor(name).reshape(-1)[start:start + numel]
+        return handle.get_tensor(name).reshape(-1)[start : start + numel]
     row = math.prod(shape[1:])
     if numel == 0 or row == 0:
         return view[0:0].reshape(-1)
     first, last = start // row, -(-(start + numel) // row)
     rows = view[first:last].reshape(-1)
     begin = start - first * row
-    return rows[begin:begin + numel]
+    return rows[begin : begin + numel]

@@ -23,9 +23,11 @@ def encode(value: Any, where: str) -> Any:
         return value
     if isinstance(value, torch.Tensor):
         if value.dim() != 0:
-            raise ValueError(f"{where} is a tensor of shape {tuple(value.shape)}; checkpoints store plain values as "
-                             "JSON metadata: pass a number (.item()), a list (.tolist()), or put the tensor in an "
-                             "object with state_dict()/load_state_dict()")
+            raise ValueError(
+                f"{where} is a tensor of shape {tuple(value.shape)}; checkpoints store plain values as "
+                "JSON metadata: pass a number (.item()), a list (.tolist()), or put the tensor in an "
+                "object with state_dict()/load_state_dict()"
+            )
         return {"$tensor": value.item(), "dtype": dtype_code(value.dtype)}
     if isinstance(value, tuple):
         return {"$tuple": [encode(v, f"{where}[{i}]") for i, v in enumerate(value)]}
@@ -35,9 +37,11 @@ def encode(value: Any, where: str) -> Any:
         if all(isinstance(k, str) and not k.startswith("$") for k in value):
             return {k: encode(v, f"{where}[{k!r}]") for k, v in value.items()}
         return {"$items": [[encode(k, f"{where} key {k!r}"), encode(v, f"{where}[{k!r}]")] for k, v in value.items()]}
-    raise ValueError(f"{where} is a {type(value).__name__}, which a checkpoint cannot store as a plain value; use "
-                     "numbers, strings, lists, tuples and dicts of them, or give the object state_dict() and "
-                     "load_state_dict()")
+    raise ValueError(
+        f"{where} is a {type(value).__name__}, which a checkpoint cannot store as a plain value; use "
+        "numbers, strings, lists, tuples and dicts of them, or give the object state_dict() and "
+        "load_state_dict()"
+    )
 
 
 def decode(value: Any) -> Any:
@@ -69,6 +73,8 @@ def check_weights_only(value: Any, where: str) -> None:
                 check_weights_only(k, f"{where} key {k!r}")
             check_weights_only(v, f"{where}[{k!r}]")
         return
-    raise ValueError(f"{where} is a {type(value).__module__}.{type(value).__qualname__}; checkpoints read object "
-                     "state with torch.load(weights_only=True), which accepts only tensors, primitives and "
-                     "dicts/lists/tuples of them: make state_dict() return plain values")
+    raise ValueError(
+        f"{where} is a {type(value).__module__}.{type(value).__qualname__}; checkpoints read object "
+        "state with torch.load(weights_only=True), which accepts only tensors, primitives and "
+        "dicts/lists/tuples of them: make state_dict() return plain values"
+    )

@@ -41,8 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
             module = importlib.import_module(f"{__name__}.{name}")
         except ImportError as exc:
             missing = exc.name == f"{__name__}.{name}"
-            _register_unavailable(subparsers, name, f"module {__name__}.{name} is missing" if missing
-                                  else f"{type(exc).__name__}: {exc}")
+            _register_unavailable(
+                subparsers, name, f"module {__name__}.{name} is missing" if missing else f"{type(exc).__name__}: {exc}"
+            )
             continue
         module.register(subparsers)
     return parser

@@ -11,37 +11,50 @@ from __future__ import annotations
 import argparse
 import sys
 
-EXAMPLE = ("example (CPU, a minute): shardtrain bench --sizes 2m --seq 128 --batch 2 --steps 3 --warmup 1 "
-           "--device cpu --engines shardtrain,fsdp2,ddp")
+EXAMPLE = (
+    "example (CPU, a minute): shardtrain bench --sizes 2m --seq 128 --batch 2 --steps 3 --warmup 1 "
+    "--device cpu --engines shardtrain,fsdp2,ddp"
+)
 
 
 def register(subparsers) -> None:
     from ..bench.registry import DEFAULT_ENGINES
 
     parser = subparsers.add_parser(
-        "bench", help="benchmark this engine against DDP and torch FSDP",
-        description=__doc__.split("\n\n")[1], epilog=EXAMPLE,
+        "bench",
+        help="benchmark this engine against DDP and torch FSDP",
+        description=__doc__.split("\n\n")[1],
+        epilog=EXAMPLE,
     )
     add = parser.add_argument
     add("--sizes", help="comma-separated built-in Llama sizes (default: 1.5b,8b on CUDA, 2m on the CPU)")
-    add("--engines", default=",".join(DEFAULT_ENGINES),
+    add(
+        "--engines",
+        default=",".join(DEFAULT_ENGINES),
         help="comma-separated: shardtrain, shardtrain-<strategy> (e.g. shardtrain-zero2), shardtrain-auto (the "
-             "planner picks strategy, checkpointing and offload; --ac does not apply), fsdp2, fsdp2-noreshard, fsdp2-split "
-             "(embedding and head as units of their own, as shardtrain wraps them), "
-             "fsdp1, ddp (default: %(default)s)")
+        "planner picks strategy, checkpointing and offload; --ac does not apply), fsdp2, fsdp2-noreshard, fsdp2-split "
+        "(embedding and head as units of their own, as shardtrain wraps them), "
+        "fsdp1, ddp (default: %(default)s)",
+    )
     add("--batch", type=int, default=2, help="sequences per rank per step (default: %(default)s)")
     add("--seq", type=int, help="tokens per sequence (default: the size's max_seq_len, 4096 for 1.5b and 8b)")
     add("--ac", choices=("none", "all"), default="none", help="activation checkpointing of every Block")
-    add("--compile", action="store_true",
-        help="compile every engine's blocks (Block.compile() per block, as torchtitan does) and the ideal step's")
+    add(
+        "--compile",
+        action="store_true",
+        help="compile every engine's blocks (Block.compile() per block, as torchtitan does) and the ideal step's",
+    )
     add("--steps", type=int, default=10, help="timed steps per run (default: %(default)s)")
     add("--warmup", type=int, default=3, help="untimed steps before them (default: %(default)s)")
     add("--repeats", type=int, default=2, help="runs of every engine, interleaved (default: %(default)s)")
     add("--nproc", type=int, help="processes per run (default: every GPU; 2 on the CPU)")
     add("--device", choices=("cpu", "cuda"), help="default: cuda if available, else cpu")
-    add("--precision", choices=("bf16", "fp32"),
+    add(
+        "--precision",
+        choices=("bf16", "fp32"),
         help="bf16 compute with fp32 master weights and reduction, or fp32 throughout (default: bf16 on CUDA, "
-             "fp32 on the CPU)")
+        "fp32 on the CPU)",
+    )
     add("--peak-tflops", type=float, help="per-GPU peak for MFU (default: 790, one H200's bf16 matmul rate, on CUDA)")
     add("--json", metavar="FILE", help="write the rows (and every run) as JSON, updated after each run")
     add("--profile", action="store_true", help="profile a few steps of each engine's first run: step-time breakdown")
@@ -49,8 +62,12 @@ def register(subparsers) -> None:
     add("--trace-dir", metavar="DIR", help="keep the profiler traces (trace_<size>_<engine>.json.gz) here")
     add("--ideal", action="store_true", help="also time the ideal step (one GPU, resident params, no collectives)")
     add("--timeout", type=float, default=900.0, help="seconds before one run is stopped (default: %(default)s)")
-    add("--deadline", type=float, metavar="SECONDS",
-        help="start no run after this many seconds; the runs left are reported as skipped")
+    add(
+        "--deadline",
+        type=float,
+        metavar="SECONDS",
+        help="start no run after this many seconds; the runs left are reported as skipped",
+    )
     add("--seed", type=int, default=0)
     parser.set_defaults(func=run)
 

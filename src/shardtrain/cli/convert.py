@@ -13,16 +13,22 @@ import sys
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
-        "convert", help="convert a sharded checkpoint into one full safetensors file",
+        "convert",
+        help="convert a sharded checkpoint into one full safetensors file",
         description="Convert a sharded checkpoint (any world size) into one full safetensors file whose tensors "
-                    "load into the plain model with model.load_state_dict(safetensors.torch.load_file(OUT)).",
+        "load into the plain model with model.load_state_dict(safetensors.torch.load_file(OUT)).",
     )
-    parser.add_argument("checkpoint", metavar="CKPT",
-                        help="checkpoint directory, or a directory with a 'latest' pointer")
+    parser.add_argument(
+        "checkpoint", metavar="CKPT", help="checkpoint directory, or a directory with a 'latest' pointer"
+    )
     parser.add_argument("out", metavar="OUT", help="OUT.safetensors, or a folder for a Hugging Face model")
     parser.add_argument("--module", default=None, help="state key of the model to convert (default: the only one)")
-    parser.add_argument("--hf-config", default=None, metavar="CONFIG",
-                        help="a Hugging Face config.json (or its folder): write OUT as a from_pretrained folder")
+    parser.add_argument(
+        "--hf-config",
+        default=None,
+        metavar="CONFIG",
+        help="a Hugging Face config.json (or its folder): write OUT as a from_pretrained folder",
+    )
     parser.set_defaults(func=run)
 
 

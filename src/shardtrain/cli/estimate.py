@@ -42,8 +42,11 @@ def _checkpointing(text: str) -> bool | int:
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
-        "estimate", help="the per-device memory bill of each sharding strategy",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False,
+        "estimate",
+        help="the per-device memory bill of each sharding strategy",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
     )
     what = parser.add_argument_group("model (one of --model / --params)")
     what.add_argument("--model", help=f"built-in size ({', '.join(LLAMA_SIZES)}) or a Hugging Face config.json")
@@ -52,15 +55,29 @@ def register(subparsers) -> None:
         what.add_argument(f"--{hint}", type=int, help=f"shape hint: {hint.replace('-', ' ')}")
     what.add_argument("--tie-embeddings", action="store_true", default=None, help="shape hint: tied embeddings")
     parser.add_argument("--gpus", type=int, required=True, help="world size (devices in all)")
-    parser.add_argument("--strategy", help=f"comma-separated strategies to compare (default: {','.join(DEFAULT_STRATEGIES)})")
+    parser.add_argument(
+        "--strategy", help=f"comma-separated strategies to compare (default: {','.join(DEFAULT_STRATEGIES)})"
+    )
     parser.add_argument("--shard-size", type=int, help="hybrid_shard group size (default: up to 8, below --gpus)")
     parser.add_argument("--seq", type=int, default=4096, help="sequence length (default 4096)")
     parser.add_argument("--batch", type=int, default=1, help="micro-batch per device (default 1)")
-    parser.add_argument("--ac", type=_checkpointing, default=False, metavar="none|all|k",
-                        help="activation checkpointing: none, all blocks, or every k-th block")
-    parser.add_argument("--offload", nargs="?", const=1.0, default=None, type=float, metavar="FRACTION",
-                        help="CPU offload of parameters, gradients and optimizer state; with FRACTION (e.g. 0.5) of "
-                             "the units holding that share of the parameters (partial offload)")
+    parser.add_argument(
+        "--ac",
+        type=_checkpointing,
+        default=False,
+        metavar="none|all|k",
+        help="activation checkpointing: none, all blocks, or every k-th block",
+    )
+    parser.add_argument(
+        "--offload",
+        nargs="?",
+        const=1.0,
+        default=None,
+        type=float,
+        metavar="FRACTION",
+        help="CPU offload of parameters, gradients and optimizer state; with FRACTION (e.g. 0.5) of "
+        "the units holding that share of the parameters (partial offload)",
+    )
     parser.add_argument("--device-memory", help="e.g. 80GiB, 141GB (default: the local GPU's, else 80 GiB)")
     parser.add_argument("--precision", choices=PRECISIONS, default="bf16", help="param dtype (reduce in fp32)")
     parser.add_argument("--optimizer", default="adamw", help="adamw, adam, sgd, or state bytes per parameter")
@@ -96,15 +113,32 @@ def run(args: argparse.Namespace) -> int:
             memory, source = parse_bytes(args.device_memory, what="--device-memory"), "given"
         else:
             memory, source = _default_device_memory()
-        hints = {"dim": args.dim, "layers": args.layers, "vocab": args.vocab, "ffn": args.ffn,
-                 "heads": args.heads, "kv_heads": args.kv_heads, "tie_embeddings": args.tie_embeddings}
+        hints = {
+            "dim": args.dim,
+            "layers": args.layers,
+            "vocab": args.vocab,
+            "ffn": args.ffn,
+            "heads": args.heads,
+            "kv_heads": args.kv_heads,
+            "tie_embeddings": args.tie_embeddings,
+        }
         strategies = [s for s in args.strategy.split(",") if s] if args.strategy else None
         optimizer = float(args.optimizer) if args.optimizer.replace(".", "", 1).isdigit() else args.optimizer
         comparison = compare_strategies(
-            _model(args), params=args.params, world_size=args.gpus, strategies=strategies,
-            shard_size=args.shard_size, device_memory=memory, precision=args.precision,
-            activation_checkpointing=args.ac, cpu_offload=_offload(args.offload), micro_batch=args.batch,
-            seq_len=args.seq, optimizer=optimizer, keep_grads=args.keep_grads, **hints,
+            _model(args),
+            params=args.params,
+            world_size=args.gpus,
+            strategies=strategies,
+            shard_size=args.shard_size,
+            device_memory=memory,
+            precision=args.precision,
+            activation_checkpointing=args.ac,
+            cpu_offload=_offload(args.offload),
+            micro_batch=args.batch,
+            seq_len=args.seq,
+            optimizer=optimizer,
+            keep_grads=args.keep_grads,
+            **hints,
         )
     except ValueError as exc:
         print(f"shardtrain estimate: error: {exc}", file=sys.stderr)
@@ -121,14 +155,18 @@ def model_states_arithmetic(estimates: tuple[MemoryEstimate, ...]) -> str:
     model states each device holds (on the device, or in host memory when offloaded)."""
     first = estimates[0].inputs
     per_param = 8 + first.optimizer_bytes
-    lines = [f"model states per device = (4 B fp32 param + 4 B fp32 grad + {first.optimizer_bytes:g} B "
-             f"{first.optimizer} state = {per_param:g} B/param) x params / ranks per shard:"]
+    lines = [
+        f"model states per device = (4 B fp32 param + 4 B fp32 grad + {first.optimizer_bytes:g} B "
+        f"{first.optimizer} state = {per_param:g} B/param) x params / ranks per shard:"
+    ]
     width = max(len(e.inputs.label) for e in estimates)
     for estimate in estimates:
         inputs = estimate.inputs
         params, n = inputs.model.num_params, inputs.shard_size
-        lines.append(f"  {inputs.label:<{width}}  {per_param:g} B x {_count(params)} / {n} = "
-                     f"{format_gib(per_param * params / n)} GiB")
+        lines.append(
+            f"  {inputs.label:<{width}}  {per_param:g} B x {_count(params)} / {n} = "
+            f"{format_gib(per_param * params / n)} GiB"
+        )
     return "\n".join(lines)
 
 

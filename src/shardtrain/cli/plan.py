@@ -27,11 +27,11 @@ import argparse
 import sys
 
 from ..planning.audit import audit_precision
-from ..planning.auto import local_device_memory
 from ..planning.candidates import accumulation_bytes, offload_label
 from ..planning.compare import default_shard_size
-from ..planning.estimate import estimate_memory
 from ..planning.dry_run import plan
+from ..planning.estimate import estimate_memory
+from ..planning.machine import local_device_memory
 from ..planning.sizes import format_gib, parse_bytes
 from ..strategy import parse_strategy
 from ..train.config import load_config
@@ -41,12 +41,17 @@ from .train import split_config_path
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
-        "plan", help="show the wrap plan and memory estimate of a training config, without training",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False,
+        "plan",
+        help="show the wrap plan and memory estimate of a training config, without training",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
     )
-    parser.add_argument("--auto", action="store_true",
-                        help="choose strategy, checkpointing, offload and micro-batch automatically "
-                             "(= --engine.strategy auto)")
+    parser.add_argument(
+        "--auto",
+        action="store_true",
+        help="choose strategy, checkpointing, offload and micro-batch automatically (= --engine.strategy auto)",
+    )
     parser.add_argument("--device-memory", help="memory per device, e.g. 141GB, 80GiB (default: the local device's)")
     parser.set_defaults(func=run, overrides=[])
 
@@ -65,13 +70,16 @@ def _device_memory(args: argparse.Namespace, setup: PlannedSetup) -> tuple[int |
 
 
 def _header(description: str, setup: PlannedSetup) -> str:
-    checkpointing = {False: "none", True: "every block"}.get(setup.activation_checkpointing,
-                                                            f"1 block in {setup.activation_checkpointing}")
+    checkpointing = {False: "none", True: "every block"}.get(
+        setup.activation_checkpointing, f"1 block in {setup.activation_checkpointing}"
+    )
     offload = offload_label(float(setup.cpu_offload))
-    return (f"shardtrain plan: {description}\n{setup.world_size} x {setup.accelerator}, {setup.strategy}, "
-            f"{setup.precision}, micro-batch {setup.micro_batch} x {setup.grad_accum} accumulation "
-            f"step{'s' * (setup.grad_accum > 1)}, seq "
-            f"{setup.seq_len}, activation checkpointing {checkpointing}{offload}")
+    return (
+        f"shardtrain plan: {description}\n{setup.world_size} x {setup.accelerator}, {setup.strategy}, "
+        f"{setup.precision}, micro-batch {setup.micro_batch} x {setup.grad_accum} accumulation "
+        f"step{'s' * (setup.grad_accum > 1)}, seq "
+        f"{setup.seq_len}, activation checkpointing {checkpointing}{offload}"
+    )
 
 
 def report(args: argparse.Namespace) -> str:
@@ -91,22 +99,37 @@ def report(args: argparse.Namespace) -> str:
     strategy = parse_strategy(setup.strategy)
     model, wrap = built.module, built.wrap
     estimate = estimate_memory(
-        model, wrap=wrap, world_size=setup.world_size, strategy=strategy, precision=setup.precision,
+        model,
+        wrap=wrap,
+        world_size=setup.world_size,
+        strategy=strategy,
+        precision=setup.precision,
         shard_size=default_shard_size(setup.world_size) if strategy.is_hybrid else None,
-        activation_checkpointing=setup.activation_checkpointing, cpu_offload=setup.cpu_offload,
-        micro_batch=setup.micro_batch, seq_len=setup.seq_len, device_memory=memory,
+        activation_checkpointing=setup.activation_checkpointing,
+        cpu_offload=setup.cpu_offload,
+        micro_batch=setup.micro_batch,
+        seq_len=setup.seq_len,
+        device_memory=memory,
     )
     held = accumulation_bytes(estimate, grad_accum=setup.grad_accum)
     bill = str(estimate)
     if held:
-        bill += (f"\n+ {format_gib(held)} GiB: with {setup.grad_accum} micro-batches, no_sync holds the unsharded "
-                 "gradients between them (not in the table above)")
+        bill += (
+            f"\n+ {format_gib(held)} GiB: with {setup.grad_accum} micro-batches, no_sync holds the unsharded "
+            "gradients between them (not in the table above)"
+        )
     bill += f"\ndevice memory: {f'{format_gib(memory)} GiB' if memory else 'unknown'} ({source})"
     parts += [
-        _section("wrap plan", plan(model, wrap=wrap, world_size=setup.world_size, strategy=strategy,
-                                   mixed_precision=setup.precision)),
-        _section("precision audit", audit_precision(model, wrap=wrap, strategy=strategy,
-                                                    mixed_precision=setup.precision, cpu_offload=setup.cpu_offload)),
+        _section(
+            "wrap plan",
+            plan(model, wrap=wrap, world_size=setup.world_size, strategy=strategy, mixed_precision=setup.precision),
+        ),
+        _section(
+            "precision audit",
+            audit_precision(
+                model, wrap=wrap, strategy=strategy, mixed_precision=setup.precision, cpu_offload=setup.cpu_offload
+            ),
+        ),
         _section("memory estimate per device", bill),
     ]
     return _header(built.description, setup) + "\n" + "\n".join(parts)

@@ -18,11 +18,14 @@ from ..train.config import ConfigError, describe, load_config
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
-        "train", help="train a model (built-in default: a small Llama on the Python standard library)",
+        "train",
+        help="train a model (built-in default: a small Llama on the Python standard library)",
         description="Train a model. Arguments: an optional CONFIG file (.toml or .yaml), then "
-                    "--section.key value overrides. A model.name of the form 'package.module:function' imports "
-                    "that module and runs the function: train only with configs you trust.",
-        epilog=describe(), formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False,
+        "--section.key value overrides. A model.name of the form 'package.module:function' imports "
+        "that module and runs the function: train only with configs you trust.",
+        epilog=describe(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
     )
     parser.add_argument("--resume", metavar="CHECKPOINT", help="resume from a checkpoint directory (= --run.resume)")
     parser.set_defaults(func=run, overrides=[])
@@ -58,11 +61,13 @@ def _confirm_by_trials(cfg, choice):
     from ..train.planned_config import apply_choice
     from ..train.trials import TRIAL_CHOICE_ENV, fastest, run_trials
 
-    candidates = choice.alternatives()[:cfg.engine.auto_trials]
+    candidates = choice.alternatives()[: cfg.engine.auto_trials]
     if launched_externally():
         if TRIAL_CHOICE_ENV not in os.environ:
-            raise ValueError("engine.auto_trials needs `shardtrain train` to start its own processes (each trial runs "
-                             "in fresh ones); run it without torchrun, or set --engine.auto_trials 0")
+            raise ValueError(
+                "engine.auto_trials needs `shardtrain train` to start its own processes (each trial runs "
+                "in fresh ones); run it without torchrun, or set --engine.auto_trials 0"
+            )
         return apply_choice(cfg, candidates[int(os.environ[TRIAL_CHOICE_ENV])])
     print(choice, flush=True)
     print(f"timing {len(candidates)} configuration(s) for a few steps each:", flush=True)
@@ -88,10 +93,15 @@ def run(args: argparse.Namespace) -> int:
     try:
         if cfg.engine.strategy == "auto":
             cfg = _resolve_auto(cfg)
-        engine = Engine(devices=cfg.engine.devices, accelerator=cfg.engine.accelerator,
-                        strategy=cfg.engine.strategy, precision=cfg.engine.precision,
-                        cpu_offload=cfg.engine.cpu_offload, timeout=timedelta(seconds=cfg.engine.timeout),
-                        compile=cfg.train.compile)
+        engine = Engine(
+            devices=cfg.engine.devices,
+            accelerator=cfg.engine.accelerator,
+            strategy=cfg.engine.strategy,
+            precision=cfg.engine.precision,
+            cpu_offload=cfg.engine.cpu_offload,
+            timeout=timedelta(seconds=cfg.engine.timeout),
+            compile=cfg.train.compile,
+        )
     except ValueError as exc:
         print(f"shardtrain train: error: {exc}", file=sys.stderr)
         return 2

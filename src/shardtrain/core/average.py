@@ -26,8 +26,7 @@ def mean_of_chunks(received: torch.Tensor, chunks: int, dtype: torch.dtype) -> t
     if received.is_cuda and dtype == torch.float32 and _triton_kernel() is not None:
         n = received.numel() // chunks
         out = torch.empty(n, dtype=dtype, device=received.device)
-        _triton_kernel()[(_cdiv(n, _BLOCK),)](received, out, n, 1.0 / chunks, CHUNKS=chunks, BLOCK=_BLOCK,
-                                                     num_warps=8)
+        _triton_kernel()[(_cdiv(n, _BLOCK),)](received, out, n, 1.0 / chunks, CHUNKS=chunks, BLOCK=_BLOCK, num_warps=8)
         return out
     return received.view(chunks, -1).mean(dim=0, dtype=dtype)
 

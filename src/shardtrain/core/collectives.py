@@ -8,8 +8,8 @@ the old names. Every module that communicates imports them from here, and `obser
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -96,7 +96,14 @@ def coalesced(group, *, async_op: bool) -> Iterator[list]:
     finally:
         issued = _grouping.pop()
     if issued:
-        _report(Collective(kind=issued[0].kind, numel=sum(e.numel for e in issued), dtype=issued[0].dtype, group=group,
-                           tensors=len(issued)))
+        _report(
+            Collective(
+                kind=issued[0].kind,
+                numel=sum(e.numel for e in issued),
+                dtype=issued[0].dtype,
+                group=group,
+                tensors=len(issued),
+            )
+        )
     if async_op:
         works.append(manager)

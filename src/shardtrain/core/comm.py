@@ -16,8 +16,8 @@ from __future__ import annotations
 import contextlib
 import enum
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -31,7 +31,7 @@ class GatherMode(enum.Enum):
     FLAT = "flat"  # one all-gather of the rank-major chunk, then one copy-out
 
     @classmethod
-    def for_backend(cls, backend: str) -> "GatherMode":
+    def for_backend(cls, backend: str) -> GatherMode:
         """Grouped on every backend, unless `SHARDTRAIN_GATHER=grouped|flat` overrides it (for benchmarks)."""
         override = os.environ.get("SHARDTRAIN_GATHER")
         if override:
@@ -78,8 +78,9 @@ class Pending:
 class UnitComm:
     """The groups a unit talks to: it shards over `shard`, replicates over `replicate` (hybrid, no_shard)."""
 
-    def __init__(self, *, shard: dist.ProcessGroup | None, replicate: dist.ProcessGroup | None,
-                 device: torch.device) -> None:
+    def __init__(
+        self, *, shard: dist.ProcessGroup | None, replicate: dist.ProcessGroup | None, device: torch.device
+    ) -> None:
         self.shard = shard
         self.replicate = replicate
         self.shard_rank = dist.get_rank(shard) if shard is not None else 0
@@ -155,8 +156,14 @@ class UnitComm:
         return works
 
     # ------------------------------------------------------------------ gradient reduction
-    def reduce_gradient(self, flat_grad: torch.Tensor, *, reduce_dtype: torch.dtype, cut: bool,
-                        accumulate: Callable[[torch.Tensor], None]) -> Pending:
+    def reduce_gradient(
+        self,
+        flat_grad: torch.Tensor,
+        *,
+        reduce_dtype: torch.dtype,
+        cut: bool,
+        accumulate: Callable[[torch.Tensor], None],
+    ) -> Pending:
         """Average `flat_grad` over all data-parallel ranks, keep this rank's part, pass it to `accumulate`.
 
         `flat_grad` holds every rank's chunk, rank after rank (`cut`), or a whole gradient every rank
@@ -211,13 +218,17 @@ class UnitComm:
     def _exchange(self, flat_grad: torch.Tensor, *, async_op: bool):
         """All-to-all: rank r receives every rank's r-th chunk of `flat_grad` (as raw bytes)."""
         received = torch.empty_like(flat_grad)
-        work = collectives.all_to_all_tensor(received.view(torch.uint8), flat_grad.view(torch.uint8),
-                                             group=self.shard, async_op=async_op)
+        work = collectives.all_to_all_tensor(
+            received.view(torch.uint8), flat_grad.view(torch.uint8), group=self.shard, async_op=async_op
+        )
         return received, work
 
     def _shard_output(self, inp: torch.Tensor) -> torch.Tensor:
-        return torch.empty(inp.numel() // self.shard_world, dtype=inp.dtype, device=inp.device) \
-            if self.shard_world > 1 else inp
+        return (
+            torch.empty(inp.numel() // self.shard_world, dtype=inp.dtype, device=inp.device)
+            if self.shard_world > 1
+            else inp
+        )
 
     def _average_exchanged(self, received: torch.Tensor, reduce_dtype: torch.dtype) -> torch.Tensor:
         """Average what the exchange delivered over the shard group here (core/average.py), then across replicas."""
@@ -238,8 +249,9 @@ class UnitComm:
         self._finish_average(out)
         return out
 
-    def _reduce_into(self, out: torch.Tensor, inp: torch.Tensor, *, async_op: bool, cut: bool,
-                     replicas_only: bool = False) -> list:
+    def _reduce_into(
+        self, out: torch.Tensor, inp: torch.Tensor, *, async_op: bool, cut: bool, replicas_only: bool = False
+    ) -> list:
         """Issue the reduction (only the replicas' all-reduce when the shard group was summed already);
         return the works not yet waited on."""
         op = dist.ReduceOp.AVG if self.native_avg and not replicas_only else dist.ReduceOp.SUM

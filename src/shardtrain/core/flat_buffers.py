@@ -21,8 +21,17 @@ from .layout import FlatGroup, ParamShard
 
 
 class FlatBuffers:
-    def __init__(self, *, group: FlatGroup, members: list[ParamShard], shard: torch.Tensor, device: torch.device,
-                 rank: int, world: int, offload: bool) -> None:
+    def __init__(
+        self,
+        *,
+        group: FlatGroup,
+        members: list[ParamShard],
+        shard: torch.Tensor,
+        device: torch.device,
+        rank: int,
+        world: int,
+        offload: bool,
+    ) -> None:
         self.group = group
         self.members = members
         self.shard = shard
@@ -37,15 +46,19 @@ class FlatBuffers:
         else:
             self._unsharded = torch.empty(group.unsharded_numel, dtype=group.compute_dtype, device=device)
             self._target = torch.empty(0, dtype=group.compute_dtype, device=device).set_(
-                self._unsharded.untyped_storage(), 0, self._unsharded.shape)
+                self._unsharded.untyped_storage(), 0, self._unsharded.shape
+            )
             self.free()
 
     # ------------------------------------------------------------------ views
     def local_rows(self, k: int) -> torch.Tensor:
         """Member `k`'s local rows in the shard, padding rows included."""
         m, start = self.members[k], self.group.shard_offsets[k]
-        return self.shard[start:start + m.local_numel].view(m.local_rows, *m.shape[1:]) if m.shape \
-            else self.shard[start:start + 1].view(())
+        return (
+            self.shard[start : start + m.local_numel].view(m.local_rows, *m.shape[1:])
+            if m.shape
+            else self.shard[start : start + 1].view(())
+        )
 
     def held(self, k: int) -> torch.Tensor:
         """Member `k`'s real rows in the shard (what this rank's DTensor holds)."""
@@ -53,13 +66,13 @@ class FlatBuffers:
         if not m.shape:
             return self.local_rows(k)
         start, stop = m.held_rows(self.rank)
-        return self.local_rows(k)[:stop - start]
+        return self.local_rows(k)[: stop - start]
 
     def unsharded_views(self) -> list[torch.Tensor]:
         """Every member whole, in its original shape, cut from the unsharded buffer."""
         views = []
         for m, start in zip(self.members, self.group.unsharded_offsets):
-            views.append(self._unsharded[start:start + m.numel].view(m.shape))
+            views.append(self._unsharded[start : start + m.numel].view(m.shape))
         return views
 
     def grad_views(self) -> list[torch.Tensor]:
@@ -68,10 +81,10 @@ class FlatBuffers:
         for index, start in zip(self.group.trainable, self.group.grad_offsets):
             m = self.members[self.group.members.index(index)]
             if not m.shape:
-                views.append(self.grad[start:start + 1].view(()))
+                views.append(self.grad[start : start + 1].view(()))
                 continue
             rows = m.held_shape(self.rank)
-            views.append(self.grad[start:start + rows[0] * m.row_numel].view(rows))
+            views.append(self.grad[start : start + rows[0] * m.row_numel].view(rows))
         return views
 
     # ------------------------------------------------------------------ unshard / free
@@ -109,24 +122,27 @@ class FlatBuffers:
             n = group.shard_numel
             out = torch.empty(self.world * n, dtype=group.compute_dtype, device=self.device)
             keep.append(out)
-            own = out[self.rank * n:(self.rank + 1) * n]
+            own = out[self.rank * n : (self.rank + 1) * n]
             if needs_copy:
                 own.copy_(shard)
-            targets = [self._target[start:start + m.padded_numel].view(self.world, m.local_numel)
-                       for m, start in zip(self.members, group.unsharded_offsets)]
+            targets = [
+                self._target[start : start + m.padded_numel].view(self.world, m.local_numel)
+                for m, start in zip(self.members, group.unsharded_offsets)
+            ]
 
             def copy_out() -> None:
-                torch.split_with_sizes_copy(out.view(self.world, n), [m.local_numel for m in self.members], dim=1,
-                                            out=targets)
+                torch.split_with_sizes_copy(
+                    out.view(self.world, n), [m.local_numel for m in self.members], dim=1, out=targets
+                )
 
             return [GatherJob(out=out, inp=own if needs_copy else shard, then=copy_out)]
         jobs, dsts, srcs = [], [], []
         for m, k in zip(self.members, range(len(self.members))):
             start = group.unsharded_offsets[k]
-            out = self._target[start:start + m.padded_numel]
-            local = shard[group.shard_offsets[k]:group.shard_offsets[k] + m.local_numel]
+            out = self._target[start : start + m.padded_numel]
+            local = shard[group.shard_offsets[k] : group.shard_offsets[k] + m.local_numel]
             if needs_copy:
-                own = out[self.rank * m.local_numel:(self.rank + 1) * m.local_numel]
+                own = out[self.rank * m.local_numel : (self.rank + 1) * m.local_numel]
                 dsts.append(own)
                 srcs.append(local)
                 local = own
@@ -151,8 +167,10 @@ class FlatBuffers:
         `may_alias`: the result is only read, so one unpadded gradient is returned as it is, uncopied.
         """
         members = [self.members[self.group.members.index(i)] for i in self.group.trainable]
-        tensors = [g if g is not None else torch.zeros(m.shape, dtype=self.group.compute_dtype, device=self.device)
-                   for g, m in zip(grads, members)]
+        tensors = [
+            g if g is not None else torch.zeros(m.shape, dtype=self.group.compute_dtype, device=self.device)
+            for g, m in zip(grads, members)
+        ]
         if may_alias and len(tensors) == 1 and tensors[0].dtype == dtype and members[0].padded_rows == members[0].rows:
             return tensors[0].reshape(-1)  # one unpadded parameter is rank-major already: no copy
         out = torch.empty(self.world * self.group.grad_numel, dtype=dtype, device=self.device)

@@ -163,10 +163,21 @@ def build_unit_layout(params: list[ParamShard]) -> UnitLayout:
         whole = [params[i].padded_numel for i in members]
         trainable = tuple(i for i in members if params[i].requires_grad)
         grads = [params[i].local_numel for i in trainable]
-        groups.append(FlatGroup(
-            dtype=dtype, compute_dtype=compute_dtype, sharded=sharded, members=tuple(members),
-            shard_offsets=_starts(local), unsharded_offsets=_starts(whole), trainable=trainable,
-            grad_offsets=_starts(grads), shard_numel=sum(local), unsharded_numel=sum(whole), grad_numel=sum(grads)))
+        groups.append(
+            FlatGroup(
+                dtype=dtype,
+                compute_dtype=compute_dtype,
+                sharded=sharded,
+                members=tuple(members),
+                shard_offsets=_starts(local),
+                unsharded_offsets=_starts(whole),
+                trainable=trainable,
+                grad_offsets=_starts(grads),
+                shard_numel=sum(local),
+                unsharded_numel=sum(whole),
+                grad_numel=sum(grads),
+            )
+        )
     return UnitLayout(params=tuple(params), groups=tuple(groups), world=worlds.pop() if worlds else 1)
 
 
@@ -174,13 +185,22 @@ def _starts(sizes: list[int]) -> tuple[int, ...]:
     return tuple(accumulate(sizes[:-1], initial=0)) if sizes else ()
 
 
-def layout_of_unit(named: list[tuple[str, tuple[str, ...], torch.Tensor]], *, world: int,
-                   precision: MixedPrecision) -> UnitLayout:
+def layout_of_unit(
+    named: list[tuple[str, tuple[str, ...], torch.Tensor]], *, world: int, precision: MixedPrecision
+) -> UnitLayout:
     """The layout of a unit holding `(name, aliases, tensor)` (meta tensors do) sharded over `world` ranks."""
     params = []
     for fqn, aliases, tensor in named:
         stored, compute = storage_dtypes(tensor.dtype, requires_grad=tensor.requires_grad, precision=precision)
-        params.append(ParamShard(fqn=fqn, aliases=aliases, shape=tuple(tensor.shape), dtype=stored,
-                                 compute_dtype=compute, requires_grad=tensor.requires_grad,
-                                 world=world if tensor.dim() else 1))
+        params.append(
+            ParamShard(
+                fqn=fqn,
+                aliases=aliases,
+                shape=tuple(tensor.shape),
+                dtype=stored,
+                compute_dtype=compute,
+                requires_grad=tensor.requires_grad,
+                world=world if tensor.dim() else 1,
+            )
+        )
     return build_unit_layout(params)

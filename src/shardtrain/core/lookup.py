@@ -147,10 +147,14 @@ class LookupUnit(ShardUnit):
         # on the CPU). The row past the end collects the ids held elsewhere; it is dropped.
         for source in range(world):
             part = torch.ops.aten.embedding_dense_backward(
-                every_grad[source * longest:(source + 1) * longest], rows[source * longest:(source + 1) * longest],
-                self._rows + 1, self._rows, False)
+                every_grad[source * longest : (source + 1) * longest],
+                rows[source * longest : (source + 1) * longest],
+                self._rows + 1,
+                self._rows,
+                False,
+            )
             summed = part.to(reduce_dtype) if summed is None else summed.add_(part)
-        shard_grad = summed[:self._rows].reshape(-1).div_(world)
+        shard_grad = summed[: self._rows].reshape(-1).div_(world)
         self.used[0] = True
         kept = self._accumulated.pop(0, None)
         if not self.runtime.sync_gradients:  # no_sync: keep the shard group's average until the synchronising backward

@@ -10,7 +10,7 @@ error that names it: its tensors would otherwise hold whatever memory they were 
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -21,8 +21,14 @@ from .partition import Occurrence, UnitSpec
 
 
 class Materializer:
-    def __init__(self, *, root: nn.Module, device: torch.device, param_init_fn: Callable[[nn.Module], None] | None,
-                 occurrences: dict[int, list[Occurrence]]) -> None:
+    def __init__(
+        self,
+        *,
+        root: nn.Module,
+        device: torch.device,
+        param_init_fn: Callable[[nn.Module], None] | None,
+        occurrences: dict[int, list[Occurrence]],
+    ) -> None:
         self.device = device
         self.param_init_fn = param_init_fn
         self.occurrences = occurrences  # id(original parameter) -> where it is registered
@@ -61,7 +67,8 @@ class Materializer:
                 path = self._paths.get(id(module), "?") or "<root>"
                 raise ValueError(
                     f"{type(module).__name__} at '{path}' was built on the meta device with {state}, but has no "
-                    "reset_parameters() to fill them; give it one, or pass param_init_fn=fn(module) to st.shard")
+                    "reset_parameters() to fill them; give it one, or pass param_init_fn=fn(module) to st.shard"
+                )
 
 
 def _hugging_face_owners(root: nn.Module) -> dict[int, nn.Module]:
@@ -86,18 +93,33 @@ def current_tensors(spec: UnitSpec) -> list[torch.Tensor]:
     return [occ[0].module._parameters[occ[0].attr] for occ in spec.occurrences]
 
 
-def cut_shards(layout: UnitLayout, tensors: list[torch.Tensor], *, rank: int, device: torch.device,
-               broadcast_group: dist.ProcessGroup | None) -> list[torch.Tensor]:
+def cut_shards(
+    layout: UnitLayout,
+    tensors: list[torch.Tensor],
+    *,
+    rank: int,
+    device: torch.device,
+    broadcast_group: dist.ProcessGroup | None,
+) -> list[torch.Tensor]:
     """This rank's shard of every group of `layout`, filled from the whole `tensors` (one per parameter).
 
     With `broadcast_group`, rank 0's values are broadcast first (sync_module_states).
     """
-    return [_cut_group(group, layout, tensors, rank=rank, device=device, broadcast_group=broadcast_group)
-            for group in layout.groups]
+    return [
+        _cut_group(group, layout, tensors, rank=rank, device=device, broadcast_group=broadcast_group)
+        for group in layout.groups
+    ]
 
 
-def _cut_group(group: FlatGroup, layout: UnitLayout, tensors: list[torch.Tensor], *, rank: int,
-               device: torch.device, broadcast_group: dist.ProcessGroup | None) -> torch.Tensor:
+def _cut_group(
+    group: FlatGroup,
+    layout: UnitLayout,
+    tensors: list[torch.Tensor],
+    *,
+    rank: int,
+    device: torch.device,
+    broadcast_group: dist.ProcessGroup | None,
+) -> torch.Tensor:
     members = [layout.params[i] for i in group.members]
     values = [tensors[i].detach().to(device=device, dtype=group.dtype) for i in group.members]
     if broadcast_group is not None:
@@ -108,9 +130,9 @@ def _cut_group(group: FlatGroup, layout: UnitLayout, tensors: list[torch.Tensor]
     with torch.no_grad():
         for m, value, start in zip(members, values, group.shard_offsets):
             if not group.sharded:
-                shard[start:start + 1].copy_(value.reshape(1))
+                shard[start : start + 1].copy_(value.reshape(1))
                 continue
             first, stop = m.held_rows(rank)
             rows = value.reshape(m.rows, m.row_numel)[first:stop]
-            shard[start:start + rows.numel()].copy_(rows.reshape(-1))
+            shard[start : start + rows.numel()].copy_(rows.reshape(-1))
     return shard

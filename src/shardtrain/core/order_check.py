@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import enum
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -83,10 +83,15 @@ class OrderCheck:
         parts = []
         for rank, row in zip(self.ranks, rows.tolist()):
             iteration, pairs = row[0], list(zip(row[1::2], row[2::2]))
-            said = [Collective(what).describe(self.unit_name(unit) if unit >= 0 else "")
-                    for what, unit in pairs if what >= 0]
+            said = [
+                Collective(what).describe(self.unit_name(unit) if unit >= 0 else "")
+                for what, unit in pairs
+                if what >= 0
+            ]
             parts.append(f"rank {rank}: {', then '.join(said) or 'nothing'} (iteration {iteration})")
-        return ("ranks took different paths through the model: " + "; ".join(parts) + ". Every rank must run "
-                "every sharding unit in the same order in each forward and backward: a unit skipped on some ranks "
-                "(a condition on the data, an expert that got no token) cannot be reduced. Run it on every rank "
-                "(an expert on an empty batch), or make it part of its parent's unit (leave it out of wrap)")
+        return (
+            "ranks took different paths through the model: " + "; ".join(parts) + ". Every rank must run "
+            "every sharding unit in the same order in each forward and backward: a unit skipped on some ranks "
+            "(a condition on the data, an expert that got no token) cannot be reduced. Run it on every rank "
+            "(an expert on an empty batch), or make it part of its parent's unit (leave it out of wrap)"
+        )

@@ -9,12 +9,12 @@ descendants'), so the tie keeps working without user action.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 from torch import nn
 
 from ..policy import SizePolicy, describe_policy, module_classes, resolve_module_policy
-
 
 # Module paths that wrappers insert: torch.compile's OptimizedModule and torch's checkpoint wrapper.
 _WRAPPER_SEGMENTS = ("_orig_mod", "_checkpoint_wrapped_module")
@@ -32,8 +32,9 @@ def looks_up_in_place(module: nn.Module) -> bool:
     by activation checkpointing, and none of the options that change or renormalise the table)."""
     if not isinstance(module, nn.Embedding) or type(module).forward is not nn.Embedding.forward:
         return False
-    return not ("forward" in module.__dict__ or module.max_norm is not None or module.scale_grad_by_freq
-                or module.sparse)
+    return not (
+        "forward" in module.__dict__ or module.max_norm is not None or module.scale_grad_by_freq or module.sparse
+    )
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -157,8 +158,10 @@ def partition(root: nn.Module, wrap) -> Partition:
             occurrences.setdefault(id(p), []).append(Occurrence(module=module, attr=attr, fqn=clean_name(raw), raw=raw))
 
     order = {path: i for i, path in enumerate(modules)}
-    specs = {path: UnitSpec(name=clean_name(path), module=modules[path])
-             for path in sorted(unit_paths, key=order.__getitem__)}
+    specs = {
+        path: UnitSpec(name=clean_name(path), module=modules[path])
+        for path in sorted(unit_paths, key=order.__getitem__)
+    }
     notes = []
     for pid, occ in occurrences.items():
         owners = {_nearest_unit(o.raw.rpartition(".")[0], unit_paths) for o in occ}
@@ -173,3 +176,10 @@ def partition(root: nn.Module, wrap) -> Partition:
     # there is nothing to gather, and its ancestor's unit is gathered whenever it runs.
     units = tuple(spec for spec in specs.values() if spec.params or not spec.name)
     return Partition(units=units, notes=tuple(notes))
+
+
+def repeated_blocks(modules: list[nn.Module]) -> list[nn.Module]:
+    """The modules whose class occurs more than once among `modules` (a model's blocks, not its embedding
+    or head); all of them when none repeats."""
+    counts = Counter(type(m) for m in modules)
+    return [m for m in modules if counts[type(m)] > 1] or modules

@@ -30,9 +30,12 @@ class PinnedBuffers:
             return tensor
         error = int(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel() * tensor.element_size(), 0))
         if error:
-            warnings.warn(f"cudaHostRegister failed (CUDA error {error}) for {tensor.numel() * tensor.element_size()} "
-                          "bytes; using torch's pinned allocator, which rounds sizes up to a power of two",
-                          RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"cudaHostRegister failed (CUDA error {error}) for {tensor.numel() * tensor.element_size()} "
+                "bytes; using torch's pinned allocator, which rounds sizes up to a power of two",
+                RuntimeWarning,
+                stacklevel=2,
+            )
             return torch.empty(shape, dtype=dtype, pin_memory=True)
         self._buffers.append(tensor)
         self._registered.append(tensor.data_ptr())

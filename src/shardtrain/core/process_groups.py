@@ -30,8 +30,10 @@ def resolve_device(device: torch.device | str | int | None) -> torch.device:
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         elif device.index >= count:
-            raise ValueError(f"device={str(device)!r} but this process sees {count} CUDA device(s) "
-                             f"(cuda:0 to cuda:{count - 1}); pick one of them, or leave device unset for LOCAL_RANK's")
+            raise ValueError(
+                f"device={str(device)!r} but this process sees {count} CUDA device(s) "
+                f"(cuda:0 to cuda:{count - 1}); pick one of them, or leave device unset for LOCAL_RANK's"
+            )
     elif device.type != "cpu":
         raise ValueError(f"device={str(device)!r}: shardtrain runs on 'cuda' or 'cpu'")
     return device
@@ -64,8 +66,9 @@ def resolve_groups(strategy: Strategy, *, process_group, mesh, device: torch.dev
     if not strategy.is_hybrid:
         if mesh is not None:
             raise ValueError(f"mesh={mesh!r} is only used by hybrid_shard; drop it or use strategy='hybrid_shard'")
-        return DataParallelGroups(shard=world_group, replicate=None,
-                                  mesh=DeviceMesh.from_group(world_group, device.type))
+        return DataParallelGroups(
+            shard=world_group, replicate=None, mesh=DeviceMesh.from_group(world_group, device.type)
+        )
     if isinstance(mesh, DeviceMesh):
         if mesh.ndim != 2:
             raise ValueError(f"hybrid_shard needs a 2-D DeviceMesh (replicate, shard), got {mesh.ndim}-D")
@@ -82,14 +85,16 @@ def _hybrid_groups(world_group, mesh, device: torch.device) -> DataParallelGroup
         raise ValueError(f"mesh={mesh!r}: use (replicate_size, shard_size) or a 2-D DeviceMesh")
     replicate_size, shard_size = mesh
     if replicate_size * shard_size != world:
-        raise ValueError(f"mesh={mesh!r}: replicate_size * shard_size = {replicate_size * shard_size} "
-                         f"must equal the world size {world}")
+        raise ValueError(
+            f"mesh={mesh!r}: replicate_size * shard_size = {replicate_size * shard_size} "
+            f"must equal the world size {world}"
+        )
     ranks = dist.get_process_group_ranks(world_group)
     my = dist.get_rank()
     shard_group = replicate_group = None
     # Note: every rank must create every subgroup, in the same order.
     for r in range(replicate_size):
-        members = ranks[r * shard_size:(r + 1) * shard_size]
+        members = ranks[r * shard_size : (r + 1) * shard_size]
         group = subgroup(members, parent=world_group)
         if my in members:
             shard_group = group
@@ -100,8 +105,9 @@ def _hybrid_groups(world_group, mesh, device: torch.device) -> DataParallelGroup
             replicate_group = group
     # Rank (i, j) of the mesh is replica i's j-th shard rank: this rank's row is its shard group.
     grid = torch.tensor(ranks, dtype=torch.int64).view(replicate_size, shard_size)
-    device_mesh = DeviceMesh.from_group([replicate_group, shard_group], device.type, mesh=grid,
-                                        mesh_dim_names=("replicate", "shard"))
+    device_mesh = DeviceMesh.from_group(
+        [replicate_group, shard_group], device.type, mesh=grid, mesh_dim_names=("replicate", "shard")
+    )
     return DataParallelGroups(shard=shard_group, replicate=replicate_group, mesh=device_mesh)
 
 

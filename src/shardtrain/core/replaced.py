@@ -45,11 +45,14 @@ def rebind(optimizer: torch.optim.Optimizer) -> None:
                 continue
             new, name = entry[0](), entry[1]
             if new is None:
-                raise ValueError(f"the optimizer holds parameter {name!r} of a sharded model that no longer exists; "
-                                 "build the optimizer from the live model's parameters()")
+                raise ValueError(
+                    f"the optimizer holds parameter {name!r} of a sharded model that no longer exists; "
+                    "build the optimizer from the live model's parameters()"
+                )
             if p in optimizer.state:
                 raise ValueError(
                     f"the optimizer already stepped on parameter {name!r} as it was before st.shard; its state cannot "
-                    "be moved onto the sharded parameter. Build the optimizer after st.shard, from model.parameters()")
+                    "be moved onto the sharded parameter. Build the optimizer after st.shard, from model.parameters()"
+                )
             rebound.append(new)
         group["params"] = rebound

@@ -45,9 +45,17 @@ class TrainingState(enum.Enum):
 
 
 class Runtime:
-    def __init__(self, *, strategy: Strategy, comm: UnitComm, prefetch: int, cast_inputs_to: torch.dtype | None,
-                 control_group: dist.ProcessGroup | None, order_group: dist.ProcessGroup | None,
-                 pinned: PinnedBuffers | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        strategy: Strategy,
+        comm: UnitComm,
+        prefetch: int,
+        cast_inputs_to: torch.dtype | None,
+        control_group: dist.ProcessGroup | None,
+        order_group: dist.ProcessGroup | None,
+        pinned: PinnedBuffers | None = None,
+    ) -> None:
         self.strategy = strategy
         self.pinned = pinned  # host buffers of the offloaded units (None: nothing offloaded)
         self.comm = comm
@@ -65,8 +73,11 @@ class Runtime:
         self._last_reduce: Pending | None = None
         self._deferred: tuple[ShardUnit, list] | None = None
         # None: nothing to compare (one rank, or SHARDTRAIN_CHECK_ORDER=0)
-        self.order = OrderCheck(group=order_group, unit_name=lambda i: self.units[i].label, slots=2 + prefetch) \
-            if order_group is not None else None
+        self.order = (
+            OrderCheck(group=order_group, unit_name=lambda i: self.units[i].label, slots=2 + prefetch)
+            if order_group is not None
+            else None
+        )
 
     @property
     def root(self) -> ShardUnit:
@@ -131,8 +142,8 @@ class Runtime:
         fwd = [u for u in self._forward_order if isinstance(u, GatheredUnit)]
         bwd = [u for u in reversed(self._post_forward_order) if isinstance(u, GatheredUnit)]
         depth = self.prefetch
-        self._next_forward = {u.index: fwd[i + 1:i + 1 + depth] for i, u in enumerate(fwd)}
-        self._next_backward = {u.index: bwd[i + 1:i + 1 + depth] for i, u in enumerate(bwd)}
+        self._next_forward = {u.index: fwd[i + 1 : i + 1 + depth] for i, u in enumerate(fwd)}
+        self._next_backward = {u.index: bwd[i + 1 : i + 1 + depth] for i, u in enumerate(bwd)}
         self._order_recorded = True
 
     @torch._dynamo.disable
@@ -219,7 +230,7 @@ class Runtime:
         out, i = [], 0
         for unit in self.units:
             n = len(unit.used)
-            out.append(flat[i:i + n])
+            out.append(flat[i : i + n])
             i += n
         return out
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -58,15 +58,21 @@ def shard_module(
 
     plan = partition(model, wrap)
     offloaded = offload_policy.select(s.numel for s in plan.units) if offload_policy else [False] * len(plan.units)
-    ac_paths = matching_paths(model, activation_checkpointing, what="activation_checkpointing") \
-        if activation_checkpointing is not None else set()
+    ac_paths = (
+        matching_paths(model, activation_checkpointing, what="activation_checkpointing")
+        if activation_checkpointing is not None
+        else set()
+    )
     modules = dict(model.named_modules())
     apply_activation_checkpointing([modules[p] if p else model for p in sorted(ac_paths)])
 
     runtime = Runtime(
-        strategy=strategy, comm=comm, prefetch=prefetch,
+        strategy=strategy,
+        comm=comm,
+        prefetch=prefetch,
         cast_inputs_to=precision.param_dtype if precision.cast_forward_inputs else None,
-        control_group=control_group(process_group), order_group=order_group(process_group),
+        control_group=control_group(process_group),
+        order_group=order_group(process_group),
         pinned=PinnedBuffers() if any(offloaded) else None,
     )
     occurrences = {id(p): occ for spec in plan.units for p, occ in zip(spec.params, spec.occurrences)}
@@ -75,23 +81,48 @@ def shard_module(
     broadcast_group = (process_group or dist.group.WORLD) if sync_module_states else None
     for index, spec in enumerate(plan.units):
         originals = list(spec.params)
-        materializer.materialize(_scope_modules(spec, unit_modules) + [o.module for occ in spec.occurrences for o in occ])
+        materializer.materialize(
+            _scope_modules(spec, unit_modules) + [o.module for occ in spec.occurrences for o in occ]
+        )
         tensors = current_tensors(spec)
-        layout = layout_of_unit([(occ[0].fqn, tuple(o.fqn for o in occ[1:]), t) for occ, t in zip(spec.occurrences, tensors)],
-                                world=comm.shard_world, precision=precision)
+        layout = layout_of_unit(
+            [(occ[0].fqn, tuple(o.fqn for o in occ[1:]), t) for occ, t in zip(spec.occurrences, tensors)],
+            world=comm.shard_world,
+            precision=precision,
+        )
         behaviour = UnitBehaviour(
             # Note: the root too: re-gathering it at the start of backward cost nothing measurable,
             # and holding it would add its whole size to the activation peak.
-            reshard_after_forward=strategy.reshard_after_forward, resident=strategy.keeps_params_resident,
-            reduce_dtype=precision.reduce_dtype, offload=offloaded[index])
+            reshard_after_forward=strategy.reshard_after_forward,
+            resident=strategy.keeps_params_resident,
+            reduce_dtype=precision.reduce_dtype,
+            offload=offloaded[index],
+        )
         shards = cut_shards(layout, tensors, rank=comm.shard_rank, device=device, broadcast_group=broadcast_group)
         if behaviour.offload:
             shards = [runtime.pinned.empty(s.shape, s.dtype).copy_(s) for s in shards]
-        buffers = [FlatBuffers(group=group, members=[layout.params[i] for i in group.members], shard=s,
-                               device=device, rank=comm.shard_rank, world=comm.shard_world, offload=behaviour.offload)
-                   for group, s in zip(layout.groups, shards)]
-        common = dict(index=index, name=spec.name, layout=layout, buffers=buffers, comm=comm, behaviour=behaviour,
-                      runtime=runtime, factory=factory)
+        buffers = [
+            FlatBuffers(
+                group=group,
+                members=[layout.params[i] for i in group.members],
+                shard=s,
+                device=device,
+                rank=comm.shard_rank,
+                world=comm.shard_world,
+                offload=behaviour.offload,
+            )
+            for group, s in zip(layout.groups, shards)
+        ]
+        common = dict(
+            index=index,
+            name=spec.name,
+            layout=layout,
+            buffers=buffers,
+            comm=comm,
+            behaviour=behaviour,
+            runtime=runtime,
+            factory=factory,
+        )
         unit: ShardUnit
         if runs_sharded_lookup(spec, world=comm.shard_world, behaviour=behaviour):
             unit = LookupUnit(module=spec.module, **common)
@@ -130,8 +161,9 @@ def _register_params(occurrences: list[list[Occurrence]], params: list[nn.Parame
             o.module._parameters[o.attr] = p
 
 
-def _place_buffers(model: nn.Module, device: torch.device, buffer_dtype: torch.dtype | None,
-                   broadcast_group: dist.ProcessGroup | None) -> None:
+def _place_buffers(
+    model: nn.Module, device: torch.device, buffer_dtype: torch.dtype | None, broadcast_group: dist.ProcessGroup | None
+) -> None:
     paths = {id(m): path for path, m in model.named_modules()}
     for module in model.modules():
         for name, buf in module._buffers.items():
@@ -139,8 +171,10 @@ def _place_buffers(model: nn.Module, device: torch.device, buffer_dtype: torch.d
                 continue
             if buf.is_meta:
                 where = paths.get(id(module)) or "<root>"
-                raise ValueError(f"buffer {name!r} of {type(module).__name__} at '{where}' is still on the meta device; "
-                                 "give the module a reset_parameters() that fills it, or pass param_init_fn")
+                raise ValueError(
+                    f"buffer {name!r} of {type(module).__name__} at '{where}' is still on the meta device; "
+                    "give the module a reset_parameters() that fills it, or pass param_init_fn"
+                )
             new = buf.to(device)
             if buffer_dtype is not None and new.is_floating_point():
                 new = new.to(buffer_dtype)

@@ -14,8 +14,9 @@ runtime drives both through `begin_compute`, `end_forward` and `end_backward`.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -44,8 +45,18 @@ class ShardUnit(ABC):
 
     gathers = True  # whether the unit all-gathers its parameters (and so takes a prefetch slot)
 
-    def __init__(self, *, index: int, name: str, layout: UnitLayout, buffers: list[FlatBuffers], comm: UnitComm,
-                 behaviour: UnitBehaviour, runtime: Runtime, factory: ParamFactory) -> None:
+    def __init__(
+        self,
+        *,
+        index: int,
+        name: str,
+        layout: UnitLayout,
+        buffers: list[FlatBuffers],
+        comm: UnitComm,
+        behaviour: UnitBehaviour,
+        runtime: Runtime,
+        factory: ParamFactory,
+    ) -> None:
         self.index = index
         self.name = name
         self.layout = layout
@@ -60,7 +71,8 @@ class ShardUnit(ABC):
             for k, i in enumerate(buf.group.members):
                 self.where[i] = (g, k)
         self.params: list[nn.Parameter] = [
-            factory.parameter(buffers[g].held(k), shard) for shard, (g, k) in zip(layout.params, self.where)]
+            factory.parameter(buffers[g].held(k), shard) for shard, (g, k) in zip(layout.params, self.where)
+        ]
         self.any_requires_grad = any(s.requires_grad for s in layout.params)
         self._anchor = torch.empty(0, device=self.device, requires_grad=True)
         self._grads: list[torch.Tensor | None] = [None] * len(layout.params)  # what `.grad` is when published
@@ -98,8 +110,9 @@ class ShardUnit(ABC):
         """Reduce each group's rank-major gradient `flat` into its sharded gradient, asynchronously."""
         for g, flat in flats:
             buf = self.buffers[g]
-            pending = self.comm.reduce_gradient(flat, reduce_dtype=self.reduce_dtype(buf), cut=buf.group.sharded,
-                                                accumulate=self._receiver(g))
+            pending = self.comm.reduce_gradient(
+                flat, reduce_dtype=self.reduce_dtype(buf), cut=buf.group.sharded, accumulate=self._receiver(g)
+            )
             self.runtime.track_reduce(self, pending)
 
     def take_reduced(self, g: int, shard_grad: torch.Tensor) -> None:
@@ -197,5 +210,9 @@ class ShardUnit(ABC):
 
     def narrow_reduce(self, buf: FlatBuffers, g: int) -> bool:
         """Whether group `g`'s gradient crosses the wire in its compute dtype (comm.narrow_wire)."""
-        return (buf.group.sharded and self.runtime.sync_gradients and g not in self._accumulated
-                and self.comm.narrow_wire(buf.group.compute_dtype, self.reduce_dtype(buf)))
+        return (
+            buf.group.sharded
+            and self.runtime.sync_gradients
+            and g not in self._accumulated
+            and self.comm.narrow_wire(buf.group.compute_dtype, self.reduce_dtype(buf))
+        )

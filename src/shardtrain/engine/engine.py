@@ -13,21 +13,29 @@ import contextlib
 import random
 import sys
 import types
+from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..core.replaced import rebind
 from ..policy import is_auto, parse_cpu_offload, parse_mixed_precision, resolve_module_policy
 from ..strategy import parse_strategy
-from ..core.replaced import rebind
 from . import launch as _launch
+from .devices import (
+    RankInfo,
+    Topology,
+    join_process_group,
+    launched_externally,
+    mark_failed,
+    rank_info_from_env,
+    resolve_topology,
+)
 from .lifeline import die_with_launcher
-from .devices import (RankInfo, Topology, join_process_group, launched_externally, mark_failed, rank_info_from_env,
-                      resolve_topology)
 
 
 class Engine:
@@ -176,7 +184,9 @@ class Engine:
 
         unknown = set(overrides) - set(self._shard_kwargs)
         if unknown:
-            raise TypeError(f"Engine.setup got unknown settings {sorted(unknown)}; it accepts {sorted(self._shard_kwargs)}")
+            raise TypeError(
+                f"Engine.setup got unknown settings {sorted(unknown)}; it accepts {sorted(self._shard_kwargs)}"
+            )
         shard(model, device=self.device, **{**self._shard_kwargs, **overrides})
         if self._compile:
             from ..ops.compile import compile_blocks
@@ -185,16 +195,20 @@ class Engine:
         fp16 = self._mixed_precision.param_dtype is torch.float16
         if optimizer is None:
             if fp16:
-                raise ValueError("precision='16-mixed' needs the optimizer at setup, so that its step() goes "
-                                 "through the loss scaler: call engine.setup(model, optimizer)")
+                raise ValueError(
+                    "precision='16-mixed' needs the optimizer at setup, so that its step() goes "
+                    "through the loss scaler: call engine.setup(model, optimizer)"
+                )
             return model
         rebind(optimizer)
         owned = {id(p) for p in model.parameters()}
         foreign = [tuple(p.shape) for group in optimizer.param_groups for p in group["params"] if id(p) not in owned]
         if foreign:
-            raise ValueError(f"the optimizer holds {len(foreign)} parameter(s) (shapes {foreign[:3]}) that are not a "
-                             "parameter of the model given to Engine.setup; build the optimizer from that model's "
-                             "parameters")
+            raise ValueError(
+                f"the optimizer holds {len(foreign)} parameter(s) (shapes {foreign[:3]}) that are not a "
+                "parameter of the model given to Engine.setup; build the optimizer from that model's "
+                "parameters"
+            )
         if fp16:
             from ..ops.grad_scaler import GradScaler
 

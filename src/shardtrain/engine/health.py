@@ -90,8 +90,10 @@ def explain(error: BaseException, *, timeout_s: float | None) -> str | None:
         first = min(failed, key=lambda r: failed[r]["time"])
         return f"rank {first} failed: {failed[first]['message']}"
     if any(sign in text for sign in _PEER_GONE):
-        return ("a peer rank exited without reporting an error (killed, out of memory, or a crash outside Python): "
-                + text.splitlines()[0][:200])
+        return (
+            "a peer rank exited without reporting an error (killed, out of memory, or a crash outside Python): "
+            + text.splitlines()[0][:200]
+        )
     return None
 
 
@@ -104,8 +106,13 @@ def _laggards(others: list[int], timeout_s: float | None) -> str | None:
     now = time.time()
     where = "; ".join(
         f"rank {r} last reported step {beats[r]['step']} ({beats[r]['phase']}) {now - beats[r]['time']:.1f} s ago"
-        if r in beats else f"rank {r} never reported a heartbeat" for r in behind)
+        if r in beats
+        else f"rank {r} never reported a heartbeat"
+        for r in behind
+    )
     names = ", ".join(map(str, behind))
     limit = f"engine.timeout={timeout_s:g}s" if timeout_s is not None else "the collective timeout"
-    return (f"rank{'s' if len(behind) > 1 else ''} {names} did not arrive at a collective within {limit} ({where}); "
-            "it is stuck outside the collectives or slow: raise --engine.timeout if it is only slow")
+    return (
+        f"rank{'s' if len(behind) > 1 else ''} {names} did not arrive at a collective within {limit} ({where}); "
+        "it is stuck outside the collectives or slow: raise --engine.timeout if it is only slow"
+    )

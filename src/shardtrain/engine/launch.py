@@ -19,7 +19,8 @@ import contextlib
 import logging
 import sys
 import uuid
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from .lifeline import mark_launcher
 
@@ -93,8 +94,9 @@ def relaunch_script(*, nprocs: int) -> int:
             elastic_launch(_launch_config(nprocs), sys.executable)(*command)
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
-        print(f"launcher: rank {rank} exited with code {failure.exitcode}; the other ranks were stopped",
-              file=sys.stderr)
+        print(
+            f"launcher: rank {rank} exited with code {failure.exitcode}; the other ranks were stopped", file=sys.stderr
+        )
         return failure.exitcode if failure.exitcode > 0 else 1
     except SignalException as exc:
         return 128 + int(exc.sigval)

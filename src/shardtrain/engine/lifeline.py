@@ -69,8 +69,11 @@ def _alive(pid: int) -> bool:
 
 def _exit(launcher: int) -> None:
     try:
-        print(f"rank {os.environ.get('RANK', '?')} (pid {os.getpid()}): its launcher (pid {launcher}) is gone; "
-              "exiting", file=sys.stderr, flush=True)
+        print(
+            f"rank {os.environ.get('RANK', '?')} (pid {os.getpid()}): its launcher (pid {launcher}) is gone; exiting",
+            file=sys.stderr,
+            flush=True,
+        )
     except (OSError, ValueError):
         pass  # the launcher's end of stderr may be gone too
     os._exit(1)

@@ -12,8 +12,21 @@ from torch import nn
 
 from .llama_config import LLAMA_SIZES, LlamaConfig, flops_per_token, llama_config, splits_embedding
 
-__all__ = ["LLAMA_SIZES", "SHARD_UNITS", "Block", "Embedding", "Llama", "LlamaConfig", "OutputHead", "RMSNorm",
-           "default_units", "flops_per_token", "llama_config", "rotary_tables", "splits_embedding"]
+__all__ = [
+    "LLAMA_SIZES",
+    "SHARD_UNITS",
+    "Block",
+    "Embedding",
+    "Llama",
+    "LlamaConfig",
+    "OutputHead",
+    "RMSNorm",
+    "default_units",
+    "flops_per_token",
+    "llama_config",
+    "rotary_tables",
+    "splits_embedding",
+]
 
 
 class Embedding(nn.Embedding):
@@ -37,7 +50,9 @@ class RMSNorm(nn.Module):
 
 
 def rotary_tables(cfg: LlamaConfig, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, device=device, dtype=torch.float32) / cfg.head_dim))
+    inv = 1.0 / (
+        cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, device=device, dtype=torch.float32) / cfg.head_dim)
+    )
     t = torch.arange(cfg.max_seq_len, device=device, dtype=torch.float32)
     freqs = torch.outer(t, inv)
     return freqs.cos(), freqs.sin()
@@ -149,5 +164,3 @@ class Llama(nn.Module):
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = self(tokens)
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-
-

@@ -8,12 +8,12 @@ st.shard) is inside the compiled forward and recomputation is compiled too.
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Any
 
 from torch import nn
 
 from ..core.gathered import GatheredUnit
+from ..core.partition import repeated_blocks
 from ..core.shard import runtime_of
 
 
@@ -22,12 +22,12 @@ def compile_blocks(model: nn.Module, **compile_options: Any) -> list[str]:
     repeats, on every unit but the root. Returns the compiled units' names."""
     runtime = runtime_of(model)
     modules = dict(model.named_modules())
-    units = [u for u in runtime.units[1:] if isinstance(u, GatheredUnit)]
-    counts = Counter(type(_module_of(modules, u.name)) for u in units)
-    repeated = [u for u in units if counts[type(_module_of(modules, u.name))] > 1] or units
-    for unit in repeated:
-        _module_of(modules, unit.name).compile(**compile_options)
-    return [u.name for u in repeated]
+    units = {u.name: _module_of(modules, u.name) for u in runtime.units[1:] if isinstance(u, GatheredUnit)}
+    blocks = {id(m) for m in repeated_blocks(list(units.values()))}
+    compiled = [name for name, module in units.items() if id(module) in blocks]
+    for name in compiled:
+        units[name].compile(**compile_options)
+    return compiled
 
 
 def _module_of(modules: dict[str, nn.Module], name: str) -> nn.Module:

@@ -26,11 +26,13 @@ def _local_grads(model: nn.Module, *, for_norm: bool) -> list[torch.Tensor]:
         if not any(p.grad is not None for p in unit.params):
             continue
         if unit.owns_grads():
-            grads += [buf.grad for buf in unit.buffers
-                      if buf.grad is not None and (buf.group.sharded or counts_whole)]
+            grads += [buf.grad for buf in unit.buffers if buf.grad is not None and (buf.group.sharded or counts_whole)]
         else:
-            grads += [local_of(p.grad) for p, s in zip(unit.params, unit.layout.params)
-                      if p.grad is not None and (s.shape or counts_whole)]
+            grads += [
+                local_of(p.grad)
+                for p, s in zip(unit.params, unit.layout.params)
+                if p.grad is not None and (s.shape or counts_whole)
+            ]
     return grads
 
 
@@ -44,7 +46,7 @@ def _by_device(tensors: list[torch.Tensor]) -> dict[torch.device, list[torch.Ten
 def _powered_total(norms: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     """max of the norms (inf-norm), else the sum of their `norm_type` powers (one device)."""
     stacked = torch.stack([n.float() for n in norms])
-    return stacked.max() if math.isinf(norm_type) else (stacked ** norm_type).sum()
+    return stacked.max() if math.isinf(norm_type) else (stacked**norm_type).sum()
 
 
 def grad_norm(model: nn.Module, *, norm_type: float = 2.0) -> torch.Tensor:
@@ -55,8 +57,13 @@ def grad_norm(model: nn.Module, *, norm_type: float = 2.0) -> torch.Tensor:
     norm_type = float(norm_type)
     # Note: with (partial) offload some gradients are on the host; each device's norms are combined
     # where they live, then on the device, where the collective runs.
-    partial = torch.stack([_powered_total(torch._foreach_norm(on_one, norm_type), norm_type).to(device)
-                           for on_one in _by_device(grads).values()] or [torch.zeros((), device=device)])
+    partial = torch.stack(
+        [
+            _powered_total(torch._foreach_norm(on_one, norm_type), norm_type).to(device)
+            for on_one in _by_device(grads).values()
+        ]
+        or [torch.zeros((), device=device)]
+    )
     local = partial.max() if math.isinf(norm_type) else partial.sum()
     group = runtime.comm.shard
     if group is not None and runtime.comm.shard_world > 1:
@@ -65,8 +72,9 @@ def grad_norm(model: nn.Module, *, norm_type: float = 2.0) -> torch.Tensor:
     return local if math.isinf(norm_type) else local ** (1.0 / norm_type)
 
 
-def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0, *,
-                    error_if_nonfinite: bool = False) -> torch.Tensor:
+def clip_grad_norm_(
+    model: nn.Module, max_norm: float, norm_type: float = 2.0, *, error_if_nonfinite: bool = False
+) -> torch.Tensor:
     """Scale all gradients so that their global norm is at most `max_norm`; return the norm before."""
     for what, value in (("max_norm", max_norm), ("norm_type", norm_type)):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -75,8 +83,10 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0, *
         raise ValueError(f"clip_grad_norm_: max_norm={max_norm} must be positive")
     total = grad_norm(model, norm_type=norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
-        raise RuntimeError(f"clip_grad_norm_: the total gradient norm is {total.item()}; "
-                           "pass error_if_nonfinite=False to skip this check")
+        raise RuntimeError(
+            f"clip_grad_norm_: the total gradient norm is {total.item()}; "
+            "pass error_if_nonfinite=False to skip this check"
+        )
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for where, on_one in _by_device(_local_grads(model, for_norm=False)).items():
         torch._foreach_mul_(on_one, coef.to(where))

@@ -19,12 +19,26 @@ from ..core.sharded_param import local_of
 class GradScaler(torch.amp.GradScaler):
     """torch.amp.GradScaler whose inf/NaN verdict is agreed by all ranks of `process_group`."""
 
-    def __init__(self, device: str | None = None, *, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0,
-                 backoff_factor: float = 0.5, growth_interval: int = 2000, enabled: bool = True,
-                 process_group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        device: str | None = None,
+        *,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        super().__init__(device, init_scale=init_scale, growth_factor=growth_factor,
-                         backoff_factor=backoff_factor, growth_interval=growth_interval, enabled=enabled)
+        super().__init__(
+            device,
+            init_scale=init_scale,
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=growth_interval,
+            enabled=enabled,
+        )
         self.process_group = process_group
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
@@ -37,8 +51,9 @@ class GradScaler(torch.amp.GradScaler):
             for flag in found.values():
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group)
 
-    def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor,
-                        allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
+    def _unscale_grads_(
+        self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool
+    ) -> dict[torch.device, torch.Tensor]:
         """Unscale every gradient's local rows in place, one fused check per device and dtype; return the
         per-device inf/NaN flags (the contract of torch's GradScaler)."""
         grads: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(lambda: defaultdict(list))
@@ -48,8 +63,10 @@ class GradScaler(torch.amp.GradScaler):
                     continue
                 grad = local_of(param.grad)
                 if not allow_fp16 and grad.dtype == torch.float16:
-                    raise ValueError("st.GradScaler: gradients are fp16; keep fp32 master weights (the default "
-                                     "under mixed_precision='fp16') so that they can be unscaled")
+                    raise ValueError(
+                        "st.GradScaler: gradients are fp16; keep fp32 master weights (the default "
+                        "under mixed_precision='fp16') so that they can be unscaled"
+                    )
                 grads[grad.device][grad.dtype].append(grad)
         flags = {}
         with torch.no_grad():

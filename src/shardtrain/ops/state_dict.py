@@ -28,15 +28,15 @@ def gather_params(unit: ShardUnit, local: list[torch.Tensor] | None = None) -> l
             continue
         dtype = local[buf.group.members[0]].dtype
         chunk = torch.zeros(buf.group.shard_numel, dtype=dtype, device=unit.device)
-        for i, m, start in zip(buf.group.members, members, buf.group.shard_offsets):
+        for i, start in zip(buf.group.members, buf.group.shard_offsets):
             rows = local[i].reshape(-1)
-            chunk[start:start + rows.numel()].copy_(rows)
+            chunk[start : start + rows.numel()].copy_(rows)
         every = torch.empty(buf.world * buf.group.shard_numel, dtype=dtype, device=unit.device)
         all_gather_tensor(every, chunk, group=unit.comm.shard)
         by_rank = every.view(buf.world, buf.group.shard_numel)
         for i, m, start in zip(buf.group.members, members, buf.group.shard_offsets):
-            whole = by_rank[:, start:start + m.local_numel].reshape(m.padded_rows, *m.shape[1:])
-            out[i] = whole[:m.rows]
+            whole = by_rank[:, start : start + m.local_numel].reshape(m.padded_rows, *m.shape[1:])
+            out[i] = whole[: m.rows]
     return out
 
 
@@ -88,8 +88,10 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], 
             if value is not None and tuple(value.shape) != shard.shape:
                 mis_shaped.append(f"{shard.fqn}: checkpoint {tuple(value.shape)} vs model {shard.shape}")
     if strict and (missing or unexpected or mis_shaped):
-        raise ValueError(f"state dict does not match the model: missing {missing}, unexpected {unexpected}, "
-                         f"mis-shaped {mis_shaped}; pass strict=False to load the matching part")
+        raise ValueError(
+            f"state dict does not match the model: missing {missing}, unexpected {unexpected}, "
+            f"mis-shaped {mis_shaped}; pass strict=False to load the matching part"
+        )
     with torch.no_grad():
         for unit in runtime.units:
             rank = unit.comm.shard_rank

@@ -29,10 +29,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..policy import MixedPrecision, parse_cpu_offload, parse_mixed_precision
-from ..strategy import Strategy, parse_strategy
 from ..core.layout import layout_of_unit
 from ..core.partition import partition
+from ..policy import MixedPrecision, parse_cpu_offload, parse_mixed_precision
+from ..strategy import Strategy, parse_strategy
 
 _NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
 _LOW = (torch.bfloat16, torch.float16)
@@ -66,8 +66,15 @@ class UnitPrecision:
 
     def cells(self) -> tuple[str, ...]:
         buffers = "/".join(dtype_name(d) for d in self.buffer_dtypes) or "-"
-        return (dtype_name(self.stored), dtype_name(self.compute), dtype_name(self.grad), dtype_name(self.reduce),
-                dtype_name(self.sharded_grad), dtype_name(self.optimizer_state), buffers)
+        return (
+            dtype_name(self.stored),
+            dtype_name(self.compute),
+            dtype_name(self.grad),
+            dtype_name(self.reduce),
+            dtype_name(self.sharded_grad),
+            dtype_name(self.optimizer_state),
+            buffers,
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,8 +100,10 @@ class PrecisionAudit:
             return f"all-reduce of gradients in {reduce}; no all-gather"
         trained = [u for u in self.units if u.reduce is not None]
         if trained and trained[0].compute.itemsize < trained[0].reduce.itemsize:  # Groups.narrow_wire
-            reduction = (f"gradients exchanged in {gather} (all-to-all) and summed in {reduce} on arrival "
-                         f"(a reduce-scatter in {reduce} when accumulated under no_sync)")
+            reduction = (
+                f"gradients exchanged in {gather} (all-to-all) and summed in {reduce} on arrival "
+                f"(a reduce-scatter in {reduce} when accumulated under no_sync)"
+            )
         else:
             reduction = f"reduce-scatter of gradients in {reduce}"
         if s is Strategy.OPTIMIZER_ONLY:
@@ -109,9 +118,11 @@ class PrecisionAudit:
         total = self.unit_count or len(self.units)
         if self.offloaded_units and len(self.offloaded_units) < total:
             names = ", ".join(self.offloaded_units)
-            return (f"host (CPU offload) for {len(self.offloaded_units)} of {total} units ({names}): "
-                    "stored shard, its gradient and the optimizer state; device: the other units' state, "
-                    "and unsharded copies")
+            return (
+                f"host (CPU offload) for {len(self.offloaded_units)} of {total} units ({names}): "
+                "stored shard, its gradient and the optimizer state; device: the other units' state, "
+                "and unsharded copies"
+            )
         if self.cpu_offload:
             return "host (CPU offload): stored shard, its gradient and the optimizer state; device: unsharded copies"
         if self.strategy.keeps_params_resident:
@@ -124,12 +135,18 @@ class PrecisionAudit:
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
 
         def line(cells: tuple[str, ...]) -> str:
-            return "  ".join([cells[0].ljust(widths[0]), cells[1].rjust(widths[1])]
-                             + [c.ljust(w) for c, w in zip(cells[2:], widths[2:])]).rstrip()
+            return "  ".join(
+                [cells[0].ljust(widths[0]), cells[1].rjust(widths[1])]
+                + [c.ljust(w) for c, w in zip(cells[2:], widths[2:])]
+            ).rstrip()
 
-        out = [f"precision audit: {self.model}, {self.strategy.value}",
-               f"communication: {self.communication}", f"placement: {self.placement}",
-               line(header), "-" * len(line(header))]
+        out = [
+            f"precision audit: {self.model}, {self.strategy.value}",
+            f"communication: {self.communication}",
+            f"placement: {self.placement}",
+            line(header),
+            "-" * len(line(header)),
+        ]
         out += [line(r) for r in rows]
         out += [f"note: {n}" for n in self.notes]
         return "\n".join(out)
@@ -141,8 +158,9 @@ def _owner(path: str, unit_paths: set[str]) -> str:
     return path
 
 
-def _buffers_by_unit(model: nn.Module, unit_paths: set[str], buffer_dtype: torch.dtype | None
-                     ) -> dict[str, list[tuple[str, torch.dtype]]]:
+def _buffers_by_unit(
+    model: nn.Module, unit_paths: set[str], buffer_dtype: torch.dtype | None
+) -> dict[str, list[tuple[str, torch.dtype]]]:
     out: dict[str, list[tuple[str, torch.dtype]]] = {path: [] for path in unit_paths}
     for path, module in model.named_modules():
         for name, buf in module._buffers.items():
@@ -158,26 +176,39 @@ def _notes(units: tuple[UnitPrecision, ...], precision: MixedPrecision) -> list[
     stored = {u.stored for u in units if u.grad is not None}
     computes = {u.compute for u in units}
     if stored & set(_LOW):
-        notes.append(f"trainable parameters are stored in {'/'.join(dtype_name(d) for d in stored & set(_LOW))}: "
-                     "the optimizer updates low-precision weights with no fp32 master copy; pass "
-                     "mixed_precision='bf16' to keep fp32 masters and compute in bf16")
+        notes.append(
+            f"trainable parameters are stored in {'/'.join(dtype_name(d) for d in stored & set(_LOW))}: "
+            "the optimizer updates low-precision weights with no fp32 master copy; pass "
+            "mixed_precision='bf16' to keep fp32 masters and compute in bf16"
+        )
     if torch.float16 in computes:
-        notes.append("fp16 gradients under- and overflow without loss scaling: step through st.GradScaler "
-                     "(the Engine refuses fp16; use bf16 there)")
+        notes.append(
+            "fp16 gradients under- and overflow without loss scaling: step through st.GradScaler "
+            "(the Engine refuses fp16; use bf16 there)"
+        )
     if precision.reduce_dtype in _LOW:
-        notes.append(f"gradients are summed across ranks in {dtype_name(precision.reduce_dtype)}: cheaper "
-                     "communication, but the sum loses precision as ranks grow; reduce_dtype=torch.float32 avoids it")
+        notes.append(
+            f"gradients are summed across ranks in {dtype_name(precision.reduce_dtype)}: cheaper "
+            "communication, but the sum loses precision as ranks grow; reduce_dtype=torch.float32 avoids it"
+        )
     if precision.param_dtype is not None and precision.cast_forward_inputs:
         notes.append(f"floating inputs of each unit's forward are cast to {dtype_name(precision.param_dtype)}")
     kept = [u.name or "<root>" for u in units if any(d not in computes for d in u.buffer_dtypes)]
     if kept and precision.buffer_dtype is None and precision.param_dtype is not None:
-        notes.append(f"buffers of {', '.join(kept)} stay as built (no buffer_dtype), not "
-                     f"{dtype_name(precision.param_dtype)}")
+        notes.append(
+            f"buffers of {', '.join(kept)} stay as built (no buffer_dtype), not {dtype_name(precision.param_dtype)}"
+        )
     return notes
 
 
-def audit_precision(model: nn.Module, *, wrap: Any = None, strategy: Any = "full_shard",
-                    mixed_precision: Any = None, cpu_offload: Any = False) -> PrecisionAudit:
+def audit_precision(
+    model: nn.Module,
+    *,
+    wrap: Any = None,
+    strategy: Any = "full_shard",
+    mixed_precision: Any = None,
+    cpu_offload: Any = False,
+) -> PrecisionAudit:
     """The dtype of parameters, gradients, reductions, optimizer state and buffers of each unit.
 
     Takes the arguments of `st.shard` (any device, the meta device included; no process group) and
@@ -200,19 +231,29 @@ def audit_precision(model: nn.Module, *, wrap: Any = None, strategy: Any = "full
             trains = bool(group and group.trainable)
             stored = group.dtype if group else torch.float32
             name = spec.name if len(groups) <= 1 else f"{spec.name or '<root>'} [{k + 1}/{len(groups)}]"
-            units.append(UnitPrecision(
-                name=name, params=sum(m.numel for m in members), stored=stored,
-                compute=group.compute_dtype if group else stored,
-                grad=group.compute_dtype if trains else None,
-                reduce=(precision.reduce_dtype or stored) if trains else None,
-                sharded_grad=stored if trains else None,
-                optimizer_state=stored if trains else None,
-                buffers=tuple(buffers[spec.name]) if k == 0 else (),
-            ))
+            units.append(
+                UnitPrecision(
+                    name=name,
+                    params=sum(m.numel for m in members),
+                    stored=stored,
+                    compute=group.compute_dtype if group else stored,
+                    grad=group.compute_dtype if trains else None,
+                    reduce=(precision.reduce_dtype or stored) if trains else None,
+                    sharded_grad=stored if trains else None,
+                    optimizer_state=stored if trains else None,
+                    buffers=tuple(buffers[spec.name]) if k == 0 else (),
+                )
+            )
         if on:
             offloaded.append(spec.name or "<root>")
     units = tuple(units)
-    return PrecisionAudit(model=type(model).__name__, strategy=strategy, precision=precision,
-                          cpu_offload=offload_policy is not None, units=units,
-                          notes=tuple(_notes(units, precision)) + parts.notes,
-                          offloaded_units=tuple(offloaded), unit_count=len(parts.units))
+    return PrecisionAudit(
+        model=type(model).__name__,
+        strategy=strategy,
+        precision=precision,
+        cpu_offload=offload_policy is not None,
+        units=units,
+        notes=tuple(_notes(units, precision)) + parts.notes,
+        offloaded_units=tuple(offloaded),
+        unit_count=len(parts.units),
+    )

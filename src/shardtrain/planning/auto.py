@@ -20,23 +20,21 @@ micro-batch, so only the strategy, checkpointing and offload are chosen, and the
 
 from __future__ import annotations
 
-import os
-from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import torch
 from torch import nn
 
 from ..policy import CPUOffload
 from ..strategy import Strategy
 from .candidates import Candidate, batch_splits, evaluate, offload_label, parse_strategies
+from .checkpointing import checkpoint_policy
 from .estimate import MemoryEstimate, estimate_memory, positive_int
 from .explain import explain
+from .machine import local_device_memory, local_processes
 from .report import checkpointing_label
 from .sizes import format_gib, parse_bytes
 from .speed import StepTime, step_time
-from ..core.partition import matching_paths
 
 DEFAULT_STRATEGIES = ("full_shard", "shard_grad_op", "optimizer_only", "no_shard")
 SAFETY_MARGIN = 0.05  # covers the estimator's error against measured peaks (module docstring)
@@ -65,14 +63,25 @@ class AutoChoice:
     estimate: MemoryEstimate = field(repr=False)
     runners_up: tuple[Candidate, ...] = field(default=(), repr=False)  # next fastest that fit, in order
 
-    def alternatives(self) -> list["AutoChoice"]:
+    def alternatives(self) -> list[AutoChoice]:
         """This choice, then each runner-up as a choice of its own (what timed trials compare)."""
-        return [self] + [replace(
-            self, strategy=c.strategy, checkpoint_every=c.checkpoint_every, checkpointed_blocks=c.checkpointed_blocks,
-            cpu_offload=c.cpu_offload, micro_batch=c.micro_batch, grad_accum=c.grad_accum, predicted_bytes=c.needed,
-            step_time=c.time, estimate=c.estimate, runners_up=(),
-            reasons=(f"runner-up {rank} of the prediction: step time {c.time.relative:.3f} x the ideal",),
-        ) for rank, c in enumerate(self.runners_up, start=1)]
+        return [self] + [
+            replace(
+                self,
+                strategy=c.strategy,
+                checkpoint_every=c.checkpoint_every,
+                checkpointed_blocks=c.checkpointed_blocks,
+                cpu_offload=c.cpu_offload,
+                micro_batch=c.micro_batch,
+                grad_accum=c.grad_accum,
+                predicted_bytes=c.needed,
+                step_time=c.time,
+                estimate=c.estimate,
+                runners_up=(),
+                reasons=(f"runner-up {rank} of the prediction: step time {c.time.relative:.3f} x the ideal",),
+            )
+            for rank, c in enumerate(self.runners_up, start=1)
+        ]
 
     @property
     def relative_step_time(self) -> float:
@@ -87,99 +96,99 @@ class AutoChoice:
     def shard_kwargs(self, model: nn.Module, *, wrap: Any) -> dict[str, Any]:
         """strategy, activation_checkpointing and cpu_offload for `st.shard(model, wrap=wrap, ...)`."""
         offload = CPUOffload(fraction=self.cpu_offload) if 0 < self.cpu_offload < 1 else bool(self.cpu_offload)
-        return {"strategy": self.strategy, "cpu_offload": offload,
-                "activation_checkpointing": checkpoint_policy(model, wrap=wrap, every=self.checkpoint_every)}
+        return {
+            "strategy": self.strategy,
+            "cpu_offload": offload,
+            "activation_checkpointing": checkpoint_policy(model, wrap=wrap, every=self.checkpoint_every),
+        }
 
     def __str__(self) -> str:
         offload = offload_label(self.cpu_offload)
         checkpointing = checkpointing_label(self.checkpoint_every)
-        head = (f"automatic plan: {self.estimate.inputs.label}, activation checkpointing {checkpointing}{offload}, "
-                f"micro-batch {self.micro_batch} x {self.grad_accum} accumulation step{'s' * (self.grad_accum > 1)}, "
-                f"seq {self.seq_len}, "
-                f"{self.world_size} devices: {format_gib(self.predicted_bytes)} GiB of "
-                f"{format_gib(self.device_memory)} GiB, step time {self.relative_step_time:.3f} x the ideal")
+        head = (
+            f"automatic plan: {self.estimate.inputs.label}, activation checkpointing {checkpointing}{offload}, "
+            f"micro-batch {self.micro_batch} x {self.grad_accum} accumulation step{'s' * (self.grad_accum > 1)}, "
+            f"seq {self.seq_len}, "
+            f"{self.world_size} devices: {format_gib(self.predicted_bytes)} GiB of "
+            f"{format_gib(self.device_memory)} GiB, step time {self.relative_step_time:.3f} x the ideal"
+        )
         return "\n".join([head, *(f"- {r}" for r in self.reasons)])
 
 
-def checkpoint_policy(model: nn.Module, *, wrap: Any, every: bool | int) -> Any:
-    """The `activation_checkpointing=` policy for checkpointing 1 in `every` of the model's blocks.
-
-    The blocks are the modules `wrap` selects whose class occurs more than once among them (all of
-    them when none repeats): a wrap with the embedding and the output head as units of their own
-    (`models.llama.SHARD_UNITS`) does not checkpoint those — the head would recompute its large
-    matmul and a checkpointed embedding cannot look its rows up sharded. 0 / False: None; 1 / True:
-    every block; k >= 2: the blocks at positions 0, k, 2k, ... in module order (the blocks
-    estimate_memory counts for checkpoint_every=k).
-    """
-    if isinstance(every, bool):
-        every = int(every)
-    if not isinstance(every, int) or every < 0:
-        raise ValueError(f"activation checkpointing every={every!r}: use 0 / False (none), 1 / True (every block) "
-                         "or k >= 2 (1 block in k)")
-    if every == 0:
-        return None
-    paths = matching_paths(model, wrap, what="wrap")
-    selected = [m for path, m in model.named_modules() if path in paths]
-    blocks = _repeated_blocks(selected)
-    if every == 1 and len(blocks) == len(selected):
-        return wrap
-    chosen = {id(m) for m in blocks[::every]}
-
-    def checkpointed(module: nn.Module) -> bool:
-        return id(module) in chosen
-
-    return checkpointed
-
-
-def _repeated_blocks(modules: list[nn.Module]) -> list[nn.Module]:
-    """The modules whose class occurs more than once among `modules`; all of them when none repeats."""
-    counts = Counter(type(m) for m in modules)
-    return [m for m in modules if counts[type(m)] > 1] or modules
-
-
-def _sequences_per_rank(*, world_size: int, seq_len: int, global_batch_tokens: int | None,
-                        micro_batch: int | None, grad_accum: int) -> int:
+def _sequences_per_rank(
+    *, world_size: int, seq_len: int, global_batch_tokens: int | None, micro_batch: int | None, grad_accum: int
+) -> int:
     if global_batch_tokens is None:
         if micro_batch is None:
-            raise ValueError("no batch given: pass global_batch_tokens= (tokens per optimizer step over all devices) "
-                             "or micro_batch= (sequences per device per micro-step) with grad_accum=")
+            raise ValueError(
+                "no batch given: pass global_batch_tokens= (tokens per optimizer step over all devices) "
+                "or micro_batch= (sequences per device per micro-step) with grad_accum="
+            )
         return positive_int(micro_batch, "micro_batch") * positive_int(grad_accum, "grad_accum")
     if micro_batch is not None:
-        raise ValueError(f"global_batch_tokens={global_batch_tokens} and micro_batch={micro_batch} both give the "
-                         "batch; pass one of them")
+        raise ValueError(
+            f"global_batch_tokens={global_batch_tokens} and micro_batch={micro_batch} both give the "
+            "batch; pass one of them"
+        )
     per_rank, rest = divmod(positive_int(global_batch_tokens, "global_batch_tokens"), world_size * seq_len)
     if rest or not per_rank:
         unit = world_size * seq_len
-        raise ValueError(f"global_batch_tokens={global_batch_tokens:,} is not a multiple of world_size {world_size} x "
-                         f"seq_len {seq_len} = {unit:,} tokens; use {max(1, per_rank) * unit:,}")
+        raise ValueError(
+            f"global_batch_tokens={global_batch_tokens:,} is not a multiple of world_size {world_size} x "
+            f"seq_len {seq_len} = {unit:,} tokens; use {max(1, per_rank) * unit:,}"
+        )
     return per_rank
 
 
 def _smallest_needed(model: Any, *, world_size: int, seq_len: int, offload: bool, kwargs: dict[str, Any]) -> int:
-    e = estimate_memory(model, world_size=world_size, seq_len=seq_len, strategy="full_shard",
-                        activation_checkpointing=True, cpu_offload=offload, micro_batch=1, **kwargs)
+    e = estimate_memory(
+        model,
+        world_size=world_size,
+        seq_len=seq_len,
+        strategy="full_shard",
+        activation_checkpointing=True,
+        cpu_offload=offload,
+        micro_batch=1,
+        **kwargs,
+    )
     return e.total + e.reserve
 
 
-def _nothing_fits(model: Any, candidates: list[Candidate], *, world_size: int, seq_len: int, memory: int,
-                  usable: int, safety_margin: float, offload: bool, kwargs: dict[str, Any],
-                  host_usable: int | None = None) -> ValueError:
+def _nothing_fits(
+    model: Any,
+    candidates: list[Candidate],
+    *,
+    world_size: int,
+    seq_len: int,
+    memory: int,
+    usable: int,
+    safety_margin: float,
+    offload: bool,
+    kwargs: dict[str, Any],
+    host_usable: int | None = None,
+) -> ValueError:
     """What to change when no candidate fits: more devices, shorter sequences, or bigger devices."""
     smallest = min(candidates, key=lambda c: c.needed)
     remedies = []
     if host_usable is not None:
-        remedies.append(f"more host memory per process (offloading more of the model needs more than the "
-                        f"{format_gib(host_usable)} GiB usable here)")
+        remedies.append(
+            f"more host memory per process (offloading more of the model needs more than the "
+            f"{format_gib(host_usable)} GiB usable here)"
+        )
     for step in range(1, _SEARCH_STEPS + 1):
         world = world_size << step
         if _smallest_needed(model, world_size=world, seq_len=seq_len, offload=offload, kwargs=kwargs) <= usable:
-            remedies.append(f"use at least {world} devices (predicted to fit with full_shard, every block "
-                            f"checkpointed, micro-batch 1{', CPU offload' if offload else ''})")
+            remedies.append(
+                f"use at least {world} devices (predicted to fit with full_shard, every block "
+                f"checkpointed, micro-batch 1{', CPU offload' if offload else ''})"
+            )
             break
     for step in range(1, _SEARCH_STEPS + 1):
         seq = seq_len >> step
-        if seq and _smallest_needed(model, world_size=world_size, seq_len=seq, offload=offload,
-                                    kwargs=kwargs) <= usable:
+        if (
+            seq
+            and _smallest_needed(model, world_size=world_size, seq_len=seq, offload=offload, kwargs=kwargs) <= usable
+        ):
             remedies.append(f"shorten seq_len to {seq}")
             break
     remedies.append(f"use devices with at least {format_gib(smallest.needed / (1 - safety_margin))} GiB")
@@ -227,17 +236,29 @@ def choose_plan(
     memory = parse_bytes(device_memory, what="device_memory")
     if not 0 <= safety_margin < 1:
         raise ValueError(f"safety_margin={safety_margin!r} must be a fraction in [0, 1), e.g. 0.05")
-    sequences = _sequences_per_rank(world_size=world_size, seq_len=seq_len, global_batch_tokens=global_batch_tokens,
-                                    micro_batch=micro_batch, grad_accum=grad_accum)
+    sequences = _sequences_per_rank(
+        world_size=world_size,
+        seq_len=seq_len,
+        global_batch_tokens=global_batch_tokens,
+        micro_batch=micro_batch,
+        grad_accum=grad_accum,
+    )
     if split_batch:
         splits = batch_splits(sequences)
     else:
         splits = [(sequences, 1)] if micro_batch is None else [(micro_batch, grad_accum)]
     kwargs = dict(precision=precision, optimizer=optimizer, wrap=wrap, **shape_hints)
-    common = dict(world_size=world_size, strategies=parse_strategies(strategies), splits=splits, seq_len=seq_len,
-                  estimate_kwargs=kwargs)
+    common = dict(
+        world_size=world_size,
+        strategies=parse_strategies(strategies),
+        splits=splits,
+        seq_len=seq_len,
+        estimate_kwargs=kwargs,
+    )
     usable = int(memory * (1 - safety_margin))
-    host_usable = None if host_memory is None else int(parse_bytes(host_memory, what="host_memory") * (1 - safety_margin))
+    host_usable = (
+        None if host_memory is None else int(parse_bytes(host_memory, what="host_memory") * (1 - safety_margin))
+    )
     candidates = evaluate(model_spec, cpu_offload=0.0, **common)
     too_big_for_host = []  # offloaded configurations whose host share does not fit the host
     if allow_offload and all(c.needed > usable for c in candidates):
@@ -247,48 +268,75 @@ def choose_plan(
                 (candidates if fits_host else too_big_for_host).append(c)
     fits = [c for c in candidates if c.needed <= usable]
     if not fits:
-        raise _nothing_fits(model_spec, candidates, world_size=world_size, seq_len=seq_len, memory=memory,
-                            usable=usable, safety_margin=safety_margin, offload=allow_offload, kwargs=kwargs,
-                            host_usable=host_usable if too_big_for_host else None)
+        raise _nothing_fits(
+            model_spec,
+            candidates,
+            world_size=world_size,
+            seq_len=seq_len,
+            memory=memory,
+            usable=usable,
+            safety_margin=safety_margin,
+            offload=allow_offload,
+            kwargs=kwargs,
+            host_usable=host_usable if too_big_for_host else None,
+        )
     ranked = sorted(fits, key=lambda c: (c.time.total, c.needed))  # stable: ties keep the strategies' order
     best = ranked[0]
     spec = best.estimate.inputs.model
     baseline = None
     if spec.shape is not None:
-        baseline = step_time(model=spec, strategy=Strategy.FULL_SHARD, shard_size=world_size,
-                             checkpointed_blocks=spec.shape.n_layers, micro_batch=best.micro_batch,
-                             grad_accum=best.grad_accum, seq_len=seq_len)
-    reasons = explain(best=best, candidates=candidates, memory=memory, usable=usable, safety_margin=safety_margin,
-                      global_tokens=sequences * world_size * seq_len, fixed_batch=len(splits) == 1,
-                      baseline=baseline)
+        baseline = step_time(
+            model=spec,
+            strategy=Strategy.FULL_SHARD,
+            shard_size=world_size,
+            checkpointed_blocks=spec.shape.n_layers,
+            micro_batch=best.micro_batch,
+            grad_accum=best.grad_accum,
+            seq_len=seq_len,
+        )
+    reasons = explain(
+        best=best,
+        candidates=candidates,
+        memory=memory,
+        usable=usable,
+        safety_margin=safety_margin,
+        global_tokens=sequences * world_size * seq_len,
+        fixed_batch=len(splits) == 1,
+        baseline=baseline,
+    )
     return AutoChoice(
-        strategy=best.strategy, checkpoint_every=best.checkpoint_every, checkpointed_blocks=best.checkpointed_blocks,
-        cpu_offload=best.cpu_offload, micro_batch=best.micro_batch, grad_accum=best.grad_accum, seq_len=seq_len,
-        world_size=world_size, device_memory=memory, usable_memory=usable, predicted_bytes=best.needed,
-        step_time=best.time, reasons=reasons, estimate=best.estimate, runners_up=tuple(ranked[1:RUNNERS_UP + 1]),
+        strategy=best.strategy,
+        checkpoint_every=best.checkpoint_every,
+        checkpointed_blocks=best.checkpointed_blocks,
+        cpu_offload=best.cpu_offload,
+        micro_batch=best.micro_batch,
+        grad_accum=best.grad_accum,
+        seq_len=seq_len,
+        world_size=world_size,
+        device_memory=memory,
+        usable_memory=usable,
+        predicted_bytes=best.needed,
+        step_time=best.time,
+        reasons=reasons,
+        estimate=best.estimate,
+        runners_up=tuple(ranked[1 : RUNNERS_UP + 1]),
     )
 
 
-def local_device_memory(*, accelerator: str, processes: int) -> tuple[int, str]:
-    """Memory each of `processes` local processes may use, and where the number comes from.
-
-    CUDA: the first visible GPU's total memory. CPU: the host's physical memory split evenly between
-    the processes. Raises ValueError when the accelerator is CUDA and none is visible here.
-    """
-    if accelerator == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError("the run targets CUDA devices but none is visible here; give the device memory "
-                             "explicitly (e.g. device_memory='141GB', or --device-memory 141GB)")
-        props = torch.cuda.get_device_properties(0)
-        return props.total_memory, f"the local {props.name}"
-    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return host // processes, f"host memory / {processes} processes"
-
-
-def resolve_auto(model: nn.Module, *, world_size: int, micro_batch: int, seq_len: int, wrap: Any,
-                 device_memory: int | str | None = None, grad_accum: int = 1, mixed_precision: Any = "bf16",
-                 optimizer: Any = "adamw", allow_offload: bool = True,
-                 safety_margin: float = SAFETY_MARGIN) -> AutoChoice:
+def resolve_auto(
+    model: nn.Module,
+    *,
+    world_size: int,
+    micro_batch: int,
+    seq_len: int,
+    wrap: Any,
+    device_memory: int | str | None = None,
+    grad_accum: int = 1,
+    mixed_precision: Any = "bf16",
+    optimizer: Any = "adamw",
+    allow_offload: bool = True,
+    safety_margin: float = SAFETY_MARGIN,
+) -> AutoChoice:
     """strategy="auto" for `st.shard(model, wrap=wrap, ...)`: strategy, checkpointing and offload.
 
     The micro-batch stays as the caller's loop feeds it (`micro_batch` sequences of `seq_len` tokens
@@ -296,18 +344,26 @@ def resolve_auto(model: nn.Module, *, world_size: int, micro_batch: int, seq_len
     Apply the answer with `st.shard(model, wrap=wrap, **choice.shard_kwargs(model, wrap=wrap), ...)`.
     """
     if wrap is None:
-        raise ValueError("strategy='auto' needs wrap= (e.g. the transformer block class): with the whole model as "
-                         "one unit every strategy gathers all parameters at once and checkpointing has no blocks")
+        raise ValueError(
+            "strategy='auto' needs wrap= (e.g. the transformer block class): with the whole model as "
+            "one unit every strategy gathers all parameters at once and checkpointing has no blocks"
+        )
     host_memory = None
     if device_memory is None:  # planning for this machine: its GPUs and its host memory
         device_memory, _ = local_device_memory(accelerator="cuda", processes=1)
         host_memory, _ = local_device_memory(accelerator="cpu", processes=local_processes(world_size))
-    return choose_plan(model, world_size=world_size, device_memory=device_memory, seq_len=seq_len,
-                       micro_batch=micro_batch, grad_accum=grad_accum, precision=mixed_precision,
-                       optimizer=optimizer, split_batch=False, allow_offload=allow_offload,
-                       safety_margin=safety_margin, host_memory=host_memory, wrap=wrap)
-
-
-def local_processes(world_size: int) -> int:
-    """The processes sharing this machine's host memory: the launcher's LOCAL_WORLD_SIZE, else the world."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    return choose_plan(
+        model,
+        world_size=world_size,
+        device_memory=device_memory,
+        seq_len=seq_len,
+        micro_batch=micro_batch,
+        grad_accum=grad_accum,
+        precision=mixed_precision,
+        optimizer=optimizer,
+        split_batch=False,
+        allow_offload=allow_offload,
+        safety_margin=safety_margin,
+        host_memory=host_memory,
+        wrap=wrap,
+    )

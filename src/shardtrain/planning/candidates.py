@@ -54,12 +54,14 @@ class Candidate:
         return f"1 block in {self.checkpoint_every} checkpointed ({self.checkpointed_blocks} of {layers})"
 
     def describe(self) -> str:
-        return (f"{self.estimate.inputs.label}, {self.checkpointing}{offload_label(self.cpu_offload)}, "
-                f"micro-batch {self.micro_batch} x {self.grad_accum} accumulation step{'s' * (self.grad_accum > 1)}")
+        return (
+            f"{self.estimate.inputs.label}, {self.checkpointing}{offload_label(self.cpu_offload)}, "
+            f"micro-batch {self.micro_batch} x {self.grad_accum} accumulation step{'s' * (self.grad_accum > 1)}"
+        )
 
 
 def offload_label(fraction: float) -> str:
-    """", CPU offload" (everything), ", CPU offload of 50%" (partial), or "" (none)."""
+    """ ", CPU offload" (everything), ", CPU offload of 50%" (partial), or "" (none)."""
     if not fraction:
         return ""
     return ", CPU offload" if fraction == 1 else f", CPU offload of {fraction:.0%}"
@@ -84,8 +86,16 @@ def batch_splits(sequences: int) -> list[tuple[int, int]]:
     return [(mb, sequences // mb) for mb in range(sequences, 0, -1) if sequences % mb == 0]
 
 
-def evaluate(model: Any, *, world_size: int, strategies: list[Strategy], splits: list[tuple[int, int]],
-             seq_len: int, cpu_offload: float, estimate_kwargs: dict[str, Any]) -> list[Candidate]:
+def evaluate(
+    model: Any,
+    *,
+    world_size: int,
+    strategies: list[Strategy],
+    splits: list[tuple[int, int]],
+    seq_len: int,
+    cpu_offload: float,
+    estimate_kwargs: dict[str, Any],
+) -> list[Candidate]:
     """Every (strategy, checkpointing, split) candidate with the given share offloaded (0.0: none)."""
     probe = estimate_memory(model, world_size=world_size, seq_len=seq_len, **estimate_kwargs)
     spec = probe.inputs.model
@@ -95,20 +105,42 @@ def evaluate(model: Any, *, world_size: int, strategies: list[Strategy], splits:
     for strategy in strategies:
         shard_size = default_shard_size(world_size) if strategy.is_hybrid else None
         for every, count in options:
-            base = estimate_memory(model, world_size=world_size, strategy=strategy, shard_size=shard_size,
-                                   activation_checkpointing=every or False, cpu_offload=policy or False, seq_len=seq_len,
-                                   **estimate_kwargs)
+            base = estimate_memory(
+                model,
+                world_size=world_size,
+                strategy=strategy,
+                shard_size=shard_size,
+                activation_checkpointing=every or False,
+                cpu_offload=policy or False,
+                seq_len=seq_len,
+                **estimate_kwargs,
+            )
             for micro_batch, grad_accum in splits:
                 estimate = base.with_micro_batch(micro_batch)
-                out.append(Candidate(
-                    strategy=strategy, checkpoint_every=every, checkpointed_blocks=count, cpu_offload=cpu_offload,
-                    micro_batch=micro_batch, grad_accum=grad_accum, estimate=estimate,
-                    accumulation_bytes=accumulation_bytes(estimate, grad_accum=grad_accum),
-                    time=step_time(model=spec, strategy=strategy, shard_size=estimate.inputs.shard_size,
-                                   checkpointed_blocks=count, micro_batch=micro_batch, grad_accum=grad_accum,
-                                   seq_len=seq_len, offloaded_params=offloaded_share(spec, policy) * spec.num_params
-                                   / estimate.inputs.shard_size),
-                ))
+                out.append(
+                    Candidate(
+                        strategy=strategy,
+                        checkpoint_every=every,
+                        checkpointed_blocks=count,
+                        cpu_offload=cpu_offload,
+                        micro_batch=micro_batch,
+                        grad_accum=grad_accum,
+                        estimate=estimate,
+                        accumulation_bytes=accumulation_bytes(estimate, grad_accum=grad_accum),
+                        time=step_time(
+                            model=spec,
+                            strategy=strategy,
+                            shard_size=estimate.inputs.shard_size,
+                            checkpointed_blocks=count,
+                            micro_batch=micro_batch,
+                            grad_accum=grad_accum,
+                            seq_len=seq_len,
+                            offloaded_params=offloaded_share(spec, policy)
+                            * spec.num_params
+                            / estimate.inputs.shard_size,
+                        ),
+                    )
+                )
     return out
 
 

@@ -53,8 +53,12 @@ def compare_strategies(
         raise ValueError(f"strategies={strategies!r} is empty; name at least one, e.g. ('full_shard',)")
     estimates = tuple(
         estimate_memory(
-            model_or_spec, world_size=world_size, strategy=s, device_memory=device_memory,
-            shard_size=group if parse_strategy(s).is_hybrid else None, **kwargs,
+            model_or_spec,
+            world_size=world_size,
+            strategy=s,
+            device_memory=device_memory,
+            shard_size=group if parse_strategy(s).is_hybrid else None,
+            **kwargs,
         )
         for s in strategies
     )

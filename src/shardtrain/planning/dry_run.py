@@ -11,9 +11,9 @@ from typing import Any
 from torch import nn
 
 from ..core.layout import layout_of_unit
+from ..core.partition import partition
 from ..policy import parse_mixed_precision
 from ..strategy import Strategy, parse_strategy
-from ..core.partition import partition
 
 MIB = 1024 * 1024
 DOMINANT_FRACTION = 0.5
@@ -44,21 +44,35 @@ class Plan:
 
     def __str__(self) -> str:
         header = f"{'unit':<32} {'params':>14} {'MiB/rank sharded':>17} {'MiB unsharded':>14}"
-        lines = [f"shardtrain plan: {self.model}, {self.strategy.value}, world size {self.world_size}, "
-                 f"{len(self.units)} units", header, "-" * len(header)]
+        lines = [
+            f"shardtrain plan: {self.model}, {self.strategy.value}, world size {self.world_size}, "
+            f"{len(self.units)} units",
+            header,
+            "-" * len(header),
+        ]
         for u in self.units:
-            lines.append(f"{(u.name or '<root>'):<32} {u.params:>14,} {u.sharded_bytes / MIB:>17.2f} "
-                         f"{u.unsharded_bytes / MIB:>14.2f}")
+            lines.append(
+                f"{(u.name or '<root>'):<32} {u.params:>14,} {u.sharded_bytes / MIB:>17.2f} "
+                f"{u.unsharded_bytes / MIB:>14.2f}"
+            )
         lines.append("-" * len(header))
-        lines.append(f"{'total':<32} {self.total_params:>14,} "
-                     f"{sum(u.sharded_bytes for u in self.units) / MIB:>17.2f} "
-                     f"{sum(u.unsharded_bytes for u in self.units) / MIB:>14.2f}")
+        lines.append(
+            f"{'total':<32} {self.total_params:>14,} "
+            f"{sum(u.sharded_bytes for u in self.units) / MIB:>17.2f} "
+            f"{sum(u.unsharded_bytes for u in self.units) / MIB:>14.2f}"
+        )
         lines += [f"note: {n}" for n in self.notes] + [f"warning: {w}" for w in self.warnings]
         return "\n".join(lines)
 
 
-def plan(model: nn.Module, *, wrap: Any = None, world_size: int = 1, strategy: Any = "full_shard",
-         mixed_precision: Any = None) -> Plan:
+def plan(
+    model: nn.Module,
+    *,
+    wrap: Any = None,
+    world_size: int = 1,
+    strategy: Any = "full_shard",
+    mixed_precision: Any = None,
+) -> Plan:
     """Units, parameters and bytes per unit for `model` sharded over `world_size` ranks."""
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"plan: world_size={world_size!r} must be a positive int")
@@ -73,11 +87,20 @@ def plan(model: nn.Module, *, wrap: Any = None, world_size: int = 1, strategy: A
         layout = layout_of_unit(named, world=shard_world, precision=precision)
         gathers = not (looks_up and spec.can_look_up)
         if not gathers:
-            notes.append(f"unit '{spec.name}' is an nn.Embedding: it looks its rows up on the shards and is never "
-                         "gathered (unless CPU-offloaded)")
-        rows.append(UnitRow(name=spec.name, params=layout.numel, padded=layout.padded_numel,
-                            sharded_bytes=layout.shard_bytes(), grad_bytes=layout.grad_bytes(),
-                            unsharded_bytes=layout.unsharded_bytes() if gathers else 0))
+            notes.append(
+                f"unit '{spec.name}' is an nn.Embedding: it looks its rows up on the shards and is never "
+                "gathered (unless CPU-offloaded)"
+            )
+        rows.append(
+            UnitRow(
+                name=spec.name,
+                params=layout.numel,
+                padded=layout.padded_numel,
+                sharded_bytes=layout.shard_bytes(),
+                grad_bytes=layout.grad_bytes(),
+                unsharded_bytes=layout.unsharded_bytes() if gathers else 0,
+            )
+        )
     total = sum(r.params for r in rows)
     warnings = []
     if total and len(rows) > 0:
@@ -86,6 +109,13 @@ def plan(model: nn.Module, *, wrap: Any = None, world_size: int = 1, strategy: A
             warnings.append(
                 f"unit '{big.name or '<root>'}' holds {100 * big.params / total:.0f}% of the parameters: its unsharded "
                 "copy must fit on every rank at once, so sharding will save little; wrap smaller modules "
-                "(e.g. the transformer block class) or use st.SizePolicy(min_params=...)")
-    return Plan(model=type(model).__name__, world_size=world_size, strategy=strategy, units=tuple(rows),
-                warnings=tuple(warnings), notes=tuple(notes))
+                "(e.g. the transformer block class) or use st.SizePolicy(min_params=...)"
+            )
+    return Plan(
+        model=type(model).__name__,
+        world_size=world_size,
+        strategy=strategy,
+        units=tuple(rows),
+        warnings=tuple(warnings),
+        notes=tuple(notes),
+    )

@@ -123,7 +123,7 @@ class MemoryEstimate:
     @property
     def total(self) -> int:
         """Predicted peak allocated bytes (what torch.cuda.max_memory_allocated() reports)."""
-        return (self.model_states + self.units_in_flight + self.activations + self.logits + self.overhead)
+        return self.model_states + self.units_in_flight + self.activations + self.logits + self.overhead
 
     @property
     def model_states(self) -> int:
@@ -142,7 +142,7 @@ class MemoryEstimate:
         """Whether total + reserve fits in `device_memory` (bytes, or a size such as '80GiB')."""
         return self.total + self.reserve <= parse_bytes(device_memory)
 
-    def with_micro_batch(self, micro_batch: int) -> "MemoryEstimate":
+    def with_micro_batch(self, micro_batch: int) -> MemoryEstimate:
         return _estimate(replace(self.inputs, micro_batch=positive_int(micro_batch, "micro_batch")))
 
     def largest_micro_batch(self, device_memory: int | str) -> int:
@@ -209,7 +209,9 @@ def _shard_size(strategy: Strategy, world_size: int, shard_size: int | None) -> 
         )
     size = positive_int(shard_size, "shard_size")
     if world_size % size:
-        raise ValueError(f"shard_size={size} must divide world_size={world_size}; use a divisor such as 1, 2 or {world_size}")
+        raise ValueError(
+            f"shard_size={size} must divide world_size={world_size}; use a divisor such as 1, 2 or {world_size}"
+        )
     return size
 
 
@@ -325,21 +327,32 @@ def _estimate(inputs: EstimateInputs) -> MemoryEstimate:
     root_shard = min(grads, m.root_params * GRAD_BYTES // n)
     in_place = m.root_params * grad_copy if r == p else 0  # the reduce reads the unsharded gradients
     reducing = dict(
-        unsharded_params=resident_params, reduce_buffers=reduce_copy(m.root_params) + reduce_copy(big),
-        activations=0, logits=0,
+        unsharded_params=resident_params,
+        reduce_buffers=reduce_copy(m.root_params) + reduce_copy(big),
+        activations=0,
+        logits=0,
     )
     acts = _activations(inputs)
     grads_between = grads if inputs.keep_grads else 0
     common = dict(parameters=master, optimizer_state=optim)
     phases = {
         "forward + loss": dict(
-            common, gradients=grads_between, unsharded_params=at_loss, unsharded_grads=0,
-            reduce_buffers=0, activations=acts.saved, logits=acts.loss_peak,
+            common,
+            gradients=grads_between,
+            unsharded_params=at_loss,
+            unsharded_grads=0,
+            reduce_buffers=0,
+            activations=acts.saved,
+            logits=acts.loss_peak,
         ),
         "backward start": dict(
-            common, gradients=grads_between, unsharded_params=gathered,
-            unsharded_grads=(m.enclosing_params + big) * grad_copy, reduce_buffers=reduce_copy(big),
-            activations=acts.saved + acts.backward_extra, logits=0,
+            common,
+            gradients=grads_between,
+            unsharded_params=gathered,
+            unsharded_grads=(m.enclosing_params + big) * grad_copy,
+            reduce_buffers=reduce_copy(big),
+            activations=acts.saved + acts.backward_extra,
+            logits=0,
         ),
         "backward end": max(
             (  # the outermost unit's gradients are copied into its reduce buffer...
@@ -350,8 +363,13 @@ def _estimate(inputs: EstimateInputs) -> MemoryEstimate:
             key=lambda items: sum(items.values()),
         ),
         "optimizer step": dict(
-            common, gradients=grads, unsharded_params=resident_params, unsharded_grads=0,
-            reduce_buffers=0, activations=0, logits=0,
+            common,
+            gradients=grads,
+            unsharded_params=resident_params,
+            unsharded_grads=0,
+            reduce_buffers=0,
+            activations=0,
+            logits=0,
         ),
     }
     totals = {name: sum(items.values()) for name, items in phases.items()}
@@ -368,4 +386,3 @@ def _estimate(inputs: EstimateInputs) -> MemoryEstimate:
         notes=notes,
         inputs=inputs,
     )
-

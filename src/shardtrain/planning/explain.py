@@ -39,13 +39,20 @@ def _same(a: Candidate, b: Candidate, *, but: str) -> bool:
 
 def _checkpointing(best: Candidate, candidates: list[Candidate]) -> str:
     if best.checkpointed_blocks == 0:
-        return (f"activation checkpointing: none, nothing is recomputed (the activations of micro-batch "
-                f"{best.micro_batch} fit)")
-    fewer = [c for c in candidates
-             if _same(c, best, but="checkpoint_every") and c.checkpointed_blocks < best.checkpointed_blocks]
+        return (
+            f"activation checkpointing: none, nothing is recomputed (the activations of micro-batch "
+            f"{best.micro_batch} fit)"
+        )
+    fewer = [
+        c
+        for c in candidates
+        if _same(c, best, but="checkpoint_every") and c.checkpointed_blocks < best.checkpointed_blocks
+    ]
     extra = best.time.recompute / best.time.compute
-    line = (f"activation checkpointing: {best.checkpointing.removesuffix(' checkpointed')}, +{extra:.1%} compute "
-            "to recompute them")
+    line = (
+        f"activation checkpointing: {best.checkpointing.removesuffix(' checkpointed')}, +{extra:.1%} compute "
+        "to recompute them"
+    )
     if fewer:
         nearest = max(fewer, key=lambda c: c.checkpointed_blocks)
         line += f"; with less ({nearest.checkpointing}) this setup needs {_gib(nearest.needed)}"
@@ -79,8 +86,9 @@ def _batch(best: Candidate, candidates: list[Candidate], global_tokens: int, fix
         nearest = min(larger, key=lambda c: c.micro_batch)
         line += f"; micro-batch {nearest.micro_batch} would need {_gib(nearest.needed)}"
     dtype = "fp32" if best.estimate.inputs.reduce_bytes == 4 else f"{best.estimate.inputs.reduce_bytes}-byte"
-    return line + (f"; no_sync holds {_gib(best.accumulation_bytes)} of unsharded {dtype} gradients "
-                   "between micro-batches")
+    return line + (
+        f"; no_sync holds {_gib(best.accumulation_bytes)} of unsharded {dtype} gradients between micro-batches"
+    )
 
 
 def _offload(best: Candidate, candidates: list[Candidate]) -> str:
@@ -89,21 +97,34 @@ def _offload(best: Candidate, candidates: list[Candidate]) -> str:
     on_device = [c for c in candidates if not c.cpu_offload]
     smallest = min(on_device, key=lambda c: c.needed)
     share = "all units" if best.cpu_offload == 1 else f"the units holding {best.cpu_offload:.0%} of the parameters"
-    return (f"CPU offload of {share}: chosen because nothing fits on the device without it (the smallest "
-            f"on-device configuration, {smallest.describe()}, needs {_gib(smallest.needed)}); it keeps "
-            f"{_gib(best.estimate.host)} per process in host memory, and the host step adds "
-            f"{best.time.offload / best.time.tokens:.2f} x the ideal step time")
+    return (
+        f"CPU offload of {share}: chosen because nothing fits on the device without it (the smallest "
+        f"on-device configuration, {smallest.describe()}, needs {_gib(smallest.needed)}); it keeps "
+        f"{_gib(best.estimate.host)} per process in host memory, and the host step adds "
+        f"{best.time.offload / best.time.tokens:.2f} x the ideal step time"
+    )
 
 
 def _baseline(best: Candidate, baseline: StepTime | None) -> list[str]:
     if baseline is None or baseline.total == best.time.total:
         return []
-    return [f"vs full_shard with every block checkpointed at the same batch split: predicted "
-            f"{baseline.total / best.time.total:.2f}x the tokens/s"]
+    return [
+        f"vs full_shard with every block checkpointed at the same batch split: predicted "
+        f"{baseline.total / best.time.total:.2f}x the tokens/s"
+    ]
 
 
-def explain(*, best: Candidate, candidates: list[Candidate], memory: int, usable: int, safety_margin: float,
-            global_tokens: int, fixed_batch: bool, baseline: StepTime | None) -> tuple[str, ...]:
+def explain(
+    *,
+    best: Candidate,
+    candidates: list[Candidate],
+    memory: int,
+    usable: int,
+    safety_margin: float,
+    global_tokens: int,
+    fixed_batch: bool,
+    baseline: StepTime | None,
+) -> tuple[str, ...]:
     """The reasons for `best` among `candidates` (everything weighed), as lines for a person."""
     fits = [c for c in candidates if c.needed <= usable]
     lines = [
@@ -115,8 +136,10 @@ def explain(*, best: Candidate, candidates: list[Candidate], memory: int, usable
     faster = [c for c in candidates if c.time.total < best.time.total and c.cpu_offload == best.cpu_offload]
     if faster:
         top = min(faster, key=lambda c: c.time.total)
-        lines.append(f"faster but predicted not to fit: {top.describe()} ({_slower(best.time, top.time)} faster) "
-                     f"needs {_gib(top.needed)}")
+        lines.append(
+            f"faster but predicted not to fit: {top.describe()} ({_slower(best.time, top.time)} faster) "
+            f"needs {_gib(top.needed)}"
+        )
     rivals = [c for c in fits if c is not best]
     if rivals:
         runner = min(rivals, key=lambda c: (c.time.total, c.needed))

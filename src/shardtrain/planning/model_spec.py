@@ -16,15 +16,14 @@ activation and unit estimates; a parameter count the user gives is used as is fo
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass, replace
 from typing import Any
 
 from torch import nn
 
+from ..core.partition import partition
 from ..models.llama_config import LLAMA_SIZES, LlamaConfig, splits_embedding
 from .sizes import format_count, parse_count
-from ..core.partition import partition
 
 DEFAULT_VOCAB = 128256
 HINTS = ("dim", "layers", "vocab", "ffn", "heads", "kv_heads", "tie_embeddings")
@@ -157,7 +156,9 @@ def _shape_for_count(params: int, hints: dict[str, Any]) -> LlamaShape:
         candidates = (_shape_from_dims(d, layers, hints) for d in range(step, 65537, step))
         return min(candidates, key=lambda s: abs(s.num_params - params))
     if not dim:  # the depth that fits at dim = 128 * layers, then a round width (8 kv heads divide it)
-        close = min((_shape_from_dims(128 * n, n, hints) for n in range(1, 257)), key=lambda s: abs(s.num_params - params))
+        close = min(
+            (_shape_from_dims(128 * n, n, hints) for n in range(1, 257)), key=lambda s: abs(s.num_params - params)
+        )
         granule = 1024 if close.dim >= 2048 else 256
         dim = max(granule, round(close.dim / granule) * granule)
     probe = _shape_from_dims(dim, 1, hints)
@@ -238,8 +239,15 @@ def _shape_from_hf(cfg: Any) -> LlamaShape:
 
 def _apply_hints(shape: LlamaShape, hints: dict[str, Any]) -> LlamaShape:
     """Hints override the fields of a shape that came from a name or config."""
-    fields = {"dim": "dim", "layers": "n_layers", "vocab": "vocab_size", "ffn": "ffn_dim",
-              "heads": "n_heads", "kv_heads": "n_kv_heads", "tie_embeddings": "tie_embeddings"}
+    fields = {
+        "dim": "dim",
+        "layers": "n_layers",
+        "vocab": "vocab_size",
+        "ffn": "ffn_dim",
+        "heads": "n_heads",
+        "kv_heads": "n_kv_heads",
+        "tie_embeddings": "tie_embeddings",
+    }
     changes = {fields[k]: v for k, v in hints.items() if v is not None}
     if not changes:
         return shape
@@ -313,7 +321,11 @@ def resolve_model(model: Any = None, *, params: Any = None, wrap=None, **hints: 
     if unknown:
         raise ValueError(f"unknown shape hints {sorted(unknown)}; the hints are {list(HINTS)}")
     for key, value in hints.items():
-        if value is not None and key != "tie_embeddings" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        if (
+            value is not None
+            and key != "tie_embeddings"
+            and (isinstance(value, bool) or not isinstance(value, int) or value < 1)
+        ):
             raise ValueError(f"{key}={value!r} must be a positive integer")
     hints = {k: v for k, v in hints.items() if v is not None}
     if isinstance(model, (int, float, str)) and not isinstance(model, bool):

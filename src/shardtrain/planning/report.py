@@ -22,19 +22,25 @@ def _dtype(dtype: torch.dtype | None) -> str:
 
 
 def checkpointing_label(every: int) -> str:
-    """"none", "every block" or "1 block in k" for activation checkpointing of 1 block in `every`."""
+    """ "none", "every block" or "1 block in k" for activation checkpointing of 1 block in `every`."""
     return {0: "none", 1: "every block"}.get(every, f"1 block in {every}")
 
 
-def describe_setup(inputs: "EstimateInputs") -> str:
+def describe_setup(inputs: EstimateInputs) -> str:
     """Two lines: the model, then everything about the step except the strategy."""
     model = inputs.model
     shape = f" ({model.shape.describe()})" if model.shape else ""
     mp = inputs.precision
     offload = ""
     if inputs.offload:
-        moved = [w for w, on in (("params+grads", inputs.offload.params), ("optimizer", inputs.offload.optimizer)) if on]
-        share = "" if inputs.offload.fraction == 1 else f" (units holding >= {inputs.offload.fraction:.0%} of the parameters)"
+        moved = [
+            w for w, on in (("params+grads", inputs.offload.params), ("optimizer", inputs.offload.optimizer)) if on
+        ]
+        share = (
+            ""
+            if inputs.offload.fraction == 1
+            else f" (units holding >= {inputs.offload.fraction:.0%} of the parameters)"
+        )
         offload = f", CPU offload of {' and '.join(moved)}{share}"
     return (
         f"{model.name}: {format_count(model.num_params)} parameters{shape}\n"
@@ -44,7 +50,7 @@ def describe_setup(inputs: "EstimateInputs") -> str:
     )
 
 
-def _rows(estimate: "MemoryEstimate") -> list[tuple[str, int]]:
+def _rows(estimate: MemoryEstimate) -> list[tuple[str, int]]:
     mp = estimate.inputs.precision
     p, r = _dtype(mp.param_dtype), _dtype(mp.reduce_dtype)
     return [
@@ -63,7 +69,7 @@ def _rows(estimate: "MemoryEstimate") -> list[tuple[str, int]]:
     ]
 
 
-def _fit_line(estimate: "MemoryEstimate", device_memory: int) -> str:
+def _fit_line(estimate: MemoryEstimate, device_memory: int) -> str:
     verdict = "yes" if estimate.fits(device_memory) else "no"
     if estimate.inputs.model.shape is None:
         return f"fits in {format_gib(device_memory)} GiB: {verdict}"
@@ -73,7 +79,7 @@ def _fit_line(estimate: "MemoryEstimate", device_memory: int) -> str:
     )
 
 
-def format_estimate(estimate: "MemoryEstimate") -> str:
+def format_estimate(estimate: MemoryEstimate) -> str:
     inputs = estimate.inputs
     lines = [describe_setup(inputs), f"strategy {inputs.label}, shard group of {inputs.shard_size}"]
     rows = _rows(estimate)
@@ -90,7 +96,7 @@ def format_estimate(estimate: "MemoryEstimate") -> str:
     return "\n".join(lines)
 
 
-def format_comparison(comparison: "StrategyComparison") -> str:
+def format_comparison(comparison: StrategyComparison) -> str:
     estimates = comparison.estimates
     first = estimates[0]
     labels = [e.inputs.label for e in estimates]

@@ -82,8 +82,13 @@ class StepTime:
         return self.total / self.tokens
 
     def describe(self) -> str:
-        parts = [("compute", self.compute), ("recompute", self.recompute), ("exposed all-gathers", self.gathers),
-                 ("step overhead", self.overhead), ("CPU offload", self.offload)]
+        parts = [
+            ("compute", self.compute),
+            ("recompute", self.recompute),
+            ("exposed all-gathers", self.gathers),
+            ("step overhead", self.overhead),
+            ("CPU offload", self.offload),
+        ]
         items = ", ".join(f"{name} {value / self.tokens:.3f}" for name, value in parts if value)
         return f"{self.relative:.3f} x the ideal ({items})"
 
@@ -117,8 +122,17 @@ def offload_tokens(model: ModelSpec, *, offloaded_params: float, seq_len: int) -
     return offloaded_params * HOST_SECONDS_PER_PARAM / (per_token / ACHIEVED_FLOPS)
 
 
-def step_time(*, model: ModelSpec, strategy: Strategy, shard_size: int, checkpointed_blocks: int,
-              micro_batch: int, grad_accum: int, seq_len: int, offloaded_params: float = 0.0) -> StepTime:
+def step_time(
+    *,
+    model: ModelSpec,
+    strategy: Strategy,
+    shard_size: int,
+    checkpointed_blocks: int,
+    micro_batch: int,
+    grad_accum: int,
+    seq_len: int,
+    offloaded_params: float = 0.0,
+) -> StepTime:
     """Predicted time of one optimizer step (grad_accum micro-batches of micro_batch sequences);
     `offloaded_params`: the parameters of one rank whose shards CPU offload keeps on the host."""
     micro_tokens = micro_batch * seq_len
@@ -127,8 +141,10 @@ def step_time(*, model: ModelSpec, strategy: Strategy, shard_size: int, checkpoi
     recompute = 0.0
     if checkpointed_blocks:
         if model.shape is None:
-            raise ValueError(f"checkpointed_blocks={checkpointed_blocks} needs the model's shape to price the "
-                             f"recomputation; {model.name} has none (pass dim= and layers= hints)")
+            raise ValueError(
+                f"checkpointed_blocks={checkpointed_blocks} needs the model's shape to price the "
+                f"recomputation; {model.name} has none (pass dim= and layers= hints)"
+            )
         recompute = compute * recompute_fraction(model.shape, seq_len=seq_len, checkpointed_blocks=checkpointed_blocks)
     return StepTime(
         tokens=tokens,

@@ -1,12 +1,12 @@
 """Fine-tuning from pretrained Hugging Face checkpoints: sharded reading, export back, LoRA.
 
-    files   which safetensors files hold a model, and their headers
-    keys    model parameter names <-> file keys (peft, base-model prefix, tied weights)
-    load    st.load_pretrained: each rank reads only the rows it holds
-    layout  how an export is split into files, as save_pretrained splits them
-    merge   LoRA adapters merged into their weights while exporting
-    export  st.save_pretrained: a Hugging Face folder, streamed one unit at a time
-    lora    peft's LoRA applied to a model built on the meta device
+files   which safetensors files hold a model, and their headers
+keys    model parameter names <-> file keys (peft, base-model prefix, tied weights)
+load    st.load_pretrained: each rank reads only the rows it holds
+layout  how an export is split into files, as save_pretrained splits them
+merge   LoRA adapters merged into their weights while exporting
+export  st.save_pretrained: a Hugging Face folder, streamed one unit at a time
+lora    peft's LoRA applied to a model built on the meta device
 """
 
 from .export import install_save_pretrained, save_pretrained

@@ -65,8 +65,14 @@ class ExportPlan:
         return {item.unit for item in self.items if item.unit is not None}
 
 
-def save_pretrained(model: nn.Module, directory: str | os.PathLike, *, max_shard_size: int | str = "5GB",
-                    dtype: torch.dtype | None = None, merge_lora: bool = False) -> Path:
+def save_pretrained(
+    model: nn.Module,
+    directory: str | os.PathLike,
+    *,
+    max_shard_size: int | str = "5GB",
+    dtype: torch.dtype | None = None,
+    merge_lora: bool = False,
+) -> Path:
     """Write sharded `model` (a transformers model, or a peft model around one) to `directory`.
 
     `dtype`: floating tensors are written in it (None: each in its stored dtype, e.g. the fp32
@@ -79,8 +85,9 @@ def save_pretrained(model: nn.Module, directory: str | os.PathLike, *, max_shard
     comm = Comm.over(runtime.control_group)
     out = Path(directory)
     _wait_for_every_rank(runtime.control_group, comm.world)
-    plan = comm.everyone(lambda: plan_export(model, dtype=dtype, merge_lora=merge_lora,
-                                             max_bytes=parse_size(max_shard_size)))
+    plan = comm.everyone(
+        lambda: plan_export(model, dtype=dtype, merge_lora=merge_lora, max_bytes=parse_size(max_shard_size))
+    )
     comm.on_rank0(lambda: _make_directory(out))
     writer = _Rank0Writer(out, plan) if comm.rank == 0 else None
     for unit in runtime.units:
@@ -107,11 +114,15 @@ def plan_export(model: nn.Module, *, dtype: torch.dtype | None, merge_lora: bool
     runtime = runtime_of(model)
     hf = hf_model(model)
     if hf is None:
-        raise ValueError(f"{type(model).__name__} is not a transformers model: a Hugging Face folder needs its "
-                         "config; save it with st.save_checkpoint(..., format='full') instead")
+        raise ValueError(
+            f"{type(model).__name__} is not a transformers model: a Hugging Face folder needs its "
+            "config; save it with st.save_checkpoint(..., format='full') instead"
+        )
     if hf is not model and not hasattr(model, "peft_config"):
-        raise ValueError(f"{type(model).__name__} holds a transformers model ({type(hf).__name__}) inside it; its "
-                         "names would not be the ones from_pretrained expects: shard and export that model itself")
+        raise ValueError(
+            f"{type(model).__name__} holds a transformers model ({type(hf).__name__}) inside it; its "
+            "names would not be the ones from_pretrained expects: shard and export that model itself"
+        )
     adapters = adapter_params(model)
     if merge_lora and not adapters:
         raise ValueError("merge_lora=True, but the model has no LoRA adapters to merge; export without merging")
@@ -130,19 +141,31 @@ def plan_export(model: nn.Module, *, dtype: torch.dtype | None, merge_lora: bool
                 m = merges[s.fqn]
                 (ua, ia), (ub, ib) = where[m.lora_a], where[m.lora_b]
                 if ua != unit.index or ub != unit.index:
-                    raise ValueError(f"{m.lora_a} is not in the sharding unit of {s.fqn}; merging needs an adapter "
-                                     "in its layer's unit: do not make the adapter modules units of their own")
+                    raise ValueError(
+                        f"{m.lora_a} is not in the sharding unit of {s.fqn}; merging needs an adapter "
+                        "in its layer's unit: do not make the adapter modules units of their own"
+                    )
                 merge = (m, ia, ib)
-            items.append(_Item(spec=TensorSpec(name=name, dtype=_dtype(s.dtype, dtype), shape=s.shape),
-                               unit=unit.index, index=i, merge=merge))
+            items.append(
+                _Item(
+                    spec=TensorSpec(name=name, dtype=_dtype(s.dtype, dtype), shape=s.shape),
+                    unit=unit.index,
+                    index=i,
+                    merge=merge,
+                )
+            )
     if not as_adapter:
-        items += [_Item(spec=TensorSpec(name=base_name(n), dtype=_dtype(b.dtype, dtype), shape=tuple(b.shape)),
-                        buffer=n) for n, b in persistent_buffers(model).items()]
+        items += [
+            _Item(spec=TensorSpec(name=base_name(n), dtype=_dtype(b.dtype, dtype), shape=tuple(b.shape)), buffer=n)
+            for n, b in persistent_buffers(model).items()
+        ]
     names = [item.spec.name for item in items]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
-        raise ValueError(f"tensors {twice[:3]} would be written twice; the model holds a name both with and "
-                         "without peft's prefix: export the base model or the peft model, not a mix")
+        raise ValueError(
+            f"tensors {twice[:3]} would be written twice; the model holds a name both with and "
+            "without peft's prefix: export the base model or the peft model, not a mix"
+        )
     specs = [item.spec for item in items]
     if as_adapter:
         files = [FilePlan(name=ADAPTER_WEIGHTS, specs=tuple(specs))]
@@ -177,8 +200,10 @@ def _wait_for_every_rank(group: dist.ProcessGroup | None, world: int) -> None:
     try:
         dist.monitored_barrier(group=group, timeout=timedelta(seconds=_ARRIVAL_TIMEOUT_S), wait_all_ranks=True)
     except RuntimeError as exc:
-        raise RuntimeError(f"save_pretrained of a sharded model gathers it from every rank, and not every rank "
-                           f"called it ({exc}); call it on all ranks (rank 0 writes)") from None
+        raise RuntimeError(
+            f"save_pretrained of a sharded model gathers it from every rank, and not every rank "
+            f"called it ({exc}); call it on all ranks (rank 0 writes)"
+        ) from None
 
 
 class _Rank0Writer:
@@ -282,7 +307,9 @@ def _sharded_save_pretrained(self: nn.Module, save_directory: str | os.PathLike,
         raise ValueError("save_pretrained(safe_serialization=False): a sharded model is saved as safetensors only")
     refused = sorted(k for k, v in kwargs.items() if k not in _ACCEPTED and v not in (None, False))
     if refused:
-        raise ValueError(f"save_pretrained({', '.join(f'{k}=...' for k in refused)}) is not supported on a sharded "
-                         "model; it writes full tensors with shardtrain.save_pretrained(model, directory, "
-                         "max_shard_size=..., dtype=..., merge_lora=...)")
+        raise ValueError(
+            f"save_pretrained({', '.join(f'{k}=...' for k in refused)}) is not supported on a sharded "
+            "model; it writes full tensors with shardtrain.save_pretrained(model, directory, "
+            "max_shard_size=..., dtype=..., merge_lora=...)"
+        )
     return save_pretrained(self, save_directory, max_shard_size=kwargs.get("max_shard_size", "5GB"))

@@ -61,8 +61,10 @@ def resolve_weights(path: str | os.PathLike) -> WeightFiles:
     """Find and read the headers of the weights at `path`; ValueError naming the file and the fix."""
     given = Path(path).expanduser()
     if not given.exists():
-        raise ValueError(f"{given} does not exist; pass a .safetensors file or a Hugging Face model folder "
-                         f"holding {WEIGHTS_FILE} or {INDEX_FILE}")
+        raise ValueError(
+            f"{given} does not exist; pass a .safetensors file or a Hugging Face model folder "
+            f"holding {WEIGHTS_FILE} or {INDEX_FILE}"
+        )
     target = weights_in_folder(given) if given.is_dir() else given
     if target is None:
         raise ValueError(_no_weights(given))
@@ -71,36 +73,48 @@ def resolve_weights(path: str | os.PathLike) -> WeightFiles:
     elif target.suffix == ".safetensors":
         files, keys = (target,), None
     else:
-        raise ValueError(f"{target} is neither a .safetensors file nor a {INDEX_FILE}; shardtrain reads safetensors "
-                         "weights only (pickled .bin files can run code): re-save the model with save_pretrained")
+        raise ValueError(
+            f"{target} is neither a .safetensors file nor a {INDEX_FILE}; shardtrain reads safetensors "
+            "weights only (pickled .bin files can run code): re-save the model with save_pretrained"
+        )
     tensors: dict[str, TensorEntry] = {}
     for file in files:
         for entry in _read_header(file):
             if keys is not None and keys.get(entry.key) != file:
                 continue  # the index places this key in another file (or nowhere): transformers ignores it here
             if entry.key in tensors:
-                raise ValueError(f"{file}: tensor {entry.key!r} is also in {tensors[entry.key].file}; a model's files "
-                                 "hold each tensor once: remove the duplicate file")
+                raise ValueError(
+                    f"{file}: tensor {entry.key!r} is also in {tensors[entry.key].file}; a model's files "
+                    "hold each tensor once: remove the duplicate file"
+                )
             tensors[entry.key] = entry
     if keys is not None:
         absent = sorted(k for k in keys if k not in tensors)
         if absent:
-            raise ValueError(f"{target} maps {absent[0]!r} to {keys[absent[0]].name}, which does not hold it "
-                             f"({len(absent)} such key(s)); the index and its files disagree: re-save the model")
+            raise ValueError(
+                f"{target} maps {absent[0]!r} to {keys[absent[0]].name}, which does not hold it "
+                f"({len(absent)} such key(s)); the index and its files disagree: re-save the model"
+            )
     return WeightFiles(path=given, files=files, tensors=tensors)
 
 
 def _no_weights(folder: Path) -> str:
     names = sorted(p.name for p in folder.iterdir())
     if any(n in names for n in _PICKLES):
-        return (f"{folder} holds only pickled PyTorch weights ({', '.join(n for n in _PICKLES if n in names)}); "
-                "shardtrain reads safetensors only (a pickle can run code): re-save the model with save_pretrained")
+        return (
+            f"{folder} holds only pickled PyTorch weights ({', '.join(n for n in _PICKLES if n in names)}); "
+            "shardtrain reads safetensors only (a pickle can run code): re-save the model with save_pretrained"
+        )
     if _ADAPTER in names:
-        return (f"{folder} is a PEFT adapter ({_ADAPTER}), not a model; pass the base model's folder (the adapter "
-                "is trained by --lora.* options)")
+        return (
+            f"{folder} is a PEFT adapter ({_ADAPTER}), not a model; pass the base model's folder (the adapter "
+            "is trained by --lora.* options)"
+        )
     shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "") if names else "nothing"
-    return (f"{folder} holds no {WEIGHTS_FILE} or {INDEX_FILE} (it holds {shown}); pass a Hugging Face model folder "
-            "written by save_pretrained, or a .safetensors file")
+    return (
+        f"{folder} holds no {WEIGHTS_FILE} or {INDEX_FILE} (it holds {shown}); pass a Hugging Face model folder "
+        "written by save_pretrained, or a .safetensors file"
+    )
 
 
 def _read_index(index: Path) -> tuple[tuple[Path, ...], dict[str, Path]]:
@@ -108,20 +122,25 @@ def _read_index(index: Path) -> tuple[tuple[Path, ...], dict[str, Path]]:
     try:
         data = json.loads(index.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{index} is not a readable JSON index ({exc}); re-save the model with save_pretrained") \
-            from None
+        raise ValueError(
+            f"{index} is not a readable JSON index ({exc}); re-save the model with save_pretrained"
+        ) from None
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
-    if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str)
-                                                   for k, v in weight_map.items()):
-        raise ValueError(f"{index} has no 'weight_map' of tensor name -> file name; re-save the model with "
-                         "save_pretrained")
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
+        raise ValueError(
+            f"{index} has no 'weight_map' of tensor name -> file name; re-save the model with save_pretrained"
+        )
     files: dict[str, Path] = {}
     for name in weight_map.values():
         if name in files:
             continue
         if Path(name).name != name or name in (".", ".."):
-            raise ValueError(f"{index} names file {name!r}, which is not a plain file name in its folder; the index "
-                             "is damaged: re-save the model")
+            raise ValueError(
+                f"{index} names file {name!r}, which is not a plain file name in its folder; the index "
+                "is damaged: re-save the model"
+            )
         file = index.parent / name
         if not file.is_file():
             raise ValueError(f"{index} lists {name}, which is missing from {index.parent}; copy the whole model folder")
@@ -140,8 +159,9 @@ def _read_header(file: Path) -> list[TensorEntry]:
                 out.append(TensorEntry(key=key, file=file, shape=shape, dtype=_dtype(file, key, view)))
             return out
     except (SafetensorError, OSError) as exc:
-        raise ValueError(f"{file} is not a readable safetensors file ({exc}); the file is damaged or truncated: "
-                         "copy it again") from None
+        raise ValueError(
+            f"{file} is not a readable safetensors file ({exc}); the file is damaged or truncated: copy it again"
+        ) from None
 
 
 def _dtype(file: Path, key: str, view) -> torch.dtype:
@@ -149,5 +169,7 @@ def _dtype(file: Path, key: str, view) -> torch.dtype:
     try:
         return dtype_of(code)
     except KeyError:
-        raise ValueError(f"{file}: tensor {key!r} has dtype {code}, which shardtrain does not load; convert the "
-                         "model to float32, bfloat16 or float16") from None
+        raise ValueError(
+            f"{file}: tensor {key!r} has dtype {code}, which shardtrain does not load; convert the "
+            "model to float32, bfloat16 or float16"
+        ) from None

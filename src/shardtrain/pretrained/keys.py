@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import re
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 from torch import nn
 
@@ -70,8 +70,9 @@ class KeyMatch:
     adapters: tuple[str, ...]  # peft adapter parameters left to peft's initialisation
 
 
-def match_keys(*, params: Iterable[ParamShard], buffers: Iterable[str], file_keys: Iterable[str],
-               model: nn.Module) -> KeyMatch:
+def match_keys(
+    *, params: Iterable[ParamShard], buffers: Iterable[str], file_keys: Iterable[str], model: nn.Module
+) -> KeyMatch:
     """Pair every parameter (under any of its tied names) and buffer of `model` with a file key."""
     hf = hf_model(model)
     prefix = getattr(hf, "base_model_prefix", "") or ""
@@ -82,8 +83,9 @@ def match_keys(*, params: Iterable[ParamShard], buffers: Iterable[str], file_key
     for key in file_keys:
         base = base_name(key)
         if base in by_base:
-            raise ValueError(f"the weights hold both {by_base[base]!r} and {key!r}, which name the same parameter; "
-                             "keep one of them")
+            raise ValueError(
+                f"the weights hold both {by_base[base]!r} and {key!r}, which name the same parameter; keep one of them"
+            )
         by_base[base] = key
     used: set[str] = set()
 
@@ -109,8 +111,13 @@ def match_keys(*, params: Iterable[ParamShard], buffers: Iterable[str], file_key
         elif not _ignored(name, ignore_missing):
             missing.append(name)
     unexpected = sorted(k for k in by_base.values() if k not in used and not _ignored(k, ignore_unexpected))
-    return KeyMatch(params=matched_params, buffers=matched_buffers, missing=tuple(missing),
-                    unexpected=tuple(unexpected), adapters=tuple(left))
+    return KeyMatch(
+        params=matched_params,
+        buffers=matched_buffers,
+        missing=tuple(missing),
+        unexpected=tuple(unexpected),
+        adapters=tuple(left),
+    )
 
 
 def _candidates(base: str, prefix: str) -> list[str]:
@@ -118,7 +125,7 @@ def _candidates(base: str, prefix: str) -> list[str]:
     if not prefix:
         return [base]
     if base.startswith(prefix + "."):
-        return [base, base[len(prefix) + 1:]]
+        return [base, base[len(prefix) + 1 :]]
     return [base, f"{prefix}.{base}"]
 
 

@@ -71,8 +71,10 @@ def split_files(specs: list[TensorSpec], *, max_bytes: int, single_name: str = W
 
 def index_of(files: list[FilePlan]) -> dict:
     """The `model.safetensors.index.json` content for a split export."""
-    return {"metadata": {"total_size": sum(s.nbytes for f in files for s in f.specs)},
-            "weight_map": {s.name: f.name for f in files for s in f.specs}}
+    return {
+        "metadata": {"total_size": sum(s.nbytes for f in files for s in f.specs)},
+        "weight_map": {s.name: f.name for f in files for s in f.specs},
+    }
 
 
 def stale_files(directory: Path, written: list[FilePlan]) -> list[Path]:

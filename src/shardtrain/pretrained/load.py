@@ -80,8 +80,9 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike, *, strict: bool =
                         if key is None or held.numel() == 0:
                             continue
                         start, numel = held_range(unit, i)
-                        rows = _read_rows(handles, weights.tensors[key], start // shard.row_numel,
-                                          numel // shard.row_numel).view(held.shape)
+                        rows = _read_rows(
+                            handles, weights.tensors[key], start // shard.row_numel, numel // shard.row_numel
+                        ).view(held.shape)
                         # Note: the rows cross to the device in the file's dtype and are converted there
                         # (copy_ would convert on the host first: twice the bytes over the bus for bf16
                         # -> fp32, and a host temporary). An in-place copy bumps the shard's version, so
@@ -91,8 +92,13 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike, *, strict: bool =
                 for name, key in match.buffers.items():
                     value = handles.open(weights.tensors[key].file).get_tensor(key)
                     buffers[name].copy_(value.to(buffers[name].device))
-        return LoadReport(path=weights.path, loaded=len(match.params) + len(match.buffers), missing=match.missing,
-                          unexpected=match.unexpected, adapters=match.adapters)
+        return LoadReport(
+            path=weights.path,
+            loaded=len(match.params) + len(match.buffers),
+            missing=match.missing,
+            unexpected=match.unexpected,
+            adapters=match.adapters,
+        )
 
     report = comm.everyone(load)
     install_save_pretrained(model)
@@ -106,32 +112,39 @@ def _check(weights: WeightFiles, match: KeyMatch, *, params, buffers: dict[str, 
         entry = weights.tensors[key]
         expected = shapes[name] if name in shapes else tuple(buffers[name].shape)
         if entry.shape != expected:
-            raise ValueError(f"{entry.file}: tensor {key!r} has shape {entry.shape}, the model's {name!r} has "
-                             f"{expected}; the weights belong to another configuration: build the model from the "
-                             "config.json saved with them")
+            raise ValueError(
+                f"{entry.file}: tensor {key!r} has shape {entry.shape}, the model's {name!r} has "
+                f"{expected}; the weights belong to another configuration: build the model from the "
+                "config.json saved with them"
+            )
     if not strict:
         return
     if match.missing:
-        raise ValueError(f"{weights.path}: no tensor for the model's {match.missing[0]!r} ({len(match.missing)} "
-                         f"missing: {short_list(list(match.missing), 4)}); load weights of this model, or pass "
-                         "strict=False to keep the initial values of what is missing")
+        raise ValueError(
+            f"{weights.path}: no tensor for the model's {match.missing[0]!r} ({len(match.missing)} "
+            f"missing: {short_list(list(match.missing), 4)}); load weights of this model, or pass "
+            "strict=False to keep the initial values of what is missing"
+        )
     if match.unexpected:
         key = match.unexpected[0]
-        raise ValueError(f"{weights.tensors[key].file}: tensor {key!r} matches no parameter or buffer of the model "
-                         f"({len(match.unexpected)} unexpected: {short_list(list(match.unexpected), 4)}); load "
-                         "weights of this model, or pass strict=False to ignore them")
+        raise ValueError(
+            f"{weights.tensors[key].file}: tensor {key!r} matches no parameter or buffer of the model "
+            f"({len(match.unexpected)} unexpected: {short_list(list(match.unexpected), 4)}); load "
+            "weights of this model, or pass strict=False to ignore them"
+        )
 
 
-def _read_rows(handles: "_Handles", entry: TensorEntry, first: int, count: int) -> torch.Tensor:
+def _read_rows(handles: _Handles, entry: TensorEntry, first: int, count: int) -> torch.Tensor:
     """Rows `[first, first + count)` of `entry` (the whole tensor when it is 0-dim), read from its file."""
     handle = handles.open(entry.file)
     try:
         if not entry.shape:
             return handle.get_tensor(entry.key)
-        return handle.get_slice(entry.key)[first:first + count]
+        return handle.get_slice(entry.key)[first : first + count]
     except SafetensorError as exc:
-        raise ValueError(f"{entry.file}: cannot read tensor {entry.key!r} ({exc}); the file is damaged: copy it "
-                         "again") from None
+        raise ValueError(
+            f"{entry.file}: cannot read tensor {entry.key!r} ({exc}); the file is damaged: copy it again"
+        ) from None
 
 
 class _Handles(contextlib.AbstractContextManager):

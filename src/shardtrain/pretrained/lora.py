@@ -13,7 +13,7 @@ Only initialisations that need no base weights are supported (`init_lora_weights
 from __future__ import annotations
 
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -28,15 +28,18 @@ def apply_lora(model: nn.Module, *, rank: int, alpha: float, targets: tuple[str,
         from peft import LoraConfig, get_peft_model
     except ModuleNotFoundError as exc:
         raise ValueError("LoRA needs peft: pip install 'shardtrain[peft]'") from exc
-    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), lora_dropout=dropout, bias="none",
-                        task_type="CAUSAL_LM")
+    config = LoraConfig(
+        r=rank, lora_alpha=alpha, target_modules=list(targets), lora_dropout=dropout, bias="none", task_type="CAUSAL_LM"
+    )
     try:
         with torch.device("meta"):
             return get_peft_model(model, config)
     except ValueError as exc:
         linear = sorted({name.rpartition(".")[2] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
-        raise ValueError(f"lora.targets={','.join(targets)}: {str(exc).splitlines()[0]}; the model's linear layers "
-                         f"are named {linear}") from None
+        raise ValueError(
+            f"lora.targets={','.join(targets)}: {str(exc).splitlines()[0]}; the model's linear layers "
+            f"are named {linear}"
+        ) from None
 
 
 def adapter_init(model: nn.Module) -> Callable[[nn.Module], None]:
@@ -46,8 +49,10 @@ def adapter_init(model: nn.Module) -> Callable[[nn.Module], None]:
         for adapter in getattr(module, "lora_A", {}) if hasattr(module, "reset_lora_parameters") else ():
             init = model.peft_config[adapter].init_lora_weights
             if init not in _META_INITS:
-                raise ValueError(f"init_lora_weights={init!r} initialises the adapters from the base weights, which "
-                                 f"a model built on the meta device does not have yet; use one of {_META_INITS}")
+                raise ValueError(
+                    f"init_lora_weights={init!r} initialises the adapters from the base weights, which "
+                    f"a model built on the meta device does not have yet; use one of {_META_INITS}"
+                )
             layers[id(module.lora_A[adapter])] = layers[id(module.lora_B[adapter])] = (module, adapter)
     owners = _hugging_face_owners(model)
     done: set[tuple[int, str]] = set()

@@ -26,8 +26,9 @@ class LoraMerge:
     scaling: float
     fan_in_fan_out: bool
 
-    def merged(self, weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, *,
-               dtype: torch.dtype) -> torch.Tensor:
+    def merged(
+        self, weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, *, dtype: torch.dtype
+    ) -> torch.Tensor:
         delta = lora_b.float() @ lora_a.float()
         if self.fan_in_fan_out:
             delta = delta.T
@@ -45,16 +46,26 @@ def lora_merges(model: nn.Module) -> list[LoraMerge]:
         if not adapters:
             continue
         if len(adapters) > 1:
-            raise ValueError(f"{where} has several active LoRA adapters {adapters}; merging exports one: "
-                             "activate one with set_adapter")
+            raise ValueError(
+                f"{where} has several active LoRA adapters {adapters}; merging exports one: "
+                "activate one with set_adapter"
+            )
         name = adapters[0]
         unsupported = _unsupported(module, name)
         if unsupported:
-            raise ValueError(f"{where}: {unsupported} cannot be merged while exporting; export without merging "
-                             "(--lora.merge_on_export false) and merge with peft's merge_and_unload")
-        out.append(LoraMerge(weight=f"{where}.base_layer.weight", lora_a=f"{where}.lora_A.{name}.weight",
-                             lora_b=f"{where}.lora_B.{name}.weight", scaling=float(module.scaling[name]),
-                             fan_in_fan_out=bool(module.fan_in_fan_out)))
+            raise ValueError(
+                f"{where}: {unsupported} cannot be merged while exporting; export without merging "
+                "(--lora.merge_on_export false) and merge with peft's merge_and_unload"
+            )
+        out.append(
+            LoraMerge(
+                weight=f"{where}.base_layer.weight",
+                lora_a=f"{where}.lora_A.{name}.weight",
+                lora_b=f"{where}.lora_B.{name}.weight",
+                scaling=float(module.scaling[name]),
+                fan_in_fan_out=bool(module.fan_in_fan_out),
+            )
+        )
     return out
 
 

@@ -12,7 +12,8 @@ import os
 import queue
 import socket
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch.multiprocessing as mp
 
@@ -33,8 +34,14 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, threads: int)
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     while True:
         task = tasks.get()
@@ -61,8 +68,11 @@ class ProcessGroupPool:
         self._tasks = [self._ctx.Queue() for _ in range(self.world_size)]
         self._results = self._ctx.Queue()
         self._procs = [
-            self._ctx.Process(target=_worker, args=(r, self.world_size, port, self._tasks[r], self._results, self.threads),
-                              daemon=True)
+            self._ctx.Process(
+                target=_worker,
+                args=(r, self.world_size, port, self._tasks[r], self._results, self.threads),
+                daemon=True,
+            )
             for r in range(self.world_size)
         ]
         for p in self._procs:
@@ -87,8 +97,10 @@ class ProcessGroupPool:
                     rank, ok, value = self._results.get(timeout=timeout)
                 except queue.Empty:
                     dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
-                    raise RankFailure(f"{fn.__name__}: ranks {sorted(set(range(self.world_size)) - set(out))} "
-                                      f"did not finish within {timeout:.0f}s (dead processes: {dead})") from None
+                    raise RankFailure(
+                        f"{fn.__name__}: ranks {sorted(set(range(self.world_size)) - set(out))} "
+                        f"did not finish within {timeout:.0f}s (dead processes: {dead})"
+                    ) from None
                 if not ok:
                     raise RankFailure(f"{fn.__name__} failed on rank {rank} of {self.world_size}:\n{value}")
                 out[rank] = value

@@ -1,4 +1,4 @@
-"""The main job's configuration: typed, frozen sections loaded from TOML/YAML plus `--section.key value`.
+"""The main job's configuration: the sections (sections.py) loaded from TOML/YAML plus `--section.key value`.
 
 Every key has a type and a default, so `shardtrain train` runs with no file at all. Values from a
 file and from the command line are coerced to the declared type; a key that does not exist is an
@@ -15,184 +15,12 @@ import math
 import tomllib
 import types
 import typing
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A configuration value or key is wrong; the message names it and the fix."""
-
-
-def _help(text: str, default: Any = dataclasses.MISSING, **kwargs: Any) -> Any:
-    if default is dataclasses.MISSING:
-        return field(metadata={"help": text}, **kwargs)
-    return field(default=default, metadata={"help": text}, **kwargs)
-
-
-def _require(ok: bool, key: str, value: Any, remedy: str) -> None:
-    if not ok:
-        raise ConfigError(f"{key}={value!r} is invalid: {remedy}")
-
-
-@dataclass(frozen=True, kw_only=True)
-class ModelConfig:
-    name: str = _help("built-in 'llama-<size>' (tiny, 2m, 7m, 34m, 125m, 1.5b, 8b, ...), 'hf' for a "
-                      "Hugging Face causal LM from model.hf_config, or 'package.module:factory' (this imports that "
-                      "module and calls the function: it runs that code, so use only a config you trust)", "llama-2m")
-    kwargs: dict[str, Any] = _help("overrides: LlamaConfig fields, Hugging Face config fields, or factory "
-                                   "keyword arguments (e.g. --model.kwargs.n_layers 2)", default_factory=dict)
-    hf_config: str | None = _help("Hugging Face config: a config.json or a directory holding one "
-                                  "(or give model.kwargs.model_type instead); the model starts from random weights, "
-                                  "even where the directory holds weights (use model.pretrained for those)", None)
-    pretrained: str | None = _help("a Hugging Face model folder (config.json + safetensors weights) to fine-tune: "
-                                   "the model is built from its config on the meta device, sharded, and each rank "
-                                   "reads only its rows of the weights (implies model.name 'hf')", None)
-    wrap: tuple[str, ...] = _help("module class names that become sharding units "
-                                  "(default: Llama's Block, with Embedding and OutputHead from llama-34m up, or the HF "
-                                  "model's _no_split_modules)", ())
-    activation_checkpointing: bool | int = _help("recompute the wrapped blocks' activations in backward: true (every "
-                                                 "block), false, or k (1 block in k)", False)
-
-
-@dataclass(frozen=True, kw_only=True)
-class LoraConfig:
-    rank: int = _help("LoRA rank r (0: off, every parameter trains). r > 0 (with model.pretrained) adds peft's LoRA "
-                      "adapters to lora.targets and trains only them; checkpoints then hold only the adapters and "
-                      "their optimizer state, and resuming reloads the base from model.pretrained", 0)
-    alpha: float = _help("LoRA alpha: the adapters' update is scaled by alpha / rank", 16.0)
-    targets: tuple[str, ...] = _help("names of the linear layers that get adapters (comma-separated)",
-                                     ("q_proj", "v_proj"))
-    dropout: float = _help("dropout on the adapters' input", 0.0)
-    merge_on_export: bool = _help("with run.export_hf: export the model with the adapters merged into its weights "
-                                  "(W + B @ A * alpha / rank), a plain Hugging Face folder, instead of the adapters "
-                                  "alone in peft's format", False)
-
-    def __post_init__(self) -> None:
-        _require(self.rank >= 0, "lora.rank", self.rank, "use 0 (off) or a positive rank such as 8")
-        _require(self.alpha > 0, "lora.alpha", self.alpha, "use a positive scale such as 16")
-        _require(0 <= self.dropout < 1, "lora.dropout", self.dropout, "use a value in [0, 1)")
-        _require(bool(self.targets), "lora.targets", self.targets, "name at least one layer, e.g. q_proj,v_proj")
-
-
-@dataclass(frozen=True, kw_only=True)
-class DataConfig:
-    path: str | None = _help("a text file or a directory of them (default: the Python standard library's "
-                             "own .py files)", None)
-    pattern: str = _help("glob of the files to read under a directory", "**/*.py")
-    seq_len: int = _help("tokens per training sequence", 256)
-    val_fraction: float = _help("fraction of the files held out for evaluation (of the tokens where there are too "
-                                "few files, e.g. a single one: its last part)", 0.02)
-    cache_dir: str | None = _help("where the tokenized corpus is cached (default: ~/.cache/shardtrain)", None)
-
-    def __post_init__(self) -> None:
-        _require(self.seq_len >= 2, "data.seq_len", self.seq_len, "use at least 2 tokens")
-        _require(0 < self.val_fraction < 1, "data.val_fraction", self.val_fraction, "use a value in (0, 1)")
-
-
-@dataclass(frozen=True, kw_only=True)
-class OptimConfig:
-    lr: float = _help("peak learning rate (AdamW)", 3e-3)
-    min_lr_ratio: float = _help("final learning rate as a fraction of the peak (cosine decay)", 0.1)
-    warmup_steps: int = _help("optimizer steps of linear warm-up", 10)
-    weight_decay: float = _help("AdamW weight decay (not applied to norms and biases)", 0.1)
-    beta1: float = _help("AdamW beta1", 0.9)
-    beta2: float = _help("AdamW beta2", 0.95)
-    grad_clip: float = _help("clip the global gradient norm to this value (0: no clipping)", 1.0)
-
-    def __post_init__(self) -> None:
-        _require(self.lr >= 0, "optim.lr", self.lr, "use a learning rate of 0 (nothing changes) or more")
-        _require(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", self.min_lr_ratio, "use a value in [0, 1]")
-        _require(self.warmup_steps >= 0, "optim.warmup_steps", self.warmup_steps, "use 0 or more")
-        _require(self.grad_clip >= 0, "optim.grad_clip", self.grad_clip, "use 0 (off) or a positive norm")
-
-
-@dataclass(frozen=True, kw_only=True)
-class TrainConfig:
-    steps: int = _help("optimizer steps", 120)
-    batch_size: int = _help("sequences per optimizer step, over all ranks and micro-batches", 16)
-    grad_accum: int = _help("micro-batches accumulated per optimizer step", 1)
-    eval_every: int = _help("evaluate the held-out loss every N steps (and at step 0 and the end)", 30)
-    eval_batches: int = _help("held-out batches (of batch_size sequences) per evaluation", 4)
-    log_every: int = _help("log the training loss every N steps", 10)
-    ema_decay: float = _help("keep an exponential moving average of the weights on CPU (0: off)", 0.0)
-    seed: int = _help("seed of the model initialisation and the data order", 0)
-    compile: bool = _help("torch.compile each repeated block after sharding (one graph per block class, activation "
-                          "checkpointing inside it; the engine's hooks stay eager); the first steps pay the "
-                          "compilation", False)
-    on_nonfinite: str = _help("a non-finite loss or gradient norm: 'stop' (exit with an error naming the step, before "
-                              "any checkpoint of it) or 'skip' (skip that optimizer step on every rank and count it; "
-                              "costs a host sync per step)", "stop")
-
-    def __post_init__(self) -> None:
-        _require(self.on_nonfinite in ("stop", "skip"), "train.on_nonfinite", self.on_nonfinite, "use stop or skip")
-        for key in ("steps", "batch_size", "grad_accum", "eval_batches", "log_every"):
-            value = getattr(self, key)
-            _require(value >= 1, f"train.{key}", value, "use 1 or more")
-        _require(self.eval_every >= 0, "train.eval_every", self.eval_every, "use 0 (only first and last) or more")
-        _require(0 <= self.ema_decay < 1, "train.ema_decay", self.ema_decay, "use 0 (off) or a value in (0, 1)")
-
-
-@dataclass(frozen=True, kw_only=True)
-class EngineConfig:
-    devices: int | str = _help("'auto' (every GPU, else 2 CPU processes) or a number of processes", "auto")
-    accelerator: str = _help("'auto', 'cuda' or 'cpu'", "auto")
-    strategy: str = _help("full_shard, shard_grad_op, optimizer_only, no_shard, hybrid_shard, or 'auto' (the fastest "
-                          "configuration predicted to fit; it also sets model.activation_checkpointing, "
-                          "engine.cpu_offload and train.grad_accum, keeping train.batch_size)", "full_shard")
-    cpu_offload: bool | float = _help("keep the fp32 shards, their gradients and the optimizer state in host memory: "
-                                      "true (every unit), or a share such as 0.5 (the units holding half the "
-                                      "parameters)", False)
-    precision: str = _help("'auto' (bf16-mixed on GPU, 32-true on CPU), 'bf16-mixed' or '32-true'", "auto")
-    auto_trials: int = _help("with strategy 'auto': train this many of the best predicted configurations for a few "
-                             "steps each, in fresh processes, and keep the fastest measured (0: trust the prediction)", 0)
-    timeout: float = _help("seconds a rank waits in a collective for its peers before the job stops, naming the "
-                           "rank that did not arrive (raise it for a first step or a tokenization that takes longer)",
-                           300.0)
-
-    def __post_init__(self) -> None:
-        _require(self.auto_trials >= 0, "engine.auto_trials", self.auto_trials, "use 0 (no trials) or more")
-        _require(self.timeout > 0, "engine.timeout", self.timeout, "use a positive number of seconds, e.g. 300")
-        _require(isinstance(self.cpu_offload, bool) or 0 < self.cpu_offload <= 1, "engine.cpu_offload",
-                 self.cpu_offload, "use true, false, or a share of the parameters in (0, 1]")
-
-
-EXPORT_DTYPES = ("master", "bfloat16", "float16", "float32")
-
-
-@dataclass(frozen=True, kw_only=True)
-class RunConfig:
-    out_dir: str = _help("directory of the runs", "runs")
-    name: str | None = _help("run name (default: the start time)", None)
-    checkpoint_every: int = _help("save a checkpoint every N steps and at the end (0: no checkpoints)", 0)
-    resume: str | None = _help("checkpoint to resume from: runs/<name>/checkpoints/step_N, or "
-                               "runs/<name>/checkpoints for its latest", None)
-    tensorboard: bool = _help("also write TensorBoard events (needs the 'tensorboard' extra)", False)
-    progress: bool = _help("show a progress bar on rank 0", True)
-    export_hf: bool = _help("at the end, write runs/<name>/hf/, a Hugging Face folder that from_pretrained opens "
-                            "(config.json + safetensors, split past 5 GB), streamed one unit at a time; with LoRA, the "
-                            "adapters in peft's format unless lora.merge_on_export", False)
-    export_dtype: str = _help("dtype of the exported weights: 'master' (as stored: the fp32 masters, exact), "
-                              "'bfloat16', 'float16' or 'float32'", "master")
-
-    def __post_init__(self) -> None:
-        _require(self.checkpoint_every >= 0, "run.checkpoint_every", self.checkpoint_every, "use 0 or more")
-        _require(self.export_dtype in EXPORT_DTYPES, "run.export_dtype", self.export_dtype,
-                 f"use one of {', '.join(EXPORT_DTYPES)}")
-
-
-@dataclass(frozen=True, kw_only=True)
-class Config:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    lora: LoraConfig = field(default_factory=LoraConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    run: RunConfig = field(default_factory=RunConfig)
-
+from .sections import Config, ConfigError
 
 SECTIONS: dict[str, type] = dict(typing.get_type_hints(Config))
 
@@ -301,7 +129,9 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         else:
             raise ConfigError(f"config file {str(path)!r}: unknown format {suffix!r}; use .toml, .yaml or .yml")
     except (tomllib.TOMLDecodeError, yaml.YAMLError) as exc:
-        raise ConfigError(f"config file {str(path)!r} is not valid {suffix[1:].upper()}: {exc}".replace("\n", " ")) from exc
+        raise ConfigError(
+            f"config file {str(path)!r} is not valid {suffix[1:].upper()}: {exc}".replace("\n", " ")
+        ) from exc
     if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
         raise ConfigError(f"config file {str(path)!r}: expected tables [{'], ['.join(SECTIONS)}] of key = value")
     return data

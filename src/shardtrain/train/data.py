@@ -59,13 +59,17 @@ def corpus_files(path: str | None, pattern: str) -> tuple[Path, list[Path]]:
     else:
         root = Path(path).expanduser()
         if not root.exists():
-            raise ValueError(f"data.path={path!r} does not exist; pass an existing file or directory, "
-                             "or leave data.path unset to train on the Python standard library")
+            raise ValueError(
+                f"data.path={path!r} does not exist; pass an existing file or directory, "
+                "or leave data.path unset to train on the Python standard library"
+            )
         files = [root] if root.is_file() else [f for f in root.glob(pattern) if f.is_file()]
         root = root.parent if root.is_file() else root
     if not files:
-        raise ValueError(f"no file under {str(root)!r} matches data.pattern={pattern!r}; "
-                         "set --data.pattern to a glob that matches your files (e.g. '**/*.txt')")
+        raise ValueError(
+            f"no file under {str(root)!r} matches data.pattern={pattern!r}; "
+            "set --data.pattern to a glob that matches your files (e.g. '**/*.txt')"
+        )
     return root, sorted(files, key=lambda f: f.relative_to(root).as_posix())
 
 
@@ -88,15 +92,22 @@ class TokenCache:
 
     @property
     def held_out(self) -> np.ndarray:
-        return self.tokens[self.num_train:]
+        return self.tokens[self.num_train :]
 
 
 def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "shardtrain"
 
 
-def build_cache(*, root: Path, files: list[Path], val_fraction: float, cache_dir: str | None,
-                tokenizer: ByteTokenizer, progress: bool) -> TokenCache:
+def build_cache(
+    *,
+    root: Path,
+    files: list[Path],
+    val_fraction: float,
+    cache_dir: str | None,
+    tokenizer: ByteTokenizer,
+    progress: bool,
+) -> TokenCache:
     """Tokenize `files` (from `corpus_files`) into `cache_dir` unless an identical cache exists; return it
     memory-mapped.
 
@@ -111,16 +122,33 @@ def build_cache(*, root: Path, files: list[Path], val_fraction: float, cache_dir
         held = [False] * len(files)
     order = [i for i in range(len(files)) if not held[i]] + [i for i in range(len(files)) if held[i]]
     stats = [files[i].stat() for i in order]
-    key = hashlib.sha256(json.dumps([CACHE_VERSION, str(root), val_fraction, by_tokens, tokenizer.vocab_size,
-                                     [(rel[i], s.st_size, s.st_mtime_ns) for i, s in zip(order, stats)]]).encode())
+    key = hashlib.sha256(
+        json.dumps(
+            [
+                CACHE_VERSION,
+                str(root),
+                val_fraction,
+                by_tokens,
+                tokenizer.vocab_size,
+                [(rel[i], s.st_size, s.st_mtime_ns) for i, s in zip(order, stats)],
+            ]
+        ).encode()
+    )
     dtype = token_dtype(tokenizer.vocab_size)
     base = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
     target = base / f"tokens-{key.hexdigest()[:16]}.{dtype.name}"
     meta = target.with_suffix(".json")
     if not (target.exists() and meta.exists()):
         base.mkdir(parents=True, exist_ok=True)
-        num_train = _write_tokens(target, [files[i] for i in order], held=[held[i] for i in order],
-                                  tokenizer=tokenizer, dtype=dtype, total=sum(s.st_size for s in stats), progress=progress)
+        num_train = _write_tokens(
+            target,
+            [files[i] for i in order],
+            held=[held[i] for i in order],
+            tokenizer=tokenizer,
+            dtype=dtype,
+            total=sum(s.st_size for s in stats),
+            progress=progress,
+        )
         if by_tokens:
             num_train = _token_split(num_train, val_fraction, root=root, files=len(files))
         tmp_meta = meta.with_suffix(f".tmp{os.getpid()}")
@@ -134,18 +162,30 @@ def _token_split(total: int, val_fraction: float, *, root: Path, files: int) -> 
     """Training tokens when the last `val_fraction` of `total` tokens is held out."""
     held = int(total * val_fraction)
     if held < 1:
-        raise ValueError(f"data.val_fraction={val_fraction} of the {total} tokens in the {files} file(s) of "
-                         f"{str(root)!r} holds out no token; use more text or a larger --data.val_fraction")
+        raise ValueError(
+            f"data.val_fraction={val_fraction} of the {total} tokens in the {files} file(s) of "
+            f"{str(root)!r} holds out no token; use more text or a larger --data.val_fraction"
+        )
     return total - held
 
 
-def _write_tokens(target: Path, files: list[Path], *, held: list[bool], tokenizer: ByteTokenizer, dtype: np.dtype,
-                  total: int, progress: bool) -> int:
+def _write_tokens(
+    target: Path,
+    files: list[Path],
+    *,
+    held: list[bool],
+    tokenizer: ByteTokenizer,
+    dtype: np.dtype,
+    total: int,
+    progress: bool,
+) -> int:
     """Stream every file's tokens (each file ending with a newline) into `target`; return #train tokens."""
     tmp = target.with_suffix(f".tmp{os.getpid()}")
     num_train = 0
-    with open(tmp, "wb") as out, tqdm(total=total, unit="B", unit_scale=True, desc="tokenizing",
-                                      disable=not progress, leave=False) as bar:
+    with (
+        open(tmp, "wb") as out,
+        tqdm(total=total, unit="B", unit_scale=True, desc="tokenizing", disable=not progress, leave=False) as bar,
+    ):
         for f, is_held in zip(files, held):
             data = f.read_bytes()
             bar.update(len(data))
@@ -167,11 +207,22 @@ class TokenBatches:
     per-epoch permutation drawn from `seed`; evaluation (`shuffle=False`) reads windows in order.
     """
 
-    def __init__(self, tokens: np.ndarray, *, seq_len: int, global_batch: int, rank: int, world_size: int,
-                 seed: int, shuffle: bool) -> None:
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        *,
+        seq_len: int,
+        global_batch: int,
+        rank: int,
+        world_size: int,
+        seed: int,
+        shuffle: bool,
+    ) -> None:
         if global_batch % world_size:
-            raise ValueError(f"a global micro-batch of {global_batch} sequences does not split over {world_size} "
-                             "ranks; use a batch size that is a multiple of the world size")
+            raise ValueError(
+                f"a global micro-batch of {global_batch} sequences does not split over {world_size} "
+                "ranks; use a batch size that is a multiple of the world size"
+            )
         self.tokens = tokens
         self.seq_len = seq_len
         self.global_batch = global_batch
@@ -181,9 +232,11 @@ class TokenBatches:
         self.shuffle = shuffle
         self.num_windows = (len(tokens) - 1) // seq_len
         if self.num_windows < global_batch:
-            raise ValueError(f"{len(tokens):,} tokens hold only {self.num_windows} sequences of {seq_len + 1} tokens, "
-                             f"fewer than one batch of {global_batch}; use more data or a smaller "
-                             "data.seq_len / train.batch_size")
+            raise ValueError(
+                f"{len(tokens):,} tokens hold only {self.num_windows} sequences of {seq_len + 1} tokens, "
+                f"fewer than one batch of {global_batch}; use more data or a smaller "
+                "data.seq_len / train.batch_size"
+            )
         self._epoch = -1
         self._perm: np.ndarray | None = None
 
@@ -202,7 +255,11 @@ class TokenBatches:
         return list(range(start, start + self.per_rank))
 
     def batch(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = np.stack([self.tokens[w * self.seq_len: w * self.seq_len + self.seq_len + 1]
-                         for w in map(self._window, self.samples(index))]).astype(np.int64)
+        rows = np.stack(
+            [
+                self.tokens[w * self.seq_len : w * self.seq_len + self.seq_len + 1]
+                for w in map(self._window, self.samples(index))
+            ]
+        ).astype(np.int64)
         data = torch.from_numpy(rows)
         return data[:, :-1], data[:, 1:]

@@ -10,7 +10,7 @@ re-gathers), and restores the trained weights afterwards.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -48,7 +48,9 @@ class WeightEMA:
 
     def load_state_dict(self, state: dict) -> None:
         if len(state["averages"]) != len(self.averages):
-            raise ValueError(f"EMA state holds {len(state['averages'])} tensors, this model has {len(self.averages)}; "
-                             "resume at the same world size and model")
+            raise ValueError(
+                f"EMA state holds {len(state['averages'])} tensors, this model has {len(self.averages)}; "
+                "resume at the same world size and model"
+            )
         for avg, saved in zip(self.averages, state["averages"]):
             avg.copy_(saved)

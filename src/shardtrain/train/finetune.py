@@ -1,37 +1,43 @@
 """The main job's fine-tuning steps: LoRA before sharding, pretrained weights after, export at the end.
 
-    model.pretrained DIR   build on meta (models.py) -> [LoRA] -> st.shard -> st.load_pretrained(DIR)
-    lora.rank r > 0        peft adapters on lora.targets; only they train; the frozen base is built in
-                           the compute dtype under mixed precision (it needs no fp32 master); checkpoints
-                           hold the adapters and their optimizer state only (params="trainable"), and
-                           a resume reloads the base from DIR first
-    run.export_hf          runs/<name>/hf/: the model (or the adapters, or the merged model)
+model.pretrained DIR   build on meta (models.py) -> [LoRA] -> st.shard -> st.load_pretrained(DIR)
+lora.rank r > 0        peft adapters on lora.targets; only they train; the frozen base is built in
+                       the compute dtype under mixed precision (it needs no fp32 master); checkpoints
+                       hold the adapters and their optimizer state only (params="trainable"), and
+                       a resume reloads the base from DIR first
+run.export_hf          runs/<name>/hf/: the model (or the adapters, or the merged model)
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch import nn
 
 from ..policy import MixedPrecision
-from .config import Config
+from .sections import Config
 
 
 def check_finetune_config(cfg: Config) -> None:
     """The option combinations that cannot work; ValueError with the fix (before any communication)."""
     lora, run = cfg.lora, cfg.run
     if lora.rank and cfg.model.pretrained is None:
-        raise ValueError(f"lora.rank={lora.rank} trains adapters over pretrained weights; pass --model.pretrained "
-                         "DIR (a Hugging Face model folder), or --lora.rank 0 for full training")
+        raise ValueError(
+            f"lora.rank={lora.rank} trains adapters over pretrained weights; pass --model.pretrained "
+            "DIR (a Hugging Face model folder), or --lora.rank 0 for full training"
+        )
     if lora.merge_on_export and not (lora.rank and run.export_hf):
-        raise ValueError("lora.merge_on_export=true merges LoRA adapters into the exported model; it needs "
-                         "--lora.rank R and --run.export_hf true")
+        raise ValueError(
+            "lora.merge_on_export=true merges LoRA adapters into the exported model; it needs "
+            "--lora.rank R and --run.export_hf true"
+        )
     if run.export_hf and cfg.model.pretrained is None and cfg.model.name != "hf":
-        raise ValueError(f"run.export_hf=true writes a Hugging Face folder, but model.name={cfg.model.name!r} is not "
-                         "a Hugging Face model; use st.save_checkpoint's full format (shardtrain convert) instead")
+        raise ValueError(
+            f"run.export_hf=true writes a Hugging Face folder, but model.name={cfg.model.name!r} is not "
+            "a Hugging Face model; use st.save_checkpoint's full format (shardtrain convert) instead"
+        )
 
 
 def build_dtype(cfg: Config, precision: MixedPrecision) -> torch.dtype:

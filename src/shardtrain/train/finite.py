@@ -40,10 +40,14 @@ class NonFiniteGuard:
     def _values(self, step: int, loss: torch.Tensor, norm: torch.Tensor | None) -> torch.Tensor:
         """(step, loss, norm) on the device; built with fills, not copies from the host, so no sync."""
         device = loss.device
-        norm = norm.detach().double().to(device) if self.check_norm else torch.zeros((), dtype=torch.float64,
-                                                                                       device=device)
-        return torch.stack([torch.full((), float(step), dtype=torch.float64, device=device), loss.detach().double(),
-                            norm])
+        norm = (
+            norm.detach().double().to(device)
+            if self.check_norm
+            else torch.zeros((), dtype=torch.float64, device=device)
+        )
+        return torch.stack(
+            [torch.full((), float(step), dtype=torch.float64, device=device), loss.detach().double(), norm]
+        )
 
     def skips(self, step: int, loss: torch.Tensor, norm: torch.Tensor | None) -> bool:
         """After the backward of optimizer step `step` (1-based): whether to skip its `optimizer.step()`.
@@ -59,8 +63,12 @@ class NonFiniteGuard:
             return False
         self.skipped += 1
         if self.engine.rank == 0:
-            print(f"shardtrain train: step {step}: {_what(every)}; skipped this optimizer step on every rank "
-                  f"({self.skipped} skipped so far)", file=sys.stderr, flush=True)
+            print(
+                f"shardtrain train: step {step}: {_what(every)}; skipped this optimizer step on every rank "
+                f"({self.skipped} skipped so far)",
+                file=sys.stderr,
+                flush=True,
+            )
         return True
 
     def check(self) -> None:
@@ -71,15 +79,20 @@ class NonFiniteGuard:
         step = min(first[0] for first in every)
         if step == _NONE:
             return
-        raise NonFiniteError(f"step {int(step)}: {_what([f for f in every if f[0] == step])}; stopped before writing "
-                             "any checkpoint of it (the last checkpoint, if any, is from a finite step). Lower "
-                             "--optim.lr, check the data, or pass --train.on_nonfinite skip to skip such steps")
+        raise NonFiniteError(
+            f"step {int(step)}: {_what([f for f in every if f[0] == step])}; stopped before writing "
+            "any checkpoint of it (the last checkpoint, if any, is from a finite step). Lower "
+            "--optim.lr, check the data, or pass --train.on_nonfinite skip to skip such steps"
+        )
 
 
 def _what(every: list[list[float]]) -> str:
     """What was not finite, from each rank's [step, loss, norm] of one step."""
-    parts = [f"the training loss is {loss:g} on rank {rank}" for rank, (_, loss, _) in enumerate(every)
-             if not math.isfinite(loss)]
+    parts = [
+        f"the training loss is {loss:g} on rank {rank}"
+        for rank, (_, loss, _) in enumerate(every)
+        if not math.isfinite(loss)
+    ]
     norm = every[0][2]  # the global norm: the same on every rank
     if not math.isfinite(norm):
         parts.append(f"the gradient norm is {norm:g}")

@@ -25,9 +25,9 @@ from torch import nn
 
 from ..engine import Engine
 from ..engine.health import heartbeat
-from ..planning.auto import checkpoint_policy
+from ..planning.checkpointing import checkpoint_policy
 from ..policy import parse_mixed_precision
-from .config import Config, save_config
+from .config import save_config
 from .data import ByteTokenizer, TokenBatches, build_cache, corpus_files
 from .ema import WeightEMA
 from .finetune import build_dtype, check_finetune_config, checkpoint_params, export, load_base, with_lora
@@ -35,6 +35,7 @@ from .finite import NonFiniteGuard
 from .metrics import MetricsLog, Summary, format_bytes, memory_bytes, plot_metrics
 from .models import BuiltModel, build_model, lm_loss
 from .schedule import make_scheduler
+from .sections import Config
 from .state import check_data_position, data_position
 
 
@@ -44,8 +45,10 @@ def check_batch(cfg: Config, world_size: int) -> int:
     unit = world_size * accum
     if batch < unit or batch % unit:
         fix = max(unit, (batch // unit) * unit)
-        raise ValueError(f"train.batch_size={batch} must be a multiple of world size {world_size} x train.grad_accum "
-                         f"{accum} = {unit}; use --train.batch_size {fix}")
+        raise ValueError(
+            f"train.batch_size={batch} must be a multiple of world size {world_size} x train.grad_accum "
+            f"{accum} = {unit}; use --train.batch_size {fix}"
+        )
     return batch // accum
 
 
@@ -145,19 +148,26 @@ def _prepare(cfg: Config, engine: Engine) -> tuple[BuiltModel, int, tuple]:
     out_dir = Path(cfg.run.out_dir)
     blocker = next((p for p in (out_dir, *out_dir.parents) if p.exists() and not p.is_dir()), None)
     if blocker is not None:
-        raise ValueError(f"run.out_dir={cfg.run.out_dir!r}: {str(blocker)!r} is an existing file, not a directory; "
-                         "pass a directory for the runs (it is created if missing), e.g. --run.out_dir runs")
+        raise ValueError(
+            f"run.out_dir={cfg.run.out_dir!r}: {str(blocker)!r} is an existing file, not a directory; "
+            "pass a directory for the runs (it is created if missing), e.g. --run.out_dir runs"
+        )
     if cfg.run.resume and not Path(cfg.run.resume).exists():
-        raise ValueError(f"run.resume={cfg.run.resume!r} does not exist; pass a checkpoint directory "
-                         "(runs/<name>/checkpoints/step_NNNNNN, or runs/<name>/checkpoints for the latest)")
+        raise ValueError(
+            f"run.resume={cfg.run.resume!r} does not exist; pass a checkpoint directory "
+            "(runs/<name>/checkpoints/step_NNNNNN, or runs/<name>/checkpoints for the latest)"
+        )
     engine.seed_everything(cfg.train.seed)
-    built = build_model(cfg.model, init_context=engine.init_module,
-                        dtype=build_dtype(cfg, parse_mixed_precision(engine.precision)))
+    built = build_model(
+        cfg.model, init_context=engine.init_module, dtype=build_dtype(cfg, parse_mixed_precision(engine.precision))
+    )
     if built.notice and engine.rank == 0:
         print(f"note: {built.notice}", flush=True)
     if built.max_seq_len is not None and cfg.data.seq_len > built.max_seq_len:
-        raise ValueError(f"data.seq_len={cfg.data.seq_len} exceeds the model's maximum sequence length "
-                         f"{built.max_seq_len}; lower --data.seq_len or raise --model.kwargs.max_seq_len")
+        raise ValueError(
+            f"data.seq_len={cfg.data.seq_len} exceeds the model's maximum sequence length "
+            f"{built.max_seq_len}; lower --data.seq_len or raise --model.kwargs.max_seq_len"
+        )
     return built, micro_batch, corpus
 
 
@@ -176,29 +186,56 @@ def build_job(cfg: Config, engine: Engine) -> tuple[_Job, str]:
     built, micro_batch, (root, files) = _prepare(cfg, engine)
     tokenizer = ByteTokenizer()
     with engine.rank_zero_first(local=True):
-        cache = build_cache(root=root, files=files, val_fraction=cfg.data.val_fraction,
-                            cache_dir=cfg.data.cache_dir, tokenizer=tokenizer,
-                            progress=cfg.run.progress and engine.local_rank == 0)
-    common = dict(seq_len=cfg.data.seq_len, global_batch=micro_batch, rank=engine.rank,
-                  world_size=engine.world_size, seed=cfg.train.seed)
+        cache = build_cache(
+            root=root,
+            files=files,
+            val_fraction=cfg.data.val_fraction,
+            cache_dir=cfg.data.cache_dir,
+            tokenizer=tokenizer,
+            progress=cfg.run.progress and engine.local_rank == 0,
+        )
+    common = dict(
+        seq_len=cfg.data.seq_len,
+        global_batch=micro_batch,
+        rank=engine.rank,
+        world_size=engine.world_size,
+        seed=cfg.train.seed,
+    )
     model, adapter_init = with_lora(cfg, built.module)
-    optimizer = torch.optim.AdamW(param_groups(model, cfg.optim.weight_decay), lr=cfg.optim.lr,
-                                  betas=(cfg.optim.beta1, cfg.optim.beta2), fused=engine.device.type == "cuda")
-    model, optimizer = engine.setup(model, optimizer, wrap=built.wrap,
-                                    activation_checkpointing=checkpoint_policy(
-                                        model, wrap=built.wrap, every=cfg.model.activation_checkpointing),
-                                    **({"param_init_fn": adapter_init} if adapter_init else {}))
+    optimizer = torch.optim.AdamW(
+        param_groups(model, cfg.optim.weight_decay),
+        lr=cfg.optim.lr,
+        betas=(cfg.optim.beta1, cfg.optim.beta2),
+        fused=engine.device.type == "cuda",
+    )
+    model, optimizer = engine.setup(
+        model,
+        optimizer,
+        wrap=built.wrap,
+        activation_checkpointing=checkpoint_policy(model, wrap=built.wrap, every=cfg.model.activation_checkpointing),
+        **({"param_init_fn": adapter_init} if adapter_init else {}),
+    )
     loaded = load_base(cfg, model)
     if loaded and engine.rank == 0:
         print(loaded, flush=True)
-    scheduler = make_scheduler(optimizer, warmup_steps=cfg.optim.warmup_steps, total_steps=cfg.train.steps,
-                               min_ratio=cfg.optim.min_lr_ratio)
-    guard = NonFiniteGuard(engine, mode=cfg.train.on_nonfinite,
-                           check_norm=cfg.optim.grad_clip > 0 and engine.grad_scaler is None)
-    job = _Job(cfg=cfg, engine=engine, model=model, optimizer=optimizer, scheduler=scheduler, guard=guard,
-               ema=WeightEMA(model, decay=cfg.train.ema_decay) if cfg.train.ema_decay > 0 else None,
-               train_batches=TokenBatches(cache.train, shuffle=True, **common),
-               eval_batches=TokenBatches(cache.held_out, shuffle=False, **common), vocab_size=tokenizer.vocab_size)
+    scheduler = make_scheduler(
+        optimizer, warmup_steps=cfg.optim.warmup_steps, total_steps=cfg.train.steps, min_ratio=cfg.optim.min_lr_ratio
+    )
+    guard = NonFiniteGuard(
+        engine, mode=cfg.train.on_nonfinite, check_norm=cfg.optim.grad_clip > 0 and engine.grad_scaler is None
+    )
+    job = _Job(
+        cfg=cfg,
+        engine=engine,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        guard=guard,
+        ema=WeightEMA(model, decay=cfg.train.ema_decay) if cfg.train.ema_decay > 0 else None,
+        train_batches=TokenBatches(cache.train, shuffle=True, **common),
+        eval_batches=TokenBatches(cache.held_out, shuffle=False, **common),
+        vocab_size=tokenizer.vocab_size,
+    )
     description = built.description
     if cfg.lora.rank:
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -246,20 +283,32 @@ def _loop(job: _Job, run_dir: Path, *, first_step: int, description: str, start:
         if logs:
             # Skipped steps are agreed by every rank, so loss_count is the same on all of them.
             mean_loss = engine.all_reduce(loss_sum / loss_count).item() if loss_count else None
-            memory = [int(b) for b in engine.all_gather(torch.tensor(memory_bytes(job.model, job.optimizer, engine.device)))]
+            memory = [
+                int(b) for b in engine.all_gather(torch.tensor(memory_bytes(job.model, job.optimizer, engine.device)))
+            ]
             elapsed = time.perf_counter() - interval_start
             train_time += elapsed
             train_tokens += interval_steps * tokens_per_step
-            record = {"kind": "train", "step": done, "loss": mean_loss, "lr": job.scheduler.get_last_lr()[0],
-                      "skipped_steps": job.guard.skipped,
-                      "grad_norm": None if norm is None else float(norm), "tokens": done * tokens_per_step,
-                      "tokens_per_s": interval_steps * tokens_per_step / elapsed,
-                      "elapsed_s": round(time.perf_counter() - start, 3), "memory_bytes": memory}
+            record = {
+                "kind": "train",
+                "step": done,
+                "loss": mean_loss,
+                "lr": job.scheduler.get_last_lr()[0],
+                "skipped_steps": job.guard.skipped,
+                "grad_norm": None if norm is None else float(norm),
+                "tokens": done * tokens_per_step,
+                "tokens_per_s": interval_steps * tokens_per_step / elapsed,
+                "elapsed_s": round(time.perf_counter() - start, 3),
+                "memory_bytes": memory,
+            }
             if log:
                 log.write(record)
             if bar is not None:
-                bar.set_postfix(loss="skipped" if mean_loss is None else f"{mean_loss:.3f}",
-                                tok_s=f"{record['tokens_per_s']:,.0f}", mem="/".join(format_bytes(b) for b in memory))
+                bar.set_postfix(
+                    loss="skipped" if mean_loss is None else f"{mean_loss:.3f}",
+                    tok_s=f"{record['tokens_per_s']:,.0f}",
+                    mem="/".join(format_bytes(b) for b in memory),
+                )
             loss_sum.zero_()
             loss_count, interval_steps, interval_start = 0, 0, time.perf_counter()
         if evaluates:
@@ -284,16 +333,29 @@ def _loop(job: _Job, run_dir: Path, *, first_step: int, description: str, start:
         if lead:
             print(f"exported the model to {exported}", flush=True)
     summary = Summary(
-        run_dir=str(run_dir), model=description,
+        run_dir=str(run_dir),
+        model=description,
         world=f"{engine.world_size} x {engine.device.type}, {engine.strategy.value}, {engine.precision}",
-        steps=cfg.train.steps - first_step, tokens=train_tokens, wall_s=time.perf_counter() - start,
+        steps=cfg.train.steps - first_step,
+        tokens=train_tokens,
+        wall_s=time.perf_counter() - start,
         tokens_per_s=train_tokens / train_time if train_time else math.nan,
-        first_eval_loss=first_eval["eval_loss"], final_eval_loss=last_eval["eval_loss"],
-        memory_per_rank=memory, memory_label=memory_label, skipped_steps=job.guard.skipped,
+        first_eval_loss=first_eval["eval_loss"],
+        final_eval_loss=last_eval["eval_loss"],
+        memory_per_rank=memory,
+        memory_label=memory_label,
+        skipped_steps=job.guard.skipped,
     )
     if log:
-        log.write({"kind": "summary", "step": cfg.train.steps, "wall_s": round(summary.wall_s, 3),
-                   "eval_loss_drop": summary.eval_loss_drop, "tokens_per_s": summary.tokens_per_s})
+        log.write(
+            {
+                "kind": "summary",
+                "step": cfg.train.steps,
+                "wall_s": round(summary.wall_s, 3),
+                "eval_loss_drop": summary.eval_loss_drop,
+                "tokens_per_s": summary.tokens_per_s,
+            }
+        )
         log.close()
         plot_metrics(log.records, run_dir / "metrics.png", memory_label=memory_label)
     return summary

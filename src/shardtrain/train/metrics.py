@@ -77,8 +77,9 @@ def plot_metrics(records: list[dict[str, Any]], path: Path, *, memory_label: str
     evals = [r for r in records if r["kind"] == "eval"]
     fig, (ax_loss, ax_speed, ax_mem) = plt.subplots(1, 3, figsize=(15, 4))
     # A log interval whose every step was skipped (train.on_nonfinite=skip) has no loss: a gap.
-    ax_loss.plot([r["step"] for r in train], [math.nan if r["loss"] is None else r["loss"] for r in train],
-                 label="train")
+    ax_loss.plot(
+        [r["step"] for r in train], [math.nan if r["loss"] is None else r["loss"] for r in train], label="train"
+    )
     ax_loss.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="held-out")
     if any("eval_loss_ema" in r for r in evals):
         ax_loss.plot([r["step"] for r in evals], [r["eval_loss_ema"] for r in evals], "s--", label="held-out (EMA)")
@@ -88,7 +89,9 @@ def plot_metrics(records: list[dict[str, Any]], path: Path, *, memory_label: str
     ax_speed.set(xlabel="step", ylabel="tokens/s (all ranks)", title="throughput")
     if train:
         for rank in range(len(train[0]["memory_bytes"])):
-            ax_mem.plot([r["step"] for r in train], [r["memory_bytes"][rank] / 2**20 for r in train], label=f"rank {rank}")
+            ax_mem.plot(
+                [r["step"] for r in train], [r["memory_bytes"][rank] / 2**20 for r in train], label=f"rank {rank}"
+            )
         ax_mem.legend()
     ax_mem.set(xlabel="step", ylabel="MiB", title=memory_label)
     fig.tight_layout()
@@ -125,13 +128,20 @@ class Summary:
         rows = [
             ("model", self.model),
             ("world", self.world),
-            ("steps", f"{self.steps:,}" + (f" ({self.skipped_steps:,} skipped: non-finite loss or gradient norm)"
-                                           if self.skipped_steps else "")),
+            (
+                "steps",
+                f"{self.steps:,}"
+                + (
+                    f" ({self.skipped_steps:,} skipped: non-finite loss or gradient norm)" if self.skipped_steps else ""
+                ),
+            ),
             ("tokens", f"{self.tokens:,}"),
             ("job time", f"{self.wall_s:.1f} s (from launch to the end, on rank 0)"),
             ("throughput", f"{self.tokens_per_s:,.0f} tokens/s"),
-            ("held-out loss", f"{self.first_eval_loss:.3f} -> {self.final_eval_loss:.3f} "
-                              f"({self.eval_loss_drop:.1%} lower)"),
+            (
+                "held-out loss",
+                f"{self.first_eval_loss:.3f} -> {self.final_eval_loss:.3f} ({self.eval_loss_drop:.1%} lower)",
+            ),
             (self.memory_label, ", ".join(format_bytes(b) for b in self.memory_per_rank)),
             ("run dir", self.run_dir),
         ]

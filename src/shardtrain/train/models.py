@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..models.llama import LLAMA_SIZES, Llama, LlamaConfig, default_units, llama_config
-from .config import ModelConfig
+from .sections import ModelConfig
 
 LLAMA_PREFIX = "llama-"
 
@@ -60,7 +60,7 @@ def build_model(cfg: ModelConfig, *, init_context, dtype: torch.dtype = torch.fl
         if cfg.pretrained is not None:
             built = _build_pretrained(cfg, dtype=dtype)
         elif name.lower().startswith(LLAMA_PREFIX):
-            built = _build_llama(name[len(LLAMA_PREFIX):], cfg.kwargs, init_context)
+            built = _build_llama(name[len(LLAMA_PREFIX) :], cfg.kwargs, init_context)
         elif name == "hf":
             built = _build_hf(cfg)
         elif ":" in name:
@@ -77,7 +77,9 @@ def build_model(cfg: ModelConfig, *, init_context, dtype: torch.dtype = torch.fl
 
 def _build_llama(size: str, kwargs: dict[str, Any], init_context) -> BuiltModel:
     if size.lower() not in LLAMA_SIZES:
-        raise ValueError(f"unknown Llama size {size!r}; built-in sizes: {', '.join(LLAMA_PREFIX + s for s in LLAMA_SIZES)}")
+        raise ValueError(
+            f"unknown Llama size {size!r}; built-in sizes: {', '.join(LLAMA_PREFIX + s for s in LLAMA_SIZES)}"
+        )
     _check_llama_kwargs(kwargs)
     try:
         cfg = llama_config(size, **kwargs)
@@ -86,8 +88,12 @@ def _build_llama(size: str, kwargs: dict[str, Any], init_context) -> BuiltModel:
         raise ValueError(f"model.kwargs={kwargs!r}: {exc}; LlamaConfig fields are {fields}") from exc
     with init_context(empty_init=True):
         module = Llama(cfg)
-    return BuiltModel(module=module, wrap=default_units(cfg), max_seq_len=cfg.max_seq_len,
-                      description=f"Llama {size} ({cfg.num_params() / 1e6:.2f}M params, {cfg.n_layers} layers, dim {cfg.dim})")
+    return BuiltModel(
+        module=module,
+        wrap=default_units(cfg),
+        max_seq_len=cfg.max_seq_len,
+        description=f"Llama {size} ({cfg.num_params() / 1e6:.2f}M params, {cfg.n_layers} layers, dim {cfg.dim})",
+    )
 
 
 def _check_llama_kwargs(kwargs: dict[str, Any]) -> None:
@@ -107,8 +113,10 @@ def _check_llama_kwargs(kwargs: dict[str, Any]) -> None:
             continue  # not a field: llama_config names the valid ones
         if not ok:
             kind = {bool: "true or false", int: "a positive integer", float: "a positive finite number"}[tp]
-            raise ValueError(f"model.kwargs.{key}={value!r} must be {kind} (LlamaConfig.{key}); "
-                             f"e.g. --model.kwargs.{key} {str(defaults[key]).lower()}")
+            raise ValueError(
+                f"model.kwargs.{key}={value!r} must be {kind} (LlamaConfig.{key}); "
+                f"e.g. --model.kwargs.{key} {str(defaults[key]).lower()}"
+            )
 
 
 def _transformers():
@@ -124,17 +132,23 @@ def _build_pretrained(cfg: ModelConfig, *, dtype: torch.dtype) -> BuiltModel:
     from ..pretrained.files import CONFIG_FILE, weights_in_folder
 
     if cfg.name not in ("hf", ModelConfig.name):
-        raise ValueError(f"it builds the Hugging Face model its config.json describes; drop --model.name {cfg.name} "
-                         "(or pass --model.name hf)")
+        raise ValueError(
+            f"it builds the Hugging Face model its config.json describes; drop --model.name {cfg.name} "
+            "(or pass --model.name hf)"
+        )
     if cfg.hf_config is not None:
         raise ValueError("the model's config is the folder's config.json; drop model.hf_config")
     path = Path(cfg.pretrained).expanduser()
     if not path.is_dir() or not (path / CONFIG_FILE).is_file():
-        raise ValueError(f"{path} is not a Hugging Face model folder with a {CONFIG_FILE}; pass the folder "
-                         "save_pretrained wrote (nothing is downloaded)")
+        raise ValueError(
+            f"{path} is not a Hugging Face model folder with a {CONFIG_FILE}; pass the folder "
+            "save_pretrained wrote (nothing is downloaded)"
+        )
     if weights_in_folder(path) is None:
-        raise ValueError(f"{path} holds a {CONFIG_FILE} but no model.safetensors or model.safetensors.index.json; "
-                         "to train from random initialisation use --model.hf_config instead")
+        raise ValueError(
+            f"{path} holds a {CONFIG_FILE} but no model.safetensors or model.safetensors.index.json; "
+            "to train from random initialisation use --model.hf_config instead"
+        )
     transformers = _transformers()
     hf_cfg = transformers.AutoConfig.from_pretrained(str(path), **cfg.kwargs)
     with torch.device("meta"):
@@ -151,14 +165,18 @@ def _build_hf(cfg: ModelConfig) -> BuiltModel:
     if cfg.hf_config is not None:
         path = Path(cfg.hf_config).expanduser()
         if not path.exists():
-            raise ValueError(f"model.hf_config={cfg.hf_config!r} does not exist; pass a local config.json or a "
-                             "directory holding one (nothing is downloaded)")
+            raise ValueError(
+                f"model.hf_config={cfg.hf_config!r} does not exist; pass a local config.json or a "
+                "directory holding one (nothing is downloaded)"
+            )
         folder = path if path.is_dir() else path.parent
         weights = weights_in_folder(folder)
         if weights is not None:
-            notice = (f"model.hf_config {path} sits beside weights ({weights.name}); training starts from random "
-                      f"initialisation, as model.hf_config asks: pass --model.pretrained {folder} to fine-tune from "
-                      "them")
+            notice = (
+                f"model.hf_config {path} sits beside weights ({weights.name}); training starts from random "
+                f"initialisation, as model.hf_config asks: pass --model.pretrained {folder} to fine-tune from "
+                "them"
+            )
         hf_cfg = transformers.AutoConfig.from_pretrained(str(path), **kwargs)
     elif "model_type" in kwargs:
         hf_cfg = transformers.AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
@@ -175,8 +193,12 @@ def _from_config(transformers, hf_cfg, *, dtype: torch.dtype | None = None) -> B
     no_split = getattr(module, "_no_split_modules", None) or []
     wrap = classes_by_name(module, tuple(no_split)) if no_split else None
     params = sum(p.numel() for p in module.parameters())
-    return BuiltModel(module=module, wrap=wrap, max_seq_len=getattr(hf_cfg, "max_position_embeddings", None),
-                      description=f"{type(module).__name__} ({params / 1e6:.2f}M params, from config)")
+    return BuiltModel(
+        module=module,
+        wrap=wrap,
+        max_seq_len=getattr(hf_cfg, "max_position_embeddings", None),
+        description=f"{type(module).__name__} ({params / 1e6:.2f}M params, from config)",
+    )
 
 
 def _build_factory(spec: str, kwargs: dict[str, Any]) -> BuiltModel:
@@ -184,8 +206,10 @@ def _build_factory(spec: str, kwargs: dict[str, Any]) -> BuiltModel:
     try:
         factory = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
-        raise ValueError(f"cannot import {attr!r} from {module_name!r} ({exc}); check the module is on the "
-                         "Python path and the name after ':' exists") from exc
+        raise ValueError(
+            f"cannot import {attr!r} from {module_name!r} ({exc}); check the module is on the "
+            "Python path and the name after ':' exists"
+        ) from exc
     try:
         module = factory(**kwargs)
     except Exception as exc:  # noqa: BLE001 - the user's factory may raise anything
@@ -194,9 +218,12 @@ def _build_factory(spec: str, kwargs: dict[str, Any]) -> BuiltModel:
         raise ValueError(f"{spec} returned {type(module).__name__}, not an nn.Module")
     no_split = getattr(module, "_no_split_modules", None)
     params = sum(p.numel() for p in module.parameters())
-    return BuiltModel(module=module, wrap=classes_by_name(module, tuple(no_split)) if no_split else None,
-                      max_seq_len=None,
-                      description=f"{type(module).__name__} ({params / 1e6:.2f}M params, from {spec})")
+    return BuiltModel(
+        module=module,
+        wrap=classes_by_name(module, tuple(no_split)) if no_split else None,
+        max_seq_len=None,
+        description=f"{type(module).__name__} ({params / 1e6:.2f}M params, from {spec})",
+    )
 
 
 def classes_by_name(module: nn.Module, names: tuple[str, ...]) -> frozenset[type[nn.Module]]:
@@ -204,8 +231,10 @@ def classes_by_name(module: nn.Module, names: tuple[str, ...]) -> frozenset[type
     found = {type(m).__name__: type(m) for m in module.modules()}
     missing = [n for n in names if n not in found]
     if missing:
-        raise ValueError(f"model.wrap names {missing} that are not module classes of {type(module).__name__}; "
-                         f"its classes are {sorted(found)}")
+        raise ValueError(
+            f"model.wrap names {missing} that are not module classes of {type(module).__name__}; "
+            f"its classes are {sorted(found)}"
+        )
     return frozenset(found[n] for n in names)
 
 
@@ -214,6 +243,8 @@ def lm_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, *, vo
     out = model(inputs)
     logits = getattr(out, "logits", out)
     if logits.size(-1) < vocab_size:
-        raise ValueError(f"the model predicts {logits.size(-1)} classes but the tokenizer has {vocab_size} tokens; "
-                         f"give the model a vocabulary of at least {vocab_size} (e.g. --model.kwargs.vocab_size {vocab_size})")
+        raise ValueError(
+            f"the model predicts {logits.size(-1)} classes but the tokenizer has {vocab_size} tokens; "
+            f"give the model a vocabulary of at least {vocab_size} (e.g. --model.kwargs.vocab_size {vocab_size})"
+        )
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())

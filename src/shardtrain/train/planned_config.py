@@ -21,10 +21,11 @@ from dataclasses import dataclass
 import torch
 
 from ..engine.devices import launched_externally, resolve_topology
-from ..planning.auto import AutoChoice, choose_plan, local_device_memory, local_processes
-from .config import Config, ConfigError, EngineConfig
+from ..planning.auto import AutoChoice, choose_plan
+from ..planning.machine import local_device_memory, local_processes
 from .loop import check_batch
 from .models import BuiltModel, build_model
+from .sections import Config, ConfigError, EngineConfig
 
 AUTO = "auto"
 
@@ -73,9 +74,15 @@ def planned_setup(cfg: Config) -> PlannedSetup:
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     return PlannedSetup(
-        accelerator=accelerator, world_size=world_size, strategy=cfg.engine.strategy, precision=precision,
-        micro_batch=global_micro_batch // world_size, grad_accum=cfg.train.grad_accum, seq_len=cfg.data.seq_len,
-        activation_checkpointing=cfg.model.activation_checkpointing, cpu_offload=cfg.engine.cpu_offload,
+        accelerator=accelerator,
+        world_size=world_size,
+        strategy=cfg.engine.strategy,
+        precision=precision,
+        micro_batch=global_micro_batch // world_size,
+        grad_accum=cfg.train.grad_accum,
+        seq_len=cfg.data.seq_len,
+        activation_checkpointing=cfg.model.activation_checkpointing,
+        cpu_offload=cfg.engine.cpu_offload,
     )
 
 
@@ -89,15 +96,19 @@ def apply_choice(cfg: Config, choice: AutoChoice) -> Config:
     """`cfg` with the automatic plan's strategy, checkpointing, offload and accumulation."""
     return dataclasses.replace(
         cfg,
-        engine=dataclasses.replace(cfg.engine, strategy=choice.strategy.value,
-                                   cpu_offload=choice.cpu_offload if 0 < choice.cpu_offload < 1 else bool(choice.cpu_offload)),
+        engine=dataclasses.replace(
+            cfg.engine,
+            strategy=choice.strategy.value,
+            cpu_offload=choice.cpu_offload if 0 < choice.cpu_offload < 1 else bool(choice.cpu_offload),
+        ),
         model=dataclasses.replace(cfg.model, activation_checkpointing=choice.activation_checkpointing),
         train=dataclasses.replace(cfg.train, grad_accum=choice.grad_accum),
     )
 
 
-def resolve_auto_config(cfg: Config, *, device_memory: int | None = None,
-                        built: BuiltModel | None = None) -> tuple[Config, AutoChoice]:
+def resolve_auto_config(
+    cfg: Config, *, device_memory: int | None = None, built: BuiltModel | None = None
+) -> tuple[Config, AutoChoice]:
     """Choose the fastest configuration predicted to fit and return the config that runs it, and the choice.
 
     `device_memory` defaults to the local device's (the GPU's; on the CPU, the host's share per
@@ -107,13 +118,23 @@ def resolve_auto_config(cfg: Config, *, device_memory: int | None = None,
     setup = planned_setup(cfg)
     built = built or build_on_meta(cfg)
     if not built.wrap:
-        raise ConfigError(f"engine.strategy='auto' needs the model's block classes, and {cfg.model.name!r} names none; "
-                          "give them with --model.wrap ClassName")
+        raise ConfigError(
+            f"engine.strategy='auto' needs the model's block classes, and {cfg.model.name!r} names none; "
+            "give them with --model.wrap ClassName"
+        )
     host_memory = None
     if device_memory is None:  # planning for this machine: its devices and its host memory
         device_memory, _ = local_device_memory(accelerator=setup.accelerator, processes=setup.world_size)
         host_memory, _ = local_device_memory(accelerator="cpu", processes=local_processes(setup.world_size))
-    choice = choose_plan(built.module, world_size=setup.world_size, device_memory=device_memory,
-                         seq_len=setup.seq_len, micro_batch=setup.micro_batch, grad_accum=setup.grad_accum,
-                         precision=setup.precision, host_memory=host_memory, wrap=built.wrap)
+    choice = choose_plan(
+        built.module,
+        world_size=setup.world_size,
+        device_memory=device_memory,
+        seq_len=setup.seq_len,
+        micro_batch=setup.micro_batch,
+        grad_accum=setup.grad_accum,
+        precision=setup.precision,
+        host_memory=host_memory,
+        wrap=built.wrap,
+    )
     return apply_choice(cfg, choice), choice

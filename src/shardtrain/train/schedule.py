@@ -21,7 +21,8 @@ def warmup_cosine(step: int, *, warmup_steps: int, total_steps: int, min_ratio: 
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def make_scheduler(optimizer: torch.optim.Optimizer, *, warmup_steps: int, total_steps: int,
-                   min_ratio: float) -> torch.optim.lr_scheduler.LambdaLR:
+def make_scheduler(
+    optimizer: torch.optim.Optimizer, *, warmup_steps: int, total_steps: int, min_ratio: float
+) -> torch.optim.lr_scheduler.LambdaLR:
     fn = functools.partial(warmup_cosine, warmup_steps=warmup_steps, total_steps=total_steps, min_ratio=min_ratio)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)

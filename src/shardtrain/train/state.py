@@ -16,6 +16,8 @@ def check_data_position(position: dict[str, int], *, batch_size: int) -> int:
     """The step to resume at; the batch size must be the one the checkpoint was written with."""
     step, seen = int(position["step"]), int(position["samples_seen"])
     if seen != step * batch_size:
-        raise ValueError(f"the checkpoint was written with train.batch_size={seen // max(step, 1)}, this run has "
-                         f"{batch_size}; resume with --train.batch_size {seen // max(step, 1)}")
+        raise ValueError(
+            f"the checkpoint was written with train.batch_size={seen // max(step, 1)}, this run has "
+            f"{batch_size}; resume with --train.batch_size {seen // max(step, 1)}"
+        )
     return step

@@ -20,7 +20,8 @@ from pathlib import Path
 
 from ..planning.auto import AutoChoice
 from ..planning.report import checkpointing_label
-from .config import Config, save_config
+from .config import save_config
+from .sections import Config
 
 TRIAL_STEPS = 4  # 1 untimed + 3 timed
 TRIAL_CHOICE_ENV = "SHARDTRAIN_AUTO_TRIAL_CHOICE"  # the winner's index among the alternatives, for the ranks
@@ -36,9 +37,11 @@ class Trial:
     error: str | None = None
 
     def describe(self) -> str:
-        what = (f"{self.choice.strategy.value}, checkpointing {checkpointing_label(self.choice.checkpoint_every)}"
-                f"{', CPU offload' if self.choice.cpu_offload else ''}, micro-batch {self.choice.micro_batch} x "
-                f"{self.choice.grad_accum}")
+        what = (
+            f"{self.choice.strategy.value}, checkpointing {checkpointing_label(self.choice.checkpoint_every)}"
+            f"{', CPU offload' if self.choice.cpu_offload else ''}, micro-batch {self.choice.micro_batch} x "
+            f"{self.choice.grad_accum}"
+        )
         result = f"{self.tokens_per_s:,.0f} tok/s" if self.tokens_per_s is not None else f"failed: {self.error}"
         return f"{what}: predicted {self.choice.relative_step_time:.3f} x the ideal, measured {result}"
 
@@ -52,8 +55,15 @@ def trial_config(cfg: Config, choice: AutoChoice, *, out_dir: Path, name: str) -
     return dataclasses.replace(
         chosen,
         train=dataclasses.replace(chosen.train, steps=TRIAL_STEPS, log_every=1, eval_every=0, eval_batches=1),
-        run=dataclasses.replace(chosen.run, out_dir=str(out_dir), name=name, checkpoint_every=0, resume=None,
-                                tensorboard=False, progress=False),
+        run=dataclasses.replace(
+            chosen.run,
+            out_dir=str(out_dir),
+            name=name,
+            checkpoint_every=0,
+            resume=None,
+            tensorboard=False,
+            progress=False,
+        ),
     )
 
 
@@ -66,8 +76,7 @@ def measured_tokens_per_s(metrics: Path) -> float | None:
     return statistics.median(rates) if rates else None
 
 
-def run_trials(cfg: Config, choices: list[AutoChoice], *, timeout_s: float = TRIAL_TIMEOUT_S,
-               log=print) -> list[Trial]:
+def run_trials(cfg: Config, choices: list[AutoChoice], *, timeout_s: float = TRIAL_TIMEOUT_S, log=print) -> list[Trial]:
     """Train each of `choices` briefly in a fresh `shardtrain train` and measure it (see the module doc)."""
     trials = []
     with tempfile.TemporaryDirectory(prefix="shardtrain-trials-") as tmp:
@@ -90,8 +99,11 @@ def _run_one(choice: AutoChoice, config_path: Path, metrics: Path, *, timeout_s:
     rate = measured_tokens_per_s(metrics)
     if done.returncode != 0 or rate is None:
         lines = [line for line in (done.stderr or done.stdout).splitlines() if line.strip()]
-        reason = "out of memory" if "out of memory" in (done.stderr + done.stdout).lower() else \
-            (lines[-1][:200] if lines else f"exit code {done.returncode}")
+        reason = (
+            "out of memory"
+            if "out of memory" in (done.stderr + done.stdout).lower()
+            else (lines[-1][:200] if lines else f"exit code {done.returncode}")
+        )
         return Trial(choice=choice, tokens_per_s=None, error=reason)
     return Trial(choice=choice, tokens_per_s=rate)
 
@@ -100,7 +112,9 @@ def fastest(trials: list[Trial]) -> Trial:
     """The trial of the highest measured tokens/s; ValueError naming every failure when none ran."""
     ran = [t for t in trials if t.tokens_per_s is not None]
     if not ran:
-        raise ValueError("every timed trial of engine.strategy='auto' failed: "
-                         + "; ".join(t.describe() for t in trials)
-                         + ". Set engine.auto_trials 0 to train with the prediction alone, or fix the failure above")
+        raise ValueError(
+            "every timed trial of engine.strategy='auto' failed: "
+            + "; ".join(t.describe() for t in trials)
+            + ". Set engine.auto_trials 0 to train with the prediction alone, or fix the failure above"
+        )
     return max(ran, key=lambda t: t.tokens_per_s)

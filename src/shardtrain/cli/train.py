@@ -12,8 +12,10 @@ import argparse
 import os
 import sys
 from datetime import timedelta
+from typing import Any
 
 from ..train.config import ConfigError, describe, load_config
+from ..train.sections import Config
 
 
 def register(subparsers) -> None:
@@ -78,6 +80,19 @@ def _confirm_by_trials(cfg, choice):
     return apply_choice(cfg, best.choice)
 
 
+def engine_options(cfg: Config) -> dict[str, Any]:
+    """The `Engine` the configuration asks for, as its keyword arguments."""
+    return dict(
+        devices=cfg.engine.devices,
+        accelerator=cfg.engine.accelerator,
+        strategy=cfg.engine.strategy,
+        precision=cfg.engine.precision,
+        cpu_offload=cfg.engine.cpu_offload,
+        timeout=timedelta(seconds=cfg.engine.timeout),
+        compile=cfg.train.compile,
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     path, overrides = split_config_path(args.overrides)
     if args.resume:
@@ -93,15 +108,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         if cfg.engine.strategy == "auto":
             cfg = _resolve_auto(cfg)
-        engine = Engine(
-            devices=cfg.engine.devices,
-            accelerator=cfg.engine.accelerator,
-            strategy=cfg.engine.strategy,
-            precision=cfg.engine.precision,
-            cpu_offload=cfg.engine.cpu_offload,
-            timeout=timedelta(seconds=cfg.engine.timeout),
-            compile=cfg.train.compile,
-        )
+        engine = Engine(**engine_options(cfg))
     except ValueError as exc:
         print(f"shardtrain train: error: {exc}", file=sys.stderr)
         return 2

@@ -145,6 +145,6 @@ def group_timeout(group: dist.ProcessGroup) -> timedelta | None:
     for device in ("cuda", "cpu"):
         try:
             return group._get_backend(torch.device(device)).options._timeout
-        except (RuntimeError, AttributeError, ValueError):
+        except (RuntimeError, AttributeError, ValueError, TypeError):  # no backend for this device type
             continue
     return None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import queue
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -115,6 +116,7 @@ class ProcessGroupPool:
         tearing down the groups the tests created can take seconds."""
         for q in self._tasks:
             q.put(None)
+        deadline = time.monotonic() + 1
         for p in self._procs:
-            p.join(timeout=2)
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
         self._kill()

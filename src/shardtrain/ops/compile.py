@@ -13,7 +13,7 @@ from typing import Any
 from torch import nn
 
 from ..core.gathered import GatheredUnit
-from ..core.partition import repeated_blocks
+from ..core.partition import clean_name, repeated_blocks
 from ..core.shard import runtime_of
 
 
@@ -34,6 +34,4 @@ def _module_of(modules: dict[str, nn.Module], name: str) -> nn.Module:
     """The unit's module by its clean name (the path may hold `_orig_mod` segments)."""
     if name in modules:
         return modules[name]
-    from ..core.partition import clean_name
-
     return next(m for path, m in modules.items() if clean_name(path) == name)

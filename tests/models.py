@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardtrain.models.llama import SHARD_UNITS, Block, Llama, llama_config
+from tests import foreign_models
 
 
 def tiny_llama() -> Llama:
@@ -92,7 +93,9 @@ def make_batches(kind: str, *, steps: int, global_batch: int, seed: int = 1234):
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(steps):
-        if kind.endswith("llama"):
+        if kind in foreign_models.FACTORIES:
+            out.append(foreign_models.batch(kind, global_batch, g))
+        elif kind.endswith("llama"):
             toks = torch.randint(0, 256, (global_batch, 17), generator=g)
             out.append((toks[:, :-1], toks[:, 1:]))
         elif kind == "bag":

@@ -211,3 +211,25 @@ def subgroups_keep_the_timeout() -> dict:
         "hybrid_replicate": runtime_of(hybrid).comm.replicate,
     }
     return {name: group_timeout(g).total_seconds() for name, g in groups.items()}
+
+
+def hf_cache_only_off_while_training() -> dict:
+    """A checkpointed Hugging Face T5 trains with its key/value cache off and evaluates with it on."""
+    from transformers.models.t5.modeling_t5 import T5Block
+
+    from tests.foreign_models import hf_t5
+
+    torch.manual_seed(0)
+    model = hf_t5().model
+    st.shard(model, wrap={T5Block}, activation_checkpointing={T5Block})
+    x = torch.randint(0, 256, (2, 8))
+    train = model(input_ids=x, decoder_input_ids=x)
+    train.logits.sum().backward()
+    model.eval()
+    with torch.no_grad():
+        evaluated = model(input_ids=x, decoder_input_ids=x)
+    return {
+        "train_cache": train.past_key_values is not None,
+        "eval_cache": evaluated.past_key_values is not None,
+        "config_kept": model.config.use_cache,
+    }

@@ -18,6 +18,7 @@ from torch import nn
 
 import shardtrain as st
 from shardtrain.models.llama import Block
+from tests import foreign_models
 from tests.models import MODELS, lm_loss, make_batches
 
 FP32_TOL = dict(rtol=1.3e-6, atol=1e-5)
@@ -49,10 +50,18 @@ class Case:
 def wrap_policy(kind: str):
     if kind == "cnn":
         return st.SizePolicy(min_params=150)
+    if kind in foreign_models.FACTORIES:
+        return foreign_models.block_classes(kind)
     return MODELS[kind][1]
 
 
+def factory(kind: str):
+    return foreign_models.FACTORIES.get(kind) or MODELS[kind][0]
+
+
 def ac_policy(kind: str):
+    if kind in foreign_models.FACTORIES:
+        return foreign_models.block_classes(kind)
     return {"llama": MODELS["llama"][1], "split_llama": {Block}, "frozen": MODELS["frozen"][1]}.get(
         kind, lambda m: isinstance(m, nn.Linear)
     )
@@ -155,9 +164,8 @@ def _load_buffers(model: nn.Module, buffers: dict[str, torch.Tensor]) -> None:
 def run_case(kind: str, case: Case) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    factory = MODELS[kind][0]
     torch.manual_seed(0)
-    ref_model = factory().to(device)
+    ref_model = factory(kind)().to(device)
     model = copy.deepcopy(ref_model)
     st.shard(
         model,

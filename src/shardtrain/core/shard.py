@@ -64,7 +64,7 @@ def shard_module(
         else set()
     )
     modules = dict(model.named_modules())
-    apply_activation_checkpointing([modules[p] if p else model for p in sorted(ac_paths)])
+    apply_activation_checkpointing(model, [modules[p] if p else model for p in sorted(ac_paths)])
 
     runtime = Runtime(
         strategy=strategy,

@@ -154,6 +154,15 @@ def test_fp16_with_the_scheduler_trains_on_a_single_file(tmp_path):
         assert r["lr"] == pytest.approx(3e-3 * warmup_cosine(r["step"], warmup_steps=10, total_steps=2, min_ratio=0.1))
 
 
+@pytest.mark.slow  # end to end in fresh processes; test_loop.py checks the same errors on every rank of a pool
+def test_user_errors_are_reported_by_every_rank():
+    run = _train(["--data.path", "/no/such/corpus"], timeout=60)
+    assert run.returncode != 0
+    for rank in (0, 1):
+        assert f"shardtrain train: error on rank {rank}: data.path='/no/such/corpus' does not exist" in run.stderr
+    assert "Traceback" not in run.stderr
+
+
 @pytest.mark.slow  # end to end in fresh processes; tests/pretrained/ trains Hugging Face models on pools
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers (extra 'hf')")
 def test_hugging_face_llama_from_config_trains(tmp_path):

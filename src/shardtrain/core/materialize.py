@@ -33,8 +33,7 @@ class Materializer:
         self.param_init_fn = param_init_fn
         self.occurrences = occurrences  # id(original parameter) -> where it is registered
         self._done: set[int] = set()
-        self._paths = {id(m): path for path, m in root.named_modules(remove_duplicate=False)}
-        self._hf_owner = _hugging_face_owners(root)
+        self._default_init = DefaultInit(root)
 
     def materialize(self, modules: list[nn.Module]) -> None:
         """Allocate and initialise every module in `modules` that still has meta state (each once)."""
@@ -59,16 +58,30 @@ class Materializer:
         with torch.no_grad():
             if self.param_init_fn is not None:
                 self.param_init_fn(module)
-            elif id(module) in self._hf_owner:
-                self._hf_owner[id(module)]._init_weights(module)
-            elif hasattr(module, "reset_parameters"):
-                module.reset_parameters()
             else:
-                path = self._paths.get(id(module), "?") or "<root>"
-                raise ValueError(
-                    f"{type(module).__name__} at '{path}' was built on the meta device with {state}, but has no "
-                    "reset_parameters() to fill them; give it one, or pass param_init_fn=fn(module) to st.shard"
-                )
+                self._default_init(module, state=state)
+
+
+class DefaultInit:
+    """What st.shard runs on a module of `root` built on the meta device when no `param_init_fn` is
+    given (module docstring); a custom `param_init_fn` (peft's adapters) falls back to it for the rest."""
+
+    def __init__(self, root: nn.Module) -> None:
+        self._paths = {id(m): path for path, m in root.named_modules(remove_duplicate=False)}
+        self._hf_owner = _hugging_face_owners(root)
+
+    def __call__(self, module: nn.Module, *, state: list[str] | None = None) -> None:
+        if id(module) in self._hf_owner:
+            self._hf_owner[id(module)]._init_weights(module)
+        elif hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+        else:
+            path = self._paths.get(id(module), "?") or "<root>"
+            state = state if state is not None else [*module._parameters, *module._buffers]
+            raise ValueError(
+                f"{type(module).__name__} at '{path}' was built on the meta device with {state}, but has no "
+                "reset_parameters() to fill them; give it one, or pass param_init_fn=fn(module) to st.shard"
+            )
 
 
 def _hugging_face_owners(root: nn.Module) -> dict[int, nn.Module]:

@@ -12,11 +12,12 @@ Only initialisations that need no base weights are supported (`init_lora_weights
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 
 import torch
 from torch import nn
+
+from ..core.materialize import DefaultInit
 
 _META_INITS = (True, "gaussian")
 
@@ -54,13 +55,13 @@ def adapter_init(model: nn.Module) -> Callable[[nn.Module], None]:
                     f"a model built on the meta device does not have yet; use one of {_META_INITS}"
                 )
             layers[id(module.lora_A[adapter])] = layers[id(module.lora_B[adapter])] = (module, adapter)
-    owners = _hugging_face_owners(model)
+    default = DefaultInit(model)
     done: set[tuple[int, str]] = set()
 
     def init(module: nn.Module) -> None:
         entry = layers.get(id(module))
         if entry is None:
-            _default_init(module, owners.get(id(module)))
+            default(module)
             return
         layer, adapter = entry
         matrices = (layer.lora_A[adapter].weight, layer.lora_B[adapter].weight)
@@ -69,32 +70,3 @@ def adapter_init(model: nn.Module) -> Callable[[nn.Module], None]:
             done.add((id(layer), adapter))
 
     return init
-
-
-def _hugging_face_owners(model: nn.Module) -> dict[int, nn.Module]:
-    """Each module inside a transformers model, mapped to the innermost one holding it (as st.shard maps them)."""
-    owners: dict[int, nn.Module] = {}
-    transformers = sys.modules.get("transformers")  # a model of transformers implies it is imported
-    pretrained = transformers.PreTrainedModel if transformers is not None else ()
-
-    def visit(module: nn.Module, owner: nn.Module | None) -> None:
-        if isinstance(module, pretrained):
-            owner = module
-        if owner is not None:
-            owners[id(module)] = owner
-        for child in module.children():
-            visit(child, owner)
-
-    visit(model, None)
-    return owners
-
-
-def _default_init(module: nn.Module, owner: nn.Module | None) -> None:
-    """What `st.shard` does without `param_init_fn` (core/materialize.py); `owner`: the innermost
-    transformers model holding `module`, if any."""
-    if owner is not None:
-        owner._init_weights(module)
-    elif hasattr(module, "reset_parameters"):
-        module.reset_parameters()
-    else:
-        raise ValueError(f"{type(module).__name__} was built on the meta device and has no reset_parameters()")

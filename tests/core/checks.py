@@ -193,7 +193,8 @@ def load_full_state_dict_roundtrip() -> dict:
 
 def subgroups_keep_the_timeout() -> dict:
     """Groups st.shard creates (the order check's, the control group, hybrid's) time out as the group
-    the model is sharded over does, not after torch's default 30 minutes."""
+    the model is sharded over does, not after torch's default 30 minutes; a second model sharded over
+    the same group reuses them instead of making new ones."""
     from datetime import timedelta
 
     from shardtrain.core.process_groups import group_timeout
@@ -210,7 +211,16 @@ def subgroups_keep_the_timeout() -> dict:
         "hybrid_shard": runtime_of(hybrid).comm.shard,
         "hybrid_replicate": runtime_of(hybrid).comm.replicate,
     }
-    return {name: group_timeout(g).total_seconds() for name, g in groups.items()}
+    timeouts = {name: group_timeout(g).total_seconds() for name, g in groups.items()}
+    again = st.shard(tiny_llama(), strategy="full_shard", wrap={Block}, process_group=parent)
+    hybrid_again = st.shard(
+        tiny_llama(), strategy="hybrid_shard", wrap={Block}, process_group=parent, mesh=(1, dist.get_world_size())
+    )
+    reused = runtime_of(again).order.group is groups["order"] and (
+        runtime_of(hybrid_again).comm.shard is groups["hybrid_shard"]
+        and runtime_of(hybrid_again).comm.replicate is groups["hybrid_replicate"]
+    )
+    return {**timeouts, "reused": reused}
 
 
 def hf_cache_only_off_while_training() -> dict:

@@ -67,9 +67,9 @@ def test_collectives_per_step(pools):
             assert 2 * units <= step["announce"] <= 3 * units + 1, r
 
 
-def test_groups_made_by_shard_keep_the_timeout_of_the_group_given(pools):
+def test_groups_made_by_shard_keep_the_timeout_of_the_group_given_and_are_made_once(pools):
     for r in pools(2).run(checks.subgroups_keep_the_timeout):
-        assert r == {"order": 17.0, "control": 17.0, "hybrid_shard": 17.0, "hybrid_replicate": 17.0}, r
+        assert r == {"order": 17.0, "control": 17.0, "hybrid_shard": 17.0, "hybrid_replicate": 17.0, "reused": True}, r
 
 
 def test_small_modules_get_no_hooks(pools):

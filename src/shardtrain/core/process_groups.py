@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -73,7 +75,7 @@ def resolve_groups(strategy: Strategy, *, process_group, mesh, device: torch.dev
         if mesh.ndim != 2:
             raise ValueError(f"hybrid_shard needs a 2-D DeviceMesh (replicate, shard), got {mesh.ndim}-D")
         return DataParallelGroups(shard=mesh.get_group(1), replicate=mesh.get_group(0), mesh=mesh)
-    return _hybrid_groups(world_group, mesh, device)
+    return derived(world_group, ("hybrid", mesh, device.type), lambda: _hybrid_groups(world_group, mesh, device))
 
 
 def _hybrid_groups(world_group, mesh, device: torch.device) -> DataParallelGroups:
@@ -119,7 +121,7 @@ def order_group(process_group) -> dist.ProcessGroup | None:
     group = process_group or dist.group.WORLD
     if dist.get_world_size(group) == 1 or not enabled():
         return None
-    return subgroup(dist.get_process_group_ranks(group), parent=group, backend="gloo")
+    return derived(group, "order", lambda: subgroup(dist.get_process_group_ranks(group), parent=group, backend="gloo"))
 
 
 def control_group(process_group) -> dist.ProcessGroup | None:
@@ -127,7 +129,27 @@ def control_group(process_group) -> dist.ProcessGroup | None:
     group = process_group or dist.group.WORLD
     if dist.get_backend(group) == "gloo":
         return group
-    return subgroup(dist.get_process_group_ranks(group), parent=group, backend="gloo")
+    return derived(
+        group, "control", lambda: subgroup(dist.get_process_group_ranks(group), parent=group, backend="gloo")
+    )
+
+
+# Groups made from a parent group, per parent (weakly: they go when the parent is destroyed).
+_DERIVED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def derived(parent: dist.ProcessGroup, key, make: Callable[[], object]):
+    """`make()` the first time `key` is asked of `parent`, the same object afterwards.
+
+    Note: a process group lives until the job destroys every group: one made per `st.shard` call
+    would keep its connections and threads (three per Gloo group) for as long, and a process that
+    shards many models (a sweep, a test suite) would pile them up. Every rank shards the same models
+    in the same order, so every rank asks the same keys and makes the same groups.
+    """
+    mine = _DERIVED.setdefault(parent, {})
+    if key not in mine:
+        mine[key] = make()
+    return mine[key]
 
 
 def subgroup(ranks: list[int], *, parent: dist.ProcessGroup, backend: str | None = None) -> dist.ProcessGroup:

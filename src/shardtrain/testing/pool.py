@@ -8,8 +8,10 @@ raises `RankFailure` carrying the failing rank's traceback.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import queue
+import signal
 import socket
 import time
 import traceback
@@ -35,6 +37,7 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, threads: int)
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the pool asks for stacks when a call hangs
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -87,6 +90,13 @@ class ProcessGroupPool:
             p.join(timeout=10)
         self._procs = []
 
+    def _dump_stacks(self) -> None:
+        """Every live rank prints its threads' Python stacks to stderr: where a hung call is stuck."""
+        for p in self._procs:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGUSR1)
+        time.sleep(2)
+
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 240.0, **kwargs: Any) -> list[Any]:
         """Run `fn(*args, **kwargs)` on every rank; return the per-rank results in rank order."""
         for q in self._tasks:
@@ -98,6 +108,7 @@ class ProcessGroupPool:
                     rank, ok, value = self._results.get(timeout=timeout)
                 except queue.Empty:
                     dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+                    self._dump_stacks()
                     raise RankFailure(
                         f"{fn.__name__}: ranks {sorted(set(range(self.world_size)) - set(out))} "
                         f"did not finish within {timeout:.0f}s (dead processes: {dead})"

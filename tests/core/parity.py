@@ -220,3 +220,21 @@ def run_cases(kind: str, cases: list[Case]) -> int:
     for case in cases:
         run_case(kind, case)
     return len(cases)
+
+
+def run_cases_gathering(mode: str, kind: str, cases: list[Case]) -> int:
+    """`run_cases` with units gathered in `mode` (`SHARDTRAIN_GATHER`), set on this rank for the call."""
+    import os
+
+    before = os.environ.get("SHARDTRAIN_GATHER")
+    os.environ["SHARDTRAIN_GATHER"] = mode
+    try:
+        from shardtrain.core.comm import GatherMode
+
+        assert GatherMode.for_backend(dist.get_backend()) is GatherMode(mode)
+        return run_cases(kind, cases)
+    finally:
+        if before is None:
+            del os.environ["SHARDTRAIN_GATHER"]
+        else:
+            os.environ["SHARDTRAIN_GATHER"] = before

@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from tests.core.parity import Case, run_cases
+from tests.core.parity import Case, run_cases, run_cases_gathering
 
 STRATEGIES = ["full_shard", "shard_grad_op", "no_shard"]
 SLOW = pytest.mark.slow  # the default tier runs worlds 1-2; the slow tier (CI runs both) adds 3-4
@@ -44,6 +44,18 @@ def test_parity_optimizers_clip_and_plain_accumulation(pools, world):
     ]
     cases += [Case(strategy="full_shard", optim="adamw_fused", accum="no_sync")]
     assert pools(world).run(run_cases, "llama", cases) == [len(cases)] * world
+
+
+@pytest.mark.parametrize("kind", ["llama", "frozen"])
+def test_parity_per_parameter_gathers(pools, kind):
+    """The gather NCCL uses (per-parameter all-gathers into the parameter-major buffer) trains like the
+    reference too; Gloo gathers flat by default (core/comm.py, Note [Gloo's grouped all-gather])."""
+    cases = [
+        Case(strategy="full_shard", optim="adamw", accum="no_sync", ac=True),
+        Case(strategy="shard_grad_op", optim="sgd"),
+        Case(strategy="full_shard", precision="bf16", accum="no_sync"),
+    ]
+    assert pools(2).run(run_cases_gathering, "grouped", kind, cases) == [len(cases)] * 2
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])

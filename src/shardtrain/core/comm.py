@@ -6,9 +6,9 @@ the all-gather input, the fp32 average of received gradients) runs on side strea
 the Gloo work handle runs in Gloo's threads and `wait()` joins it. Both are hidden behind `Pending`,
 whose `wait()` makes the results usable on the compute stream (CUDA) or on the host (CPU).
 
-A unit gathers in one of two ways (`GatherMode`, docs/design.md): one grouped operation of
-per-parameter all-gathers whose outputs are the parameter-major unsharded buffer itself, or one flat
-all-gather of the rank-major chunks followed by one copy into the parameter-major buffer.
+A unit gathers in one of two ways (`GatherMode`, docs/design.md): per-parameter all-gathers whose
+outputs are the parameter-major unsharded buffer itself (one grouped operation on NCCL), or one flat
+all-gather of the rank-major chunks followed by one copy into the parameter-major buffer (Gloo).
 """
 
 from __future__ import annotations
@@ -27,19 +27,20 @@ from .average import mean_of_chunks
 
 
 class GatherMode(enum.Enum):
-    GROUPED = "grouped"  # per-parameter all-gathers in one group, straight into the parameter-major buffer
+    GROUPED = "grouped"  # per-parameter all-gathers straight into the parameter-major buffer
     FLAT = "flat"  # one all-gather of the rank-major chunk, then one copy-out
 
     @classmethod
     def for_backend(cls, backend: str) -> GatherMode:
-        """Grouped on every backend, unless `SHARDTRAIN_GATHER=grouped|flat` overrides it (for benchmarks)."""
+        """Grouped on NCCL, flat on Gloo (Note [Gloo's grouped all-gather]), unless
+        `SHARDTRAIN_GATHER=grouped|flat` overrides it (for benchmarks and tests)."""
         override = os.environ.get("SHARDTRAIN_GATHER")
         if override:
             try:
                 return cls(override.strip().lower())
             except ValueError:
                 raise ValueError(f"SHARDTRAIN_GATHER={override!r}: use 'grouped' or 'flat'") from None
-        return cls.GROUPED
+        return cls.GROUPED if backend == "nccl" else cls.FLAT
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,6 +91,7 @@ class UnitComm:
         self.cuda = device.type == "cuda"
         backend = dist.get_backend(shard) if shard is not None else "gloo"
         self.gather_mode = GatherMode.for_backend(backend)
+        self.groups_collectives = backend == "nccl"  # Note [Gloo's grouped all-gather]
         # Note: Gloo before torch 2.13 lacks ReduceOp.AVG; SUM then divide works everywhere.
         self.native_avg = backend == "nccl"
         if self.cuda:
@@ -138,8 +140,21 @@ class UnitComm:
         return Pending(works=works, keep=keep, then=copy_out)
 
     def _issue_gathers(self, jobs: list[GatherJob], *, async_op: bool) -> list:
-        """One operation per dtype (Gloo's grouped all-gather packs its inputs into one buffer of one dtype;
-        a unit mixing dtypes is rare, so NCCL takes the same path)."""
+        """One grouped operation per dtype on NCCL (a unit mixing dtypes is rare); one all-gather per
+        job on Gloo.
+
+        Note [Gloo's grouped all-gather]: ProcessGroupGloo runs a grouped all-gather as one flat
+        all-gather plus copies on its own threads, and one in flight beside another all-gather of the
+        same group corrupts the process's heap (torch 2.13 CPU: two asynchronous grouped all-gathers
+        of four small tensors each, issued back to back, abort in malloc within a few thousand
+        iterations; the same all-gathers ungrouped run clean). So Gloo never groups: its default is
+        the flat gather, one all-gather per flat group, and a grouped override issues each job alone.
+        """
+        if not self.groups_collectives:
+            works = [
+                collectives.all_gather_tensor(job.out, job.inp, group=self.shard, async_op=async_op) for job in jobs
+            ]
+            return works if async_op else []
         by_dtype: dict[torch.dtype, list[GatherJob]] = {}
         for job in jobs:
             by_dtype.setdefault(job.inp.dtype, []).append(job)

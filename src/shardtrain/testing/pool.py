@@ -37,6 +37,7 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, threads: int)
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
+    faulthandler.enable()  # a rank that crashes (a signal) prints its stacks
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the pool asks for stacks when a call hangs
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -90,6 +91,11 @@ class ProcessGroupPool:
             p.join(timeout=10)
         self._procs = []
 
+    def _exits(self) -> str:
+        """The exit codes of the ranks that died (a negative code: killed by that signal)."""
+        dead = {r: p.exitcode for r, p in enumerate(self._procs) if not p.is_alive()}
+        return f"dead ranks and exit codes: {dead}" if dead else "no rank died"
+
     def _dump_stacks(self) -> None:
         """Every live rank prints its threads' Python stacks to stderr: where a hung call is stuck."""
         for p in self._procs:
@@ -107,14 +113,16 @@ class ProcessGroupPool:
                 try:
                     rank, ok, value = self._results.get(timeout=timeout)
                 except queue.Empty:
-                    dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
                     self._dump_stacks()
                     raise RankFailure(
                         f"{fn.__name__}: ranks {sorted(set(range(self.world_size)) - set(out))} "
-                        f"did not finish within {timeout:.0f}s (dead processes: {dead})"
+                        f"did not finish within {timeout:.0f}s ({self._exits()})"
                     ) from None
                 if not ok:
-                    raise RankFailure(f"{fn.__name__} failed on rank {rank} of {self.world_size}:\n{value}")
+                    time.sleep(0.5)  # a peer that crashed and made this rank fail has exited by now
+                    raise RankFailure(
+                        f"{fn.__name__} failed on rank {rank} of {self.world_size} ({self._exits()}):\n{value}"
+                    )
                 out[rank] = value
         except BaseException:
             self._kill()

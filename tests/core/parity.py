@@ -231,7 +231,7 @@ def run_cases_gathering(mode: str, kind: str, cases: list[Case]) -> int:
     try:
         from shardtrain.core.comm import GatherMode
 
-        assert GatherMode.from_env() is GatherMode(mode)
+        assert GatherMode.for_backend(dist.get_backend()) is GatherMode(mode)
         return run_cases(kind, cases)
     finally:
         if before is None:

@@ -47,15 +47,15 @@ def test_parity_optimizers_clip_and_plain_accumulation(pools, world):
 
 
 @pytest.mark.parametrize("kind", ["llama", "frozen"])
-def test_parity_flat_gather(pools, kind):
-    """Units gathered flat (one all-gather, then one copy-out: `SHARDTRAIN_GATHER=flat`) train like the
-    reference too; the other tests run the default, per-parameter all-gathers."""
+def test_parity_per_parameter_gathers(pools, kind):
+    """The gather NCCL uses (per-parameter all-gathers into the parameter-major buffer) trains like the
+    reference too; Gloo gathers flat by default (core/comm.py, Note [Gloo's grouped all-gather])."""
     cases = [
         Case(strategy="full_shard", optim="adamw", accum="no_sync", ac=True),
         Case(strategy="shard_grad_op", optim="sgd"),
         Case(strategy="full_shard", precision="bf16", accum="no_sync"),
     ]
-    assert pools(2).run(run_cases_gathering, "flat", kind, cases) == [len(cases)] * 2
+    assert pools(2).run(run_cases_gathering, "grouped", kind, cases) == [len(cases)] * 2
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])

@@ -8,7 +8,7 @@ whose `wait()` makes the results usable on the compute stream (CUDA) or on the h
 
 A unit gathers in one of two ways (`GatherMode`, docs/design.md): per-parameter all-gathers whose
 outputs are the parameter-major unsharded buffer itself (one grouped operation on NCCL), or one flat
-all-gather of the rank-major chunks followed by one copy into the parameter-major buffer.
+all-gather of the rank-major chunks followed by one copy into the parameter-major buffer (Gloo).
 """
 
 from __future__ import annotations
@@ -31,16 +31,16 @@ class GatherMode(enum.Enum):
     FLAT = "flat"  # one all-gather of the rank-major chunk, then one copy-out
 
     @classmethod
-    def from_env(cls) -> GatherMode:
-        """Grouped on every backend, unless `SHARDTRAIN_GATHER=grouped|flat` overrides it (for
-        benchmarks and tests)."""
+    def for_backend(cls, backend: str) -> GatherMode:
+        """Grouped on NCCL, flat on Gloo (Note [Gloo's grouped all-gather]), unless
+        `SHARDTRAIN_GATHER=grouped|flat` overrides it (for benchmarks and tests)."""
         override = os.environ.get("SHARDTRAIN_GATHER")
         if override:
             try:
                 return cls(override.strip().lower())
             except ValueError:
                 raise ValueError(f"SHARDTRAIN_GATHER={override!r}: use 'grouped' or 'flat'") from None
-        return cls.GROUPED
+        return cls.GROUPED if backend == "nccl" else cls.FLAT
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,7 +90,7 @@ class UnitComm:
         self.device = device
         self.cuda = device.type == "cuda"
         backend = dist.get_backend(shard) if shard is not None else "gloo"
-        self.gather_mode = GatherMode.from_env()
+        self.gather_mode = GatherMode.for_backend(backend)
         self.groups_collectives = backend == "nccl"  # Note [Gloo's grouped all-gather]
         # Note: Gloo before torch 2.13 lacks ReduceOp.AVG; SUM then divide works everywhere.
         self.native_avg = backend == "nccl"
@@ -147,8 +147,8 @@ class UnitComm:
         all-gather plus copies on its own threads, and one in flight beside another all-gather of the
         same group corrupts the process's heap (torch 2.13 CPU: two asynchronous grouped all-gathers
         of four small tensors each, issued back to back, abort in malloc within a few thousand
-        iterations; the same all-gathers ungrouped run clean). So Gloo never groups: it issues each
-        job as an all-gather of its own, as fast on the CPU and without the grouped copy's memory.
+        iterations; the same all-gathers ungrouped run clean). So Gloo never groups: its default is
+        the flat gather, one all-gather per flat group, and a grouped override issues each job alone.
         """
         if not self.groups_collectives:
             works = [

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 import shardtrain as st
+from shardtrain.core.comm import GatherMode
 from shardtrain.models.llama import Block
 from tests import foreign_models
 from tests.models import MODELS, lm_loss, make_batches
@@ -224,13 +226,9 @@ def run_cases(kind: str, cases: list[Case]) -> int:
 
 def run_cases_gathering(mode: str, kind: str, cases: list[Case]) -> int:
     """`run_cases` with units gathered in `mode` (`SHARDTRAIN_GATHER`), set on this rank for the call."""
-    import os
-
     before = os.environ.get("SHARDTRAIN_GATHER")
     os.environ["SHARDTRAIN_GATHER"] = mode
     try:
-        from shardtrain.core.comm import GatherMode
-
         assert GatherMode.for_backend(dist.get_backend()) is GatherMode(mode)
         return run_cases(kind, cases)
     finally:

@@ -98,7 +98,7 @@ class ShardedSource(ModuleSource):
         shape = self.param_shapes[self.canonical[name]]
         shards = len(self._shards)
         if not shape:
-            return self._checked(0, tensor, shape).get_slice(tensor)[:].reshape(-1)[start : start + numel]
+            return self._checked(0, tensor, shape).get_tensor(tensor).reshape(-1)[start : start + numel]
         row = math.prod(shape[1:])
         parts, position, end = [], start, start + numel
         for s in range(shards):

@@ -125,8 +125,12 @@ class SafetensorsWriter:
             )
         self._next += 1
         if tensor.numel():
-            data = tensor.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy()
-            self._emit(memoryview(data))
+            flat = tensor.detach().reshape(-1).cpu()
+            if flat.stride(0) != 1:
+                # Note: `contiguous()` keeps a one-element view of any stride (a gathered one-row
+                # parameter), which cannot be viewed as bytes; a copy has stride 1.
+                flat = flat.clone(memory_format=torch.contiguous_format)
+            self._emit(memoryview(flat.view(torch.uint8).numpy()))
 
     def close(self) -> FileRecord:
         """Flush to disk (fsync) and return the file's record."""

@@ -1,9 +1,20 @@
 """The few host-side agreements a save or load needs, safe against one rank failing.
 
 Every step that may fail on some ranks only (a full disk, a corrupt file, a bad value) runs through
-`on_rank0` or `everyone`: the outcome is exchanged and, if any rank failed, every rank raises (the
-failing one its own exception, the others an error naming that rank), so no rank is left waiting
-in a collective for a peer that gave up. Without a process group everything runs locally.
+`on_rank0` or `everyone`: the outcome is exchanged and, if any rank failed, every rank raises the
+first error (that of the lowest failing rank: the failing rank its own exception, the others an error
+naming that rank and carrying its message), so no rank is left waiting in a collective for a peer
+that gave up. Without a process group everything runs locally.
+
+Note [Errors inside a loop of collectives]: a step whose ranks take part in collectives (the full
+format's gathers) must not let one rank leave the loop early: its peers would wait in the next
+all-gather for it (a hang, or Gloo's "Connection reset by peer" once it exits). Such a step keeps
+its local work (preparing a rank's rows, rank 0's writing) in a `FirstError`: the first exception is
+kept, later local work is skipped (a rank then contributes zeros of the right shape, so every
+collective still matches), and the loop runs to its end on every rank; the step raises the kept
+error only then, and `everyone` around the step makes every rank raise it. The cost: one
+`all_gather_object` per step of a save (five in all, none per training step), and after a failure
+the rest of that one step's gathers, whose results are dropped.
 """
 
 from __future__ import annotations
@@ -53,15 +64,38 @@ class Comm:
 
     def everyone(self, fn: Callable[[], Any], *, gather: bool = False) -> Any:
         """Run `fn` on every rank and return its result (with `gather`, all ranks' results, in rank
-        order); if any rank failed, raise on every rank."""
+        order); if any rank failed, raise the first failing rank's error on every rank."""
         mine = _attempt(fn)
         shared = _shareable(mine) if gather or mine[0] == "error" else ("ok", None)
         outcomes = self._all_gather(shared)
-        if mine[0] == "error":
+        first = next((rank for rank, outcome in enumerate(outcomes) if outcome[0] == "error"), None)
+        if first == self.rank:
             raise mine[1]
-        for rank, outcome in enumerate(outcomes):
-            _settle(outcome, rank=rank)
+        if first is not None:
+            cause = mine[1] if mine[0] == "error" else None
+            _settle(outcomes[first], rank=first, cause=cause)
         return [outcome[1] for outcome in outcomes] if gather else mine[1]
+
+
+class FirstError:
+    """The first exception of a rank's local work inside a loop of collectives, raised after the
+    loop (Note [Errors inside a loop of collectives])."""
+
+    def __init__(self) -> None:
+        self.error: Exception | None = None
+
+    def run(self, fn: Callable[[], Any], *, fallback: Callable[[], Any] | None = None) -> Any:
+        """`fn()`; once it or an earlier call failed, `fallback()` (or None) instead."""
+        if self.error is None:
+            try:
+                return fn()
+            except Exception as exc:  # noqa: BLE001 - raised by `check` after the loop
+                self.error = exc
+        return fallback() if fallback is not None else None
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise self.error
 
 
 def _attempt(fn: Callable[[], Any]) -> tuple[str, Any]:
@@ -79,9 +113,9 @@ def _shareable(outcome: tuple[str, Any]) -> tuple[str, Any]:
     return kind, (isinstance(value, ValueError), f"{type(value).__name__}: {value}")
 
 
-def _settle(outcome: tuple[str, Any], *, rank: int) -> Any:
+def _settle(outcome: tuple[str, Any], *, rank: int, cause: Exception | None = None) -> Any:
     kind, value = outcome
     if kind == "ok":
         return value
     is_value_error, text = value
-    raise (ValueError if is_value_error else RuntimeError)(f"rank {rank} failed: {text}")
+    raise (ValueError if is_value_error else RuntimeError)(f"rank {rank} failed: {text}") from cause

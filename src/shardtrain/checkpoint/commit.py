@@ -17,6 +17,7 @@ complete checkpoint answers to `<path>`. Anything at `<path>` that is not a shar
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -25,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .format import FORMAT_NAME, LATEST_FILE, METADATA_FILE, created_ns
+from .tensorfile import CheckpointWriteError, io_failure, writing
 
 _STAGING = re.compile(r".+\.tmp-[0-9a-f]{32}$")
 _ASIDE = re.compile(r"(?P<name>.+)\.old-[0-9a-f]{32}$")
@@ -111,26 +113,47 @@ def remove_stale(parent: Path) -> None:
 
 
 def commit(staging: Path, final: Path, *, keep_last: int | None) -> None:
-    """Rank 0, after metadata.json is in `staging`: make it the checkpoint at `final`."""
-    _fsync_dir(staging)
-    if final.is_dir() and not final.is_symlink() and not any(final.iterdir()):
-        final.rmdir()  # an empty directory holds nothing to keep
-    if final.exists():
-        aside = aside_dir(final, new_token())
-        os.rename(final, aside)
-        _fsync_dir(final.parent)
-        _reached("aside")
-        os.rename(staging, final)
-        _fsync_dir(final.parent)
-        _reached("renamed")
-        shutil.rmtree(aside)
-        _reached("cleaned")
-    else:
-        os.rename(staging, final)
-        _fsync_dir(final.parent)
-    _point_latest(final)
+    """Rank 0, after metadata.json is in `staging`: make it the checkpoint at `final`. An I/O error
+    raises a `CheckpointWriteError` that says which of the checkpoint, `latest` and the rotation were
+    written."""
+    with writing(final):
+        _fsync_dir(staging)
+        if final.is_dir() and not final.is_symlink() and not any(final.iterdir()):
+            final.rmdir()  # an empty directory holds nothing to keep
+        if final.exists():
+            aside = aside_dir(final, new_token())
+            os.rename(final, aside)
+            _fsync_dir(final.parent)
+            _reached("aside")
+            os.rename(staging, final)
+            _fsync_dir(final.parent)
+            _reached("renamed")
+            shutil.rmtree(aside)
+            _reached("cleaned")
+        else:
+            os.rename(staging, final)
+            _fsync_dir(final.parent)
+    pointer = final.parent / LATEST_FILE
+    try:
+        _point_latest(final, pointer)
+    except OSError as exc:
+        named = pointer.read_text(encoding="utf-8").strip() if pointer.is_file() else None
+        still = f"it still names {named!r}" if named else "it does not exist"
+        raise _committed_but(exc, final, f"could not point {pointer} at it ({still})") from exc
     if keep_last is not None:
-        _rotate(final, keep_last)
+        try:
+            _rotate(final, keep_last)
+        except OSError as exc:
+            raise _committed_but(exc, final, f"could not remove the checkpoints beyond keep_last={keep_last}") from exc
+
+
+def _committed_but(exc: OSError, final: Path, what: str) -> CheckpointWriteError:
+    reason, remedy = io_failure(exc)
+    return CheckpointWriteError(
+        exc.errno,
+        f"the checkpoint {final} is complete, but the save {what}: {reason}; {remedy}, then load {final} "
+        "by its path or save again",
+    )
 
 
 def _reached(point: str) -> None:
@@ -138,14 +161,18 @@ def _reached(point: str) -> None:
         commit_hook(point)
 
 
-def _point_latest(final: Path) -> None:
-    pointer = final.parent / LATEST_FILE
+def _point_latest(final: Path, pointer: Path) -> None:
     temporary = final.parent / f".{LATEST_FILE}.{new_token()}"
-    with open(temporary, "w", encoding="utf-8") as f:
-        f.write(final.name + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temporary, pointer)
+    try:
+        with open(temporary, "w", encoding="utf-8") as f:
+            f.write(final.name + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, pointer)
+    except OSError:
+        with contextlib.suppress(OSError):
+            temporary.unlink(missing_ok=True)  # a full disk still lets a file go
+        raise
     _fsync_dir(final.parent)
 
 
@@ -207,6 +234,8 @@ def resolve(path: str | os.PathLike) -> Path:
     found = _committed(path)
     if found is not None:
         return found
+    if path.is_file():
+        raise ValueError(_file_given(path))
     pointer = path / LATEST_FILE
     if pointer.is_file():
         return _pointed(path, pointer)
@@ -216,3 +245,14 @@ def resolve(path: str | os.PathLike) -> Path:
         f"{path} is not a checkpoint: it has neither {METADATA_FILE} nor a {LATEST_FILE!r} pointer; "
         "pass a directory written by st.save_checkpoint (or the directory holding its 'latest')"
     )
+
+
+def _file_given(path: Path) -> str:
+    """The error for a checkpoint path that is a file: name the directory to pass where it is clear."""
+    if path.name == METADATA_FILE:
+        return (
+            f"checkpoint path {path} is a file, the {METADATA_FILE} of a checkpoint; pass its directory {path.parent}"
+        )
+    if path.name == LATEST_FILE:
+        return f"checkpoint path {path} is a file, a {LATEST_FILE!r} pointer; pass its directory {path.parent}"
+    return f"checkpoint path {path} is a file; pass a directory written by st.save_checkpoint (or the one holding its 'latest')"

@@ -13,14 +13,15 @@ written; here each gathered unit (`gather_params`) is written and freed before t
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..core.layout import ParamShard
 from ..core.shard import runtime_of
 from ..ops.state_dict import gather_params
+from .collective import FirstError
 from .entries import Entries
 from .format import full_file, full_state_tensor, saves
 from .local import persistent_buffers
@@ -29,41 +30,11 @@ from .source import ModuleSource
 from .tensorfile import CheckpointFiles, FileRecord, SafetensorsWriter, TensorSpec, read_flat
 
 
-class _GuardedWriter:
-    """Rank 0's writer inside a loop of collectives.
-
-    An I/O error must not make rank 0 leave the loop (its peers would wait in the next all-gather
-    forever), so the first error stops the writing and is raised after the loop, from `close`.
-    """
-
-    def __init__(self, path: Path, specs: list[TensorSpec]) -> None:
-        self._error: Exception | None = None
-        self._writer = self._guard(lambda: SafetensorsWriter(path, specs))
-
-    def _guard(self, fn: Callable[[], Any]) -> Any:
-        if self._error is None:
-            try:
-                return fn()
-            except Exception as exc:  # noqa: BLE001 - raised from close()
-                self._error = exc
-        return None
-
-    def write(self, name: str, tensor: torch.Tensor) -> None:
-        self._guard(lambda: self._writer.write(name, tensor))
-
-    def close(self) -> FileRecord:
-        record = self._guard(self._writer.close)
-        if self._error is not None:
-            raise self._error
-        return record
-
-
-def write_full(
-    entries: Entries, snapshots: dict[str, OptimizerSnapshot], staging: Path, *, rank: int, params: str = "all"
-) -> dict[str, FileRecord]:
-    """All ranks gather; rank 0 writes each module's and optimizer's file. Returns rank 0's records.
-    `params`: "all", or "trainable" for only the parameters that require gradients."""
-    records = {}
+def write_full_modules(entries: Entries, staging: Path, *, rank: int, params: str = "all") -> dict[str, FileRecord]:
+    """All ranks gather; rank 0 writes each module's file. Returns rank 0's records. `params`: "all",
+    or "trainable" for only the parameters that require gradients. A local error is raised only
+    after the last gather (Note [Errors inside a loop of collectives])."""
+    records, failed = {}, FirstError()
     for key, module in entries.modules.items():
         units = runtime_of(module).units
         buffers = persistent_buffers(module)
@@ -75,7 +46,7 @@ def write_full(
             for name in (s.fqn, *s.aliases)
         ]
         specs += [TensorSpec(name=n, dtype=b.dtype, shape=tuple(b.shape)) for n, b in buffers.items()]
-        writer = _GuardedWriter(staging / full_file(key), specs) if rank == 0 else None
+        writer = failed.run(lambda: SafetensorsWriter(staging / full_file(key), specs)) if rank == 0 else None
         for unit in units:
             if not any(saves(s.requires_grad, params) for s in unit.layout.params):
                 continue
@@ -83,12 +54,22 @@ def write_full(
             if writer is not None:
                 for s, tensor in zip(unit.layout.params, whole):
                     for name in (s.fqn, *s.aliases) if saves(s.requires_grad, params) else ():
-                        writer.write(name, tensor)
+                        failed.run(lambda: writer.write(name, tensor))
             del whole
         if writer is not None:
             for n, b in buffers.items():
-                writer.write(n, b)
-            records[full_file(key)] = writer.close()
+                failed.run(lambda: writer.write(n, b))
+            records[full_file(key)] = failed.run(writer.close)
+    failed.check()
+    return records
+
+
+def write_full_optimizers(
+    entries: Entries, snapshots: dict[str, OptimizerSnapshot], staging: Path, *, rank: int
+) -> dict[str, FileRecord]:
+    """All ranks gather each sharded optimizer's elementwise state; rank 0 writes its file. Returns
+    rank 0's records; a local error is raised only after the last gather, as above."""
+    records, failed = {}, FirstError()
     for key, snap in snapshots.items():
         units = runtime_of(entries.modules[snap.module]).units
         specs = [
@@ -98,25 +79,42 @@ def write_full(
             for s in unit.layout.params
             if snap.has(s.fqn, k)
         ]
-        writer = _GuardedWriter(staging / full_file(key), specs) if rank == 0 else None
+        writer = failed.run(lambda: SafetensorsWriter(staging / full_file(key), specs)) if rank == 0 else None
         for unit in units:
             for k in snap.elementwise:
                 have = [snap.has(s.fqn, k) for s in unit.layout.params]
                 if not any(have):
                     continue
-                local = [
-                    snap.piece(s.fqn, k) if h else unit.held(i).new_zeros(unit.held(i).shape, dtype=snap.elementwise[k])
-                    for i, (s, h) in enumerate(zip(unit.layout.params, have))
+                zeros = [
+                    unit.held(i).new_zeros(unit.held(i).shape, dtype=snap.elementwise[k]) for i in range(len(have))
                 ]
+                local = failed.run(
+                    lambda: [
+                        _state_rows(snap, s, k, z) if h else z for s, h, z in zip(unit.layout.params, have, zeros)
+                    ],
+                    fallback=lambda: zeros,  # the gather's shapes, whatever went wrong here
+                )
                 whole = gather_params(unit, local)
                 if writer is not None:
                     for s, h, tensor in zip(unit.layout.params, have, whole):
                         if h:
-                            writer.write(full_state_tensor(s.fqn, k), tensor)
+                            failed.run(lambda: writer.write(full_state_tensor(s.fqn, k), tensor))
                 del whole
         if writer is not None:
-            records[full_file(key)] = writer.close()
+            records[full_file(key)] = failed.run(writer.close)
+    failed.check()
     return records
+
+
+def _state_rows(snap: OptimizerSnapshot, shard: ParamShard, key: str, like: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of state `key` of `shard`, checked to be shaped like `like` before they enter a gather."""
+    piece = snap.piece(shard.fqn, key)
+    if piece.shape != like.shape or piece.dtype != like.dtype:
+        raise RuntimeError(
+            f"optimizer state {key!r} of {shard.fqn}: this rank holds {tuple(piece.shape)} {piece.dtype}, "
+            f"where its rows of the parameter are {tuple(like.shape)} {like.dtype}"
+        )
+    return piece
 
 
 class FullSource(ModuleSource):

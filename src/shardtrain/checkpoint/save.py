@@ -1,10 +1,11 @@
 """`save_checkpoint`: snapshot, write every rank's files into a staging directory, commit.
 
-Three agreed steps (see collective.py): (1) every rank snapshots its optimizers and object state
-and checks they can be stored; (2) every rank writes its files (sharded: its own shards; full: all
-ranks gather, rank 0 writes) plus its rank file; (3) rank 0 writes metadata.json and commits.
-A failure on any rank in any step raises on every rank, leaves the last checkpoint untouched and
-removes this save's staging directory (so a full disk is not left fuller).
+Agreed steps (see collective.py): (1) every rank snapshots its optimizers and object state and
+checks they can be stored; (2) rank 0 creates the staging directory; (3) every rank writes its rank
+file and its modules (sharded: its own shards, optimizer state included; full: all ranks gather,
+rank 0 writes); (4) full: the optimizers' state likewise; (5) rank 0 writes metadata.json and
+commits. A failure on any rank in any step raises on every rank, leaves the last checkpoint and
+`latest` untouched and removes this save's staging directory (so a full disk is not left fuller).
 """
 
 from __future__ import annotations
@@ -26,12 +27,12 @@ from . import commit
 from .collective import Comm
 from .entries import Entries, classify
 from .format import FORMAT_NAME, FORMAT_VERSION, KINDS, METADATA_FILE, PARAMS, dtype_code, params_record, write_metadata
-from .full import write_full
+from .full import write_full_modules, write_full_optimizers
 from .local import persistent_buffers
 from .objects import rank_payload, write_rank_file
 from .optim_state import OptimizerSnapshot, snapshot
 from .sharded import write_shards
-from .tensorfile import writing
+from .tensorfile import FileRecord, writing
 from .values import encode
 
 
@@ -79,15 +80,19 @@ def save_checkpoint(
     token, values = comm.on_rank0(begin)
     staging = commit.staging_dir(final, token)
 
-    def write():
+    def write_modules():
         records = write_rank_file(staging, comm.rank, payload)
         if format == "sharded":
             records.update(write_shards(entries, snapshots, staging, params=params))
         else:
-            records.update(write_full(entries, snapshots, staging, rank=comm.rank, params=params))
+            records.update(write_full_modules(entries, staging, rank=comm.rank, params=params))
+        return records
+
+    def write_optimizers():
+        records = write_full_optimizers(entries, snapshots, staging, rank=comm.rank) if format == "full" else {}
         if commit.before_commit_hook is not None:
             commit.before_commit_hook(staging, comm.rank)
-        return {name: asdict(record) for name, record in records.items()}
+        return records
 
     def finish(per_rank):
         files = {name: record for records in per_rank for name, record in sorted(records.items())}
@@ -96,17 +101,23 @@ def save_checkpoint(
         )
         with writing(staging / METADATA_FILE):
             write_metadata(staging, metadata)
-        with writing(final):
-            commit.commit(staging, final, keep_last=keep_last)
+        commit.commit(staging, final, keep_last=keep_last)
 
     try:
-        per_rank = comm.everyone(write, gather=True)
-        comm.on_rank0(lambda: finish(per_rank))
+        # Note [Errors inside a loop of collectives] (collective.py): each step ends with every rank
+        # out of its collectives, and raises on every rank if any rank failed in it.
+        modules = comm.everyone(lambda: _records(write_modules()), gather=True)
+        optimizers = comm.everyone(lambda: _records(write_optimizers()), gather=True)
+        comm.on_rank0(lambda: finish([*modules, *optimizers]))
     except Exception:
         if comm.rank == 0:  # every rank has stopped writing: the partial files can go
             shutil.rmtree(staging, ignore_errors=True)
         raise
     return final
+
+
+def _records(records: dict[str, FileRecord]) -> dict[str, dict[str, Any]]:
+    return {name: asdict(record) for name, record in records.items()}
 
 
 def _metadata(

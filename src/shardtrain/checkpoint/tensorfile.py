@@ -48,15 +48,21 @@ def writing(path: Path):
     except CheckpointWriteError:
         raise
     except OSError as exc:
-        reason = exc.strerror or str(exc) or type(exc).__name__
-        remedy = (
-            "free space on that filesystem or save to a directory on another one"
-            if exc.errno in _NO_SPACE
-            else "check that the directory exists and is writable, or save to another directory"
-        )
+        reason, remedy = io_failure(exc)
         raise CheckpointWriteError(
             exc.errno, f"could not write {path}: {reason}; {remedy} (the last committed checkpoint is untouched)"
         ) from exc
+
+
+def io_failure(exc: OSError) -> tuple[str, str]:
+    """(what went wrong, what to do) for an I/O error while writing a checkpoint."""
+    reason = exc.strerror or str(exc) or type(exc).__name__
+    remedy = (
+        "free space on that filesystem or save to a directory on another one"
+        if exc.errno in _NO_SPACE
+        else "check that the directory exists and is writable, or save to another directory"
+    )
+    return reason, remedy
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -134,6 +134,15 @@ def _prefetch(options: dict[str, Any]) -> int | None:
     names = ("forward_prefetch", "backward_prefetch", "limit_all_gathers")
     if not any(n in options for n in names):
         return None
+    for name in ("forward_prefetch", "limit_all_gathers"):
+        if not isinstance(options.get(name, True), bool):
+            raise TypeError(f"{name}={options[name]!r}: use True or False")
+    backward = options.get("backward_prefetch")
+    if not (backward is None or isinstance(backward, bool) or type(backward).__name__ == "BackwardPrefetch"):
+        raise TypeError(
+            f"backward_prefetch={backward!r}: use torch's BackwardPrefetch.BACKWARD_PRE or BACKWARD_POST, "
+            "True, False or None"
+        )
     forward = bool(options.get("forward_prefetch", True))
     backward = options.get("backward_prefetch", True)
     backward = backward is not None and backward is not False

@@ -113,6 +113,13 @@ def shard(
     mixed_precision, cpu_offload = translate_policy_objects(mixed_precision=mixed_precision, cpu_offload=cpu_offload)
     if not isinstance(sync_module_states, bool):
         raise TypeError(f"sync_module_states={sync_module_states!r}: use True or False")
+    if param_init_fn is not None and not callable(param_init_fn):
+        raise TypeError(f"param_init_fn={param_init_fn!r}: pass a callable(module) that fills its parameters, or None")
+    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(
+            f"process_group={process_group!r}: pass a torch.distributed ProcessGroup (dist.new_group(ranks)), "
+            "or None for every rank"
+        )
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"prefetch={prefetch!r}: give the number of units to gather ahead (0, 1, 2, ...)")
     require_process_group()

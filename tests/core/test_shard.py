@@ -213,3 +213,40 @@ def _auto_without_seq_len() -> str:
     except ValueError as e:
         return str(e)
     return "no error"
+
+
+@pytest.mark.parametrize(
+    "option, message",
+    [
+        ({"param_init_fn": 5}, "param_init_fn=5: pass a callable(module) that fills its parameters, or None"),
+        (
+            {"process_group": "world"},
+            "process_group='world': pass a torch.distributed ProcessGroup (dist.new_group(ranks)), or None for every rank",
+        ),
+        ({"sync_module_states": "no"}, "sync_module_states='no': use True or False"),
+        ({"forward_prefetch": "no"}, "forward_prefetch='no': use True or False"),
+        ({"limit_all_gathers": None}, "limit_all_gathers=None: use True or False"),
+        (
+            {"backward_prefetch": "pre"},
+            "backward_prefetch='pre': use torch's BackwardPrefetch.BACKWARD_PRE or BACKWARD_POST, True, False or None",
+        ),
+    ],
+)
+def test_an_option_of_the_wrong_type_is_one_line_naming_it(option, message):
+    """Checked before anything else (no process group needed): one line with the value and the accepted ones."""
+    with pytest.raises(TypeError) as info:
+        st.shard(tiny_llama(), **option)
+    assert str(info.value) == message
+
+
+def test_torch_prefetch_switches_still_translate():
+    from torch.distributed.fsdp import BackwardPrefetch
+
+    from shardtrain.compat import translate_torch_options
+
+    def prefetch(**options):
+        return translate_torch_options(options, given=set())["prefetch"]
+
+    assert prefetch(forward_prefetch=False, backward_prefetch=None) == 0
+    assert prefetch(backward_prefetch=BackwardPrefetch.BACKWARD_PRE) == 1
+    assert prefetch(forward_prefetch=True, limit_all_gathers=False) == 2

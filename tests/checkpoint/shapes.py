@@ -52,9 +52,9 @@ class Odd(nn.Module):
 TOKENS = torch.tensor([[1, 2, 3, 4], [5, 6, 0, 1]])
 
 
-def build(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+def build(seed: int, strategy: str = "full_shard") -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
-    model = st.shard(Odd(), wrap={Block})
+    model = st.shard(Odd(), strategy=strategy, wrap={Block})
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.01)
     return model, optimizer
 
@@ -65,10 +65,15 @@ def step(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def round_trip(directory: str, fmt: str, with_optimizer: bool) -> list[str]:
+def round_trip(directory: str, fmt: str, with_optimizer: bool, strategy: str = "full_shard") -> list[str]:
     """Train one step, save, load into a model of other weights: every parameter, buffer and
     optimizer state tensor equal bit for bit. Returns the names the full state dict holds."""
-    model, optimizer = build(seed=0)
+    torch.manual_seed(0)
+    reference = Odd()
+    model, optimizer = build(seed=0, strategy=strategy)
+    full = st.full_state_dict(model, rank0_only=False)
+    assert list(full) == list(reference.state_dict())  # the plain model's names, in its order
+    assert_same(full, dict(reference.state_dict()), "full_state_dict")
     step(model, optimizer)
     with torch.no_grad():
         model.get_buffer("seen").add_(1)  # buffers are saved from rank 0: keep them equal
@@ -76,7 +81,7 @@ def round_trip(directory: str, fmt: str, with_optimizer: bool) -> list[str]:
     expected = st.full_state_dict(model, rank0_only=False)
     st.save_checkpoint(directory, saved, format=fmt)
 
-    fresh, fresh_optimizer = build(seed=1)
+    fresh, fresh_optimizer = build(seed=1, strategy=strategy)
     if with_optimizer:
         step(fresh, fresh_optimizer)  # other state: the load must replace it
     st.load_checkpoint(directory, {"model": fresh, **({"optimizer": fresh_optimizer} if with_optimizer else {})})
@@ -90,6 +95,9 @@ def round_trip(directory: str, fmt: str, with_optimizer: bool) -> list[str]:
         step(model, optimizer)
         step(fresh, fresh_optimizer)  # the loaded state steps exactly like the saved one
         assert_same(st.full_state_dict(fresh, rank0_only=False), st.full_state_dict(model, rank0_only=False), "step")
+    again, _ = build(seed=1, strategy=strategy)
+    st.load_full_state_dict(again, expected)
+    assert_same(st.full_state_dict(again, rank0_only=False), expected, "load_full_state_dict")
     if fmt == "full":
         plain = Odd()
         plain.load_state_dict(load_file(Path(directory) / "model.safetensors"))  # strict

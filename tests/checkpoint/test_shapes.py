@@ -30,3 +30,10 @@ NAMES = [
 def test_every_shape_round_trips_exactly(pools, tmp_path, world, fmt, with_optimizer):
     for names in pools(world).run(round_trip, str(tmp_path / "ckpt"), fmt, with_optimizer):
         assert names == NAMES
+
+
+@pytest.mark.parametrize("fmt", ["sharded", "full"])
+@pytest.mark.parametrize("strategy", ["shard_grad_op", "no_shard"])
+def test_every_shape_round_trips_exactly_under_other_strategies(pools, tmp_path, strategy, fmt):
+    for names in pools(2).run(round_trip, str(tmp_path / "ckpt"), fmt, True, strategy):
+        assert names == NAMES

@@ -139,20 +139,20 @@ def commit(staging: Path, final: Path, *, keep_last: int | None) -> None:
     except OSError as exc:
         named = pointer.read_text(encoding="utf-8").strip() if pointer.is_file() else None
         still = f"it still names {named!r}" if named else "it does not exist"
-        raise _committed_but(exc, final, f"could not point {pointer} at it ({still})") from exc
+        then = f"then load {final} by its path or save again"
+        raise _committed_but(exc, final, f"could not point {pointer} at it ({still})", then) from exc
     if keep_last is not None:
         try:
             _rotate(final, keep_last)
         except OSError as exc:
-            raise _committed_but(exc, final, f"could not remove the checkpoints beyond keep_last={keep_last}") from exc
+            what = f"could not remove the checkpoints beyond keep_last={keep_last}"
+            raise _committed_but(exc, final, what, f"then remove them from {final.parent}") from exc
 
 
-def _committed_but(exc: OSError, final: Path, what: str) -> CheckpointWriteError:
+def _committed_but(exc: OSError, final: Path, what: str, then: str) -> CheckpointWriteError:
     reason, remedy = io_failure(exc)
     return CheckpointWriteError(
-        exc.errno,
-        f"the checkpoint {final} is complete, but the save {what}: {reason}; {remedy}, then load {final} "
-        "by its path or save again",
+        exc.errno, f"the checkpoint {final} is complete, but the save {what}: {reason}; {remedy}, {then}"
     )
 
 

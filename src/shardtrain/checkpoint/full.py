@@ -20,6 +20,7 @@ import torch
 
 from ..core.layout import ParamShard
 from ..core.shard import runtime_of
+from ..core.unit import ShardUnit
 from ..ops.state_dict import gather_params
 from .collective import FirstError
 from .entries import Entries
@@ -85,14 +86,13 @@ def write_full_optimizers(
                 have = [snap.has(s.fqn, k) for s in unit.layout.params]
                 if not any(have):
                     continue
-                zeros = [
-                    unit.held(i).new_zeros(unit.held(i).shape, dtype=snap.elementwise[k]) for i in range(len(have))
-                ]
+                dtype = snap.elementwise[k]
                 local = failed.run(
                     lambda: [
-                        _state_rows(snap, s, k, z) if h else z for s, h, z in zip(unit.layout.params, have, zeros)
+                        _state_rows(snap, s, k, like=unit.held(i), dtype=dtype) if h else _zeros(unit, i, dtype)
+                        for i, (s, h) in enumerate(zip(unit.layout.params, have))
                     ],
-                    fallback=lambda: zeros,  # the gather's shapes, whatever went wrong here
+                    fallback=lambda: [_zeros(unit, i, dtype) for i in range(len(have))],  # the gather's shapes
                 )
                 whole = gather_params(unit, local)
                 if writer is not None:
@@ -106,13 +106,21 @@ def write_full_optimizers(
     return records
 
 
-def _state_rows(snap: OptimizerSnapshot, shard: ParamShard, key: str, like: torch.Tensor) -> torch.Tensor:
-    """This rank's rows of state `key` of `shard`, checked to be shaped like `like` before they enter a gather."""
+def _zeros(unit: ShardUnit, index: int, dtype: torch.dtype) -> torch.Tensor:
+    """Zeros in place of this rank's rows of parameter `index` of `unit`."""
+    return unit.held(index).new_zeros(unit.held(index).shape, dtype=dtype)
+
+
+def _state_rows(
+    snap: OptimizerSnapshot, shard: ParamShard, key: str, *, like: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """This rank's rows of state `key` of `shard`, checked to be shaped like the parameter's rows (`like`)
+    before they enter a gather."""
     piece = snap.piece(shard.fqn, key)
-    if piece.shape != like.shape or piece.dtype != like.dtype:
+    if piece.shape != like.shape or piece.dtype != dtype:
         raise RuntimeError(
             f"optimizer state {key!r} of {shard.fqn}: this rank holds {tuple(piece.shape)} {piece.dtype}, "
-            f"where its rows of the parameter are {tuple(like.shape)} {like.dtype}"
+            f"where its rows of the parameter are {tuple(like.shape)} {dtype}"
         )
     return piece
 

@@ -64,3 +64,11 @@ def test_a_failed_save_raises_the_same_error_on_every_rank(pools, tmp_path, case
     for rank, (other_kind, other_message) in enumerate(errors):
         if rank != first:
             assert (other_kind, other_message) == ("RuntimeError", f"rank {first} failed: {kind}: {errors[first][1]}")
+
+
+@pytest.mark.slow
+def test_a_failure_on_two_of_three_ranks_raises_the_first_one_everywhere(pools, tmp_path):
+    errors = pools(3).run(fail_in, str(tmp_path), "full", "rows", [1, 2], timeout=60)
+    kind, message = errors[1]
+    assert kind == "RuntimeError" and re.fullmatch(CASES["full-optimizer-rows"][4], message), errors[1]
+    assert errors[0] == errors[2] == ("RuntimeError", f"rank 1 failed: RuntimeError: {message}")

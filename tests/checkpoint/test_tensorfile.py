@@ -14,6 +14,9 @@ TENSORS = {
     "step": torch.tensor(3.0),
     "empty": torch.zeros(0, 4),
     "ids": torch.arange(10, dtype=torch.int64).view(2, 5),
+    # a gathered one-row parameter: a one-element view of stride 29, which `contiguous()` keeps as is
+    "strided": torch.arange(58.0).view(2, 29)[:, 3:4].reshape(2)[:1],
+    "column": torch.arange(12.0).view(4, 3)[:, 1],
 }
 
 

@@ -5,7 +5,7 @@ import re
 import pytest
 
 import shardtrain as st
-from tests.checkpoint.ranks import bad_inputs, save_hf_model
+from tests.checkpoint.ranks import bad_inputs
 
 
 def test_bad_inputs_are_reported(pools, tmp_path):
@@ -14,9 +14,11 @@ def test_bad_inputs_are_reported(pools, tmp_path):
     assert "rank 1 failed" in messages[0][6] and "rank 1 failed" not in messages[1][6]
 
 
-def test_a_file_path_names_the_directory_to_pass(pools, tmp_path):
+def test_a_file_path_names_the_directory_to_pass(tmp_path):
     directory = tmp_path / "ckpt"
-    pools(2).run(save_hf_model, str(directory))
+    directory.mkdir()
+    (directory / "metadata.json").write_text("{}")  # its content is not read: the path is a file
+    (tmp_path / "latest").write_text("ckpt\n")
     for file, what in (("metadata.json", "the metadata.json of a checkpoint"), ("latest", "a 'latest' pointer")):
         parent = directory if file == "metadata.json" else tmp_path
         path = parent / file

@@ -1,10 +1,10 @@
 """The few host-side agreements a save or load needs, safe against one rank failing.
 
 Every step that may fail on some ranks only (a full disk, a corrupt file, a bad value) runs through
-`on_rank0` or `everyone`: the outcome is exchanged and, if any rank failed, every rank raises the
-first error (that of the lowest failing rank: the failing rank its own exception, the others an error
-naming that rank and carrying its message), so no rank is left waiting in a collective for a peer
-that gave up. Without a process group everything runs locally.
+`on_rank0` or `everyone`: the outcome is exchanged and, if any rank failed, every rank raises (a
+failing rank its own exception, the others an error naming the lowest failing rank and carrying its
+message), so no rank is left waiting in a collective for a peer that gave up. Without a process
+group everything runs locally.
 
 Note [Errors inside a loop of collectives]: a step whose ranks take part in collectives (the full
 format's gathers) must not let one rank leave the loop early: its peers would wait in the next
@@ -64,16 +64,14 @@ class Comm:
 
     def everyone(self, fn: Callable[[], Any], *, gather: bool = False) -> Any:
         """Run `fn` on every rank and return its result (with `gather`, all ranks' results, in rank
-        order); if any rank failed, raise the first failing rank's error on every rank."""
+        order); if any rank failed, raise on every rank."""
         mine = _attempt(fn)
         shared = _shareable(mine) if gather or mine[0] == "error" else ("ok", None)
         outcomes = self._all_gather(shared)
-        first = next((rank for rank, outcome in enumerate(outcomes) if outcome[0] == "error"), None)
-        if first == self.rank:
+        if mine[0] == "error":
             raise mine[1]
-        if first is not None:
-            cause = mine[1] if mine[0] == "error" else None
-            _settle(outcomes[first], rank=first, cause=cause)
+        for rank, outcome in enumerate(outcomes):
+            _settle(outcome, rank=rank)
         return [outcome[1] for outcome in outcomes] if gather else mine[1]
 
 
@@ -113,9 +111,9 @@ def _shareable(outcome: tuple[str, Any]) -> tuple[str, Any]:
     return kind, (isinstance(value, ValueError), f"{type(value).__name__}: {value}")
 
 
-def _settle(outcome: tuple[str, Any], *, rank: int, cause: Exception | None = None) -> Any:
+def _settle(outcome: tuple[str, Any], *, rank: int) -> Any:
     kind, value = outcome
     if kind == "ok":
         return value
     is_value_error, text = value
-    raise (ValueError if is_value_error else RuntimeError)(f"rank {rank} failed: {text}") from cause
+    raise (ValueError if is_value_error else RuntimeError)(f"rank {rank} failed: {text}")

@@ -42,7 +42,8 @@ def test_plan_prints_the_wrap_plan_the_precision_audit_and_the_estimate(capsys):
     sections = ["== wrap plan ==", "== precision audit ==", "== memory estimate per device =="]
     assert [out.index(s) for s in sections] == sorted(out.index(s) for s in sections)
     rows = _rows(out)
-    assert ["layers.1", "46,208", "0.09", "0.09"] in rows  # st.plan: 46,208 fp32 / 2 ranks; bf16 unsharded
+    # st.plan: 46,208 trainable fp32 / 2 ranks, their gradients and AdamW's two moments; bf16 unsharded
+    assert ["layers.1", "46,208", "46,208", "0.09", "0.26", "0.09"] in rows
     # tiny's table (16,384) is smaller than a block: embedding and head stay in the root unit
     assert ["<root>", "32,832", "fp32", "bf16", "bf16", "fp32", "fp32", "fp32", "fp32"] in rows  # the audit
     assert ["layers.0", "46,208", "fp32", "bf16", "bf16", "fp32", "fp32", "fp32", "-"] in rows

@@ -53,8 +53,9 @@ def describe_setup(inputs: EstimateInputs) -> str:
 def _rows(estimate: MemoryEstimate) -> list[tuple[str, int]]:
     mp = estimate.inputs.precision
     p, r = _dtype(mp.param_dtype), _dtype(mp.reduce_dtype)
+    frozen = " + frozen" if estimate.inputs.model.frozen_params else ""
     return [
-        ("parameters (fp32 master)", estimate.parameters),
+        (f"parameters (fp32 master{frozen})", estimate.parameters),
         ("gradients (fp32)", estimate.gradients),
         (f"optimizer state ({estimate.inputs.optimizer})", estimate.optimizer_state),
         (f"unsharded params ({p})", estimate.unsharded_params),

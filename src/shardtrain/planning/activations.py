@@ -23,7 +23,9 @@ probabilities, 4 * heads * s bytes per token and block, and its backward allocat
 matrices.
 
 Activation checkpointing keeps only each checkpointed block's input (c * T * h) and recomputes one
-block's full activations at a time during backward. Checkpointing every k-th block checkpoints blocks
+block's full activations at a time during backward, beside which that block's backward holds the
+gradients of its three ffn-wide tensors (3 * c * T * f): measured on the CPU (tests/planning), they are
+what a small model's checkpointed peak lacked without them. Checkpointing every k-th block checkpoints blocks
 0, k, 2k, ... (ceil(L / k) of them); the others save everything.
 
 The final norm keeps its input and output (the head's input): 2 * c * T * h.
@@ -122,7 +124,9 @@ def activation_bill(
         norm_input_bytes(shape, compute_bytes=compute_bytes, trained=trained) + compute_bytes * shape.dim * trained.head
     )
     saved = (shape.n_layers - n_ckpt) * block + n_ckpt * checkpoint + final_norm
-    extra = block if n_ckpt else 0
+    # a checkpointed block's recomputed activations, and beside them its backward's gradients of the
+    # three ffn-wide tensors (w1(x), w3(x), their product)
+    extra = block + 3 * compute_bytes * tokens * shape.ffn_dim if n_ckpt else 0
     if compute_bytes >= FP32:
         extra += 2 * tokens * attention_matrix_bytes(shape, seq_len=seq_len)
     return ActivationBill(saved=saved, backward_extra=extra, loss_peak=LOSS_BYTES_PER_LOGIT * tokens * shape.vocab_size)

@@ -127,3 +127,27 @@ def test_strategy_auto_needs_block_classes():
     )
     with pytest.raises(ConfigError, match="needs the model's block classes.*--model.wrap"):
         resolve_auto_config(cfg, device_memory=1 << 30)
+
+
+def test_plan_auto_of_a_lora_fine_tune(capsys, tmp_path):
+    pytest.importorskip("peft")
+    # a Hugging Face folder: the plan builds the model from config.json on meta and never reads the weights
+    (tmp_path / "config.json").write_text(
+        '{"model_type": "llama", "hidden_size": 256, "num_hidden_layers": 2, "intermediate_size": 704, '
+        '"vocab_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": false, '
+        '"max_position_embeddings": 1024}'
+    )
+    (tmp_path / "model.safetensors.index.json").write_text('{"metadata": {}, "weight_map": {}}')
+    lora = ["--model.pretrained", str(tmp_path), "--lora.rank", "8", "--engine.accelerator", "cuda"]
+    lora += ["--engine.devices", "1", "--data.seq_len", "1024", "--train.batch_size", "2"]
+    code, out, err = _plan([*lora, "--auto", "--device-memory", "141GB"], capsys)
+    assert code == 0, err
+    assert ", LoRA r=8 on q_proj,v_proj: 0.01M trainable\n1 x cuda, full_shard, bf16-mixed" in out
+    assert "automatic plan: full_shard, activation checkpointing none" in out
+    assert "note: 1,737,984 of 1,752,320 parameters are frozen (1 of 3 units wholly)" in out
+    assert "parameters (fp32 master + frozen)" in out and "(2 B each as stored)" in out
+    cfg = load_config(None, [*lora, "--engine.strategy", "auto"])
+    resolved, choice = resolve_auto_config(cfg, device_memory=int(141e9))
+    assert resolved.model.activation_checkpointing is False and choice.estimate.inputs.model.trainable_params == (
+        2 * 8 * ((256 + 256) + (256 + 128))
+    )

@@ -56,7 +56,7 @@ def blocks() -> set[type[nn.Module]]:
 
 
 def _peak(step) -> int:
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True) as prof:
         step()
     live = peak = 0
     for _, action, _, size in MemoryProfile(prof.profiler.kineto_results).timeline:

@@ -46,57 +46,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import torch
-
 from ..policy import CPUOffload, MixedPrecision, parse_cpu_offload, parse_mixed_precision
-from ..strategy import Strategy, parse_strategy
+from ..strategy import parse_strategy
 from .activations import ActivationBill, activation_bill
 from .finetune import fine_tune_spec
+from .inputs import EstimateInputs, checkpoint_every, optimizer_bytes, positive_int, shard_size_of
 from .model_spec import ModelSpec, resolve_model
 from .report import format_estimate
 from .sizes import GiB, parse_bytes
 
 MASTER_BYTES = 4  # fp32 master weights
 GRAD_BYTES = 4  # fp32 sharded gradients
-OPTIMIZER_BYTES = {"adamw": 8, "adam": 8, "sgd": 4}  # sgd: momentum buffer
 OVERHEAD_BYTES = GiB // 4  # work buffers and small state the itemised terms leave out (calibrated)
 CONTEXT_BYTES = 3 * GiB // 2  # CUDA context + NCCL: device memory the caching allocator never sees
 FRAGMENTATION = 0.05  # fraction of the peak kept for the caching allocator's fragmentation
 MAX_MICRO_BATCH = 1 << 16
-
-
-@dataclass(frozen=True, kw_only=True)
-class EstimateInputs:
-    """Everything an estimate was computed from (normalised), so it can be recomputed for another batch."""
-
-    model: ModelSpec
-    world_size: int
-    strategy: Strategy
-    shard_size: int  # ranks one shard spans: world_size, the hybrid group, or 1 for no_shard
-    precision: MixedPrecision
-    checkpoint_every: int  # 0: no activation checkpointing, 1: every block, k: every k-th block
-    offload: CPUOffload | None
-    micro_batch: int
-    seq_len: int
-    optimizer: str
-    optimizer_bytes: float
-    in_flight: int
-    keep_grads: bool
-    device_memory: int | None
-
-    @property
-    def param_bytes(self) -> int:
-        return (self.precision.param_dtype or torch.float32).itemsize
-
-    @property
-    def reduce_bytes(self) -> int:
-        return (self.precision.reduce_dtype or torch.float32).itemsize
-
-    @property
-    def label(self) -> str:
-        if self.strategy.is_hybrid:
-            return f"{self.strategy.value}({self.shard_size})"
-        return self.strategy.value
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -169,53 +133,6 @@ class MemoryEstimate:
         return format_estimate(self)
 
 
-def positive_int(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r} must be a positive integer")
-    return value
-
-
-def _checkpoint_every(value: Any) -> int:
-    if value is None or value is False:
-        return 0
-    if value is True:
-        return 1
-    if isinstance(value, int) and value >= 1:
-        return value
-    raise ValueError(
-        f"activation_checkpointing={value!r} is not understood; use False, True (every block) "
-        "or an int k >= 1 (every k-th block)"
-    )
-
-
-def _optimizer_bytes(value: Any) -> tuple[str, float]:
-    if isinstance(value, str) and value.lower() in OPTIMIZER_BYTES:
-        return value.lower(), float(OPTIMIZER_BYTES[value.lower()])
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
-        return f"{value:g} B/param", float(value)
-    raise ValueError(
-        f"optimizer={value!r} is not understood; use one of {sorted(OPTIMIZER_BYTES)} "
-        "or the optimizer state's bytes per parameter as a number (e.g. 0 for plain SGD)"
-    )
-
-
-def _shard_size(strategy: Strategy, world_size: int, shard_size: int | None) -> int:
-    if strategy is Strategy.NO_SHARD:
-        return 1
-    if not strategy.is_hybrid:
-        return world_size
-    if shard_size is None:
-        raise ValueError(
-            f"strategy={strategy.value!r} needs shard_size= (ranks per shard group, e.g. the GPUs of one node)"
-        )
-    size = positive_int(shard_size, "shard_size")
-    if world_size % size:
-        raise ValueError(
-            f"shard_size={size} must divide world_size={world_size}; use a divisor such as 1, 2 or {world_size}"
-        )
-    return size
-
-
 def estimate_memory(
     model_or_spec: Any = None,
     /,
@@ -255,7 +172,7 @@ def estimate_memory(
     """
     strategy = parse_strategy(strategy)
     world_size = positive_int(world_size, "world_size")
-    optimizer_name, optimizer_bytes = _optimizer_bytes(optimizer)
+    optimizer_name, optimizer_state_bytes = optimizer_bytes(optimizer)
     inputs = EstimateInputs(
         model=fine_tune_spec(
             resolve_model(model_or_spec, params=params, wrap=wrap, **shape_hints),
@@ -265,14 +182,14 @@ def estimate_memory(
         ),
         world_size=world_size,
         strategy=strategy,
-        shard_size=_shard_size(strategy, world_size, shard_size),
+        shard_size=shard_size_of(strategy, world_size, shard_size),
         precision=parse_mixed_precision(precision),
-        checkpoint_every=_checkpoint_every(activation_checkpointing),
+        checkpoint_every=checkpoint_every(activation_checkpointing),
         offload=parse_cpu_offload(cpu_offload),
         micro_batch=positive_int(micro_batch, "micro_batch"),
         seq_len=positive_int(seq_len, "seq_len"),
         optimizer=optimizer_name,
-        optimizer_bytes=optimizer_bytes,
+        optimizer_bytes=optimizer_state_bytes,
         in_flight=positive_int(in_flight, "in_flight"),
         keep_grads=bool(keep_grads),
         device_memory=None if device_memory is None else parse_bytes(device_memory),

@@ -12,7 +12,8 @@ import torch
 from .sizes import format_count, format_gib
 
 if TYPE_CHECKING:
-    from .estimate import EstimateInputs, MemoryEstimate, StrategyComparison
+    from .estimate import MemoryEstimate, StrategyComparison
+    from .inputs import EstimateInputs
 
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 

@@ -41,13 +41,8 @@ class TrainedParts:
     head: bool = True
     adapter_rank: int = 0  # summed over a block's adapters: elements per token their A outputs keep
 
-    @property
-    def is_full(self) -> bool:
-        return self == FULL_TRAINING
-
 
 FULL_TRAINING = TrainedParts()
-FROZEN = TrainedParts(attention_in=False, attention_out=False, mlp_in=False, mlp_out=False, norms=False, head=False)
 
 
 def check_targets(targets: tuple[str, ...] | list[str]) -> tuple[str, ...]:

@@ -20,6 +20,15 @@ unit, p / r the param / reduce dtype sizes, o the optimizer's bytes per paramete
                    16 B/param / N plus p + r bytes per root parameter (embedding and head).
   optimizer step   the states alone, 16 B/param / N for AdamW (fused: no temporaries).
 
+A fine-tune (`finetune`, or a module's requires_grad): P splits into trainable parameters, billed as
+above, and frozen ones, billed only in the dtype they are stored in (bf16 for a LoRA base built in
+the compute dtype: 2 B/param / N, no master, no gradient, no optimizer state, and at N = 1 no
+unsharded copy either). Gradients, reduce buffers and the no_sync accumulation count the trainable
+parameters of each unit; the activations are those backward needs through the frozen layers
+(`activations`, `trained`). Checked against one H200's peaks for Llama-3-8B with LoRA r = 8 on
+q_proj / v_proj, batch 1 x 4096: 39.20 / 39.9 GiB without checkpointing, 22.18 / 22.49 with
+(tests/planning/test_finetune.py; `benchmarks/lora_estimate.py` measures them).
+
 Gradients are allocated in backward and freed by `zero_grad()` (set_to_none), unless keep_grads=True
 (gradient accumulation, or zero_grad(set_to_none=False)). no_shard and optimizer_only keep the
 unsharded params resident in the param dtype (an alias of the master weights when both are fp32).
@@ -70,7 +79,7 @@ class MemoryEstimate:
     `host` is what CPU offload keeps in host memory, per process (times the processes of a node).
     """
 
-    parameters: int  # fp32 master weights (the shard, or all of them when unsharded)
+    parameters: int  # fp32 master weights (the shard, or all of them when unsharded), frozen ones as stored
     gradients: int  # fp32 gradients (sharded unless no_shard)
     optimizer_state: int
     unsharded_params: int  # param-dtype copies of gathered (or resident) units

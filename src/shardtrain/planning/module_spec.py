@@ -37,9 +37,14 @@ def _llama_config(module: nn.Module) -> LlamaConfig | None:
 
 
 def _hf_config(module: nn.Module) -> Any:
-    """A Hugging Face model's config (a peft wrapper hands its base model's on), else None."""
+    """The config of a Llama-style Hugging Face model (RMSNorm, gated feed-forward: Llama, Mistral,
+    Qwen2, ...), whose activations the Llama formulas describe; a peft wrapper hands its base model's
+    on. None for other models (GPT-2's LayerNorm and GELU save other tensors)."""
     cfg = getattr(module, "config", None)
-    return cfg if hasattr(cfg, "hidden_size") and hasattr(cfg, "num_hidden_layers") else None
+    llama_style = all(
+        hasattr(cfg, a) for a in ("hidden_size", "num_hidden_layers", "intermediate_size", "rms_norm_eps")
+    )
+    return cfg if llama_style else None
 
 
 def _default_wrap(module: nn.Module):

@@ -41,3 +41,24 @@ def test_other_optimizers_change_the_bytes_per_param(capsys):
         "model states per device = (4 B fp32 param + 4 B fp32 grad + 4 B sgd state = 12 B/param)"
     )
     assert lines[1:] == [f"  full_shard  12 B x 8.03B / 8 = {12 * 8_030_261_248 / 8 / 2**30:.2f} GiB"]
+
+
+def test_lora_on_a_hugging_face_folder(capsys, tmp_path):
+    # Llama-3-8B's config.json: the bf16 base as stored (2 B/param, no gradient, no optimizer state) and
+    # 16 B for each of the 3.41M adapter parameters
+    (tmp_path / "config.json").write_text(
+        '{"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "intermediate_size": 14336, '
+        '"vocab_size": 128256, "num_attention_heads": 32, "num_key_value_heads": 8, "tie_word_embeddings": false}'
+    )
+    argv = ["--model", str(tmp_path), "--gpus", "1", "--strategy", "full_shard", "--lora-rank", "8"]
+    lines = _estimate([*argv, "--device-memory", "141GB"], capsys)
+    assert lines[0] == "llama 8.03B, LoRA r=8 on q_proj,v_proj: 8.03B parameters (dim 4096, 32 layers, 32 heads " + (
+        "(8 kv), ffn 14336, vocab 128256)"
+    )
+    assert ["parameters", "(fp32", "master", "+", "frozen)", "14.97"] in [line.split() for line in lines]
+    assert _arithmetic(lines) == [
+        "model states per device = (4 B fp32 param + 4 B fp32 grad + 8 B adamw state = 16 B/param) x trainable "
+        "params + 2 B x frozen params, / ranks per shard:",
+        "  full_shard  (16 B x 3.41M + 2 B x 8.03B) / 1 = 15.01 GiB",
+    ]
+    assert "fits in 131.32 GiB: yes; largest micro-batch: 4" in lines

@@ -42,7 +42,8 @@ def test_plan_prints_the_wrap_plan_the_precision_audit_and_the_estimate(capsys):
     sections = ["== wrap plan ==", "== precision audit ==", "== memory estimate per device =="]
     assert [out.index(s) for s in sections] == sorted(out.index(s) for s in sections)
     rows = _rows(out)
-    assert ["layers.1", "46,208", "0.09", "0.09"] in rows  # st.plan: 46,208 fp32 / 2 ranks; bf16 unsharded
+    # st.plan: 46,208 trainable fp32 / 2 ranks, their gradients and AdamW's two moments; bf16 unsharded
+    assert ["layers.1", "46,208", "46,208", "0.09", "0.26", "0.09"] in rows
     # tiny's table (16,384) is smaller than a block: embedding and head stay in the root unit
     assert ["<root>", "32,832", "fp32", "bf16", "bf16", "fp32", "fp32", "fp32", "fp32"] in rows  # the audit
     assert ["layers.0", "46,208", "fp32", "bf16", "bf16", "fp32", "fp32", "fp32", "-"] in rows
@@ -126,3 +127,27 @@ def test_strategy_auto_needs_block_classes():
     )
     with pytest.raises(ConfigError, match="needs the model's block classes.*--model.wrap"):
         resolve_auto_config(cfg, device_memory=1 << 30)
+
+
+def test_plan_auto_of_a_lora_fine_tune(capsys, tmp_path):
+    pytest.importorskip("peft")
+    # a Hugging Face folder: the plan builds the model from config.json on meta and never reads the weights
+    (tmp_path / "config.json").write_text(
+        '{"model_type": "llama", "hidden_size": 256, "num_hidden_layers": 2, "intermediate_size": 704, '
+        '"vocab_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": false, '
+        '"max_position_embeddings": 1024}'
+    )
+    (tmp_path / "model.safetensors.index.json").write_text('{"metadata": {}, "weight_map": {}}')
+    lora = ["--model.pretrained", str(tmp_path), "--lora.rank", "8", "--engine.accelerator", "cuda"]
+    lora += ["--engine.devices", "1", "--data.seq_len", "1024", "--train.batch_size", "2"]
+    code, out, err = _plan([*lora, "--auto", "--device-memory", "141GB"], capsys)
+    assert code == 0, err
+    assert ", LoRA r=8 on q_proj,v_proj: 0.01M trainable\n1 x cuda, full_shard, bf16-mixed" in out
+    assert "automatic plan: full_shard, activation checkpointing none" in out
+    assert "note: 1,737,984 of 1,752,320 parameters are frozen (1 of 3 units wholly)" in out
+    assert "parameters (fp32 master + frozen)" in out and "(2 B each as stored)" in out
+    cfg = load_config(None, [*lora, "--engine.strategy", "auto"])
+    resolved, choice = resolve_auto_config(cfg, device_memory=int(141e9))
+    assert resolved.model.activation_checkpointing is False and choice.estimate.inputs.model.trainable_params == (
+        2 * 8 * ((256 + 256) + (256 + 128))
+    )

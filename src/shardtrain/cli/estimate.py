@@ -3,9 +3,12 @@
     shardtrain estimate --params 7B --gpus 4
     shardtrain estimate --model 8b --gpus 2 --ac all --device-memory 141GB
     shardtrain estimate --model path/to/config.json --gpus 8 --strategy full_shard
+    shardtrain estimate --model path/to/hf_model_dir --gpus 1 --lora-rank 8 --lora-targets q_proj,v_proj
 
-The model is a built-in Llama size, a Hugging Face config.json, or a parameter count (--params) with
-optional shape hints. The largest micro-batch is computed for --device-memory, by default the local
+The model is a built-in Llama size, a Hugging Face config.json (or the folder holding it), or a
+parameter count (--params) with optional shape hints. A fine-tune: --lora-rank R (adapters on
+--lora-targets, the base frozen in the compute dtype, as `shardtrain train --lora.rank` builds it) or
+--trainable FRACTION; frozen parameters have no gradient and no optimizer state. The largest micro-batch is computed for --device-memory, by default the local
 GPU's memory, or 80 GiB where there is none (the output says which). Below the bill, one line per
 strategy shows the textbook arithmetic of the model states: fp32 parameters + fp32 gradients +
 optimizer state (16 B/param for AdamW), divided by the ranks a shard spans.
@@ -54,6 +57,12 @@ def register(subparsers) -> None:
     for hint in ("dim", "layers", "vocab", "ffn", "heads", "kv-heads"):
         what.add_argument(f"--{hint}", type=int, help=f"shape hint: {hint.replace('-', ' ')}")
     what.add_argument("--tie-embeddings", action="store_true", default=None, help="shape hint: tied embeddings")
+    tune = parser.add_argument_group("fine-tuning (default: full training)")
+    tune.add_argument("--lora-rank", type=int, help="LoRA rank R: adapters train, the base is frozen")
+    tune.add_argument(
+        "--lora-targets", default="q_proj,v_proj", help="comma-separated projections (default q_proj,v_proj)"
+    )
+    tune.add_argument("--trainable", type=float, metavar="FRACTION", help="share of the parameters that trains")
     parser.add_argument("--gpus", type=int, required=True, help="world size (devices in all)")
     parser.add_argument(
         "--strategy", help=f"comma-separated strategies to compare (default: {','.join(DEFAULT_STRATEGIES)})"
@@ -99,8 +108,12 @@ def _model(args: argparse.Namespace):
         raise ValueError(f"--model {args.model} and --params {args.params} both give the model; pass one of them")
     if not (args.model or args.params):
         raise ValueError(f"no model: pass --model (one of {', '.join(LLAMA_SIZES)}, or a config.json) or --params 7B")
-    if args.model and args.model.endswith(".json"):
-        path = Path(args.model)
+    path = Path(args.model) if args.model else None
+    if path is not None and path.is_dir():
+        path = path / "config.json"
+        if not path.is_file():
+            raise ValueError(f"--model {args.model}: the folder holds no config.json; give a Hugging Face model folder")
+    if path is not None and path.suffix == ".json":
         if not path.is_file():
             raise ValueError(f"--model {args.model}: no such file; give a Hugging Face config.json or a built-in size")
         return SimpleNamespace(**json.loads(path.read_text()))
@@ -138,6 +151,9 @@ def run(args: argparse.Namespace) -> int:
             seq_len=args.seq,
             optimizer=optimizer,
             keep_grads=args.keep_grads,
+            lora_rank=args.lora_rank,
+            lora_targets=args.lora_targets.split(","),
+            trainable_fraction=args.trainable,
             **hints,
         )
     except ValueError as exc:
@@ -152,20 +168,31 @@ def run(args: argparse.Namespace) -> int:
 
 def model_states_arithmetic(estimates: tuple[MemoryEstimate, ...]) -> str:
     """One line per estimate: (4 B fp32 parameter + 4 B fp32 gradient + o B optimizer state) x P / N, the
-    model states each device holds (on the device, or in host memory when offloaded)."""
+    model states each device holds (on the device, or in host memory when offloaded); a fine-tune's
+    frozen parameters add only their stored bytes."""
     first = estimates[0].inputs
     per_param = 8 + first.optimizer_bytes
+    model = first.model
+    frozen, trainable = model.frozen_params, model.trainable_params
+    frozen_size = (
+        (model.frozen_bytes / frozen if model.frozen_bytes is not None else first.param_bytes) if frozen else 0
+    )
+    terms = f"x {'trainable params + ' if frozen else 'params'}"
+    if frozen:
+        terms += f"{frozen_size:g} B x frozen params,"
     lines = [
         f"model states per device = (4 B fp32 param + 4 B fp32 grad + {first.optimizer_bytes:g} B "
-        f"{first.optimizer} state = {per_param:g} B/param) x params / ranks per shard:"
+        f"{first.optimizer} state = {per_param:g} B/param) {terms} / ranks per shard:"
     ]
     width = max(len(e.inputs.label) for e in estimates)
+    numbers = f"{per_param:g} B x {_count(trainable)}"
+    if frozen:
+        numbers = f"({numbers} + {frozen_size:g} B x {_count(frozen)})"
+    total = per_param * trainable + frozen_size * frozen
     for estimate in estimates:
         inputs = estimate.inputs
-        params, n = inputs.model.num_params, inputs.shard_size
         lines.append(
-            f"  {inputs.label:<{width}}  {per_param:g} B x {_count(params)} / {n} = "
-            f"{format_gib(per_param * params / n)} GiB"
+            f"  {inputs.label:<{width}}  {numbers} / {inputs.shard_size} = {format_gib(total / inputs.shard_size)} GiB"
         )
     return "\n".join(lines)
 

@@ -88,7 +88,7 @@ def report(args: argparse.Namespace) -> str:
     cfg = load_config(path, overrides)
     setup = planned_setup(cfg)
     memory, source = _device_memory(args, setup)
-    built = build_on_meta(cfg)
+    built = build_on_meta(cfg, precision=setup.precision)
     parts = []
     if args.auto or setup.strategy == AUTO:
         if memory is None:

@@ -23,10 +23,19 @@ probabilities, 4 * heads * s bytes per token and block, and its backward allocat
 matrices.
 
 Activation checkpointing keeps only each checkpointed block's input (c * T * h) and recomputes one
-block's full activations at a time during backward. Checkpointing every k-th block checkpoints blocks
+block's full activations at a time during backward, beside which that block's backward holds the
+gradients of its three ffn-wide tensors (3 * c * T * f): measured on the CPU (tests/planning), they are
+what a small model's checkpointed peak lacked without them. Checkpointing every k-th block checkpoints blocks
 0, k, 2k, ... (ceil(L / k) of them); the others save everything.
 
 The final norm keeps its input and output (the head's input): 2 * c * T * h.
+
+A fine-tune with a frozen base saves less (`trained.TrainedParts`): a frozen projection's input is
+kept only where something else needs it, so LoRA on q_proj and v_proj drops the second copy of the
+attention output, the feed-forward-norm output, the final norm's output and the w2 input (q + h + f
+per token and block), and adds its adapters' A outputs (rank per adapter). Hugging Face's RMSNorm
+(`LlamaShape.hf_norms`) casts its input to fp32 and keeps that copy (4h bytes instead of c * h), and
+with a trainable weight also the normalised input in the compute dtype (c * h).
 
 The loss (`Llama.loss`: logits in the compute dtype, cast to fp32, cross-entropy) peaks in the
 backward of log_softmax, when three fp32 tensors of T * V elements coexist: the saved log-probabilities,
@@ -41,6 +50,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .model_spec import LlamaShape
+from .trained import FULL_TRAINING, TrainedParts
 
 FP32 = 4
 LOSS_BYTES_PER_LOGIT = 3 * FP32
@@ -55,10 +65,31 @@ class ActivationBill:
     loss_peak: int  # logits and cross-entropy tensors at their peak (backward of log_softmax)
 
 
-def block_bytes(shape: LlamaShape, *, tokens: int, seq_len: int, compute_bytes: int) -> int:
+def norm_input_bytes(shape: LlamaShape, *, compute_bytes: int, trained: TrainedParts) -> int:
+    """Per token, what one RMSNorm keeps for backward: its input (an fp32 copy in Hugging Face's), and
+    Hugging Face's the normalised input too when its weight trains."""
+    if not shape.hf_norms:
+        return compute_bytes * shape.dim
+    return max(FP32, compute_bytes) * shape.dim + (compute_bytes * shape.dim if trained.norms else 0)
+
+
+def block_bytes(
+    shape: LlamaShape, *, tokens: int, seq_len: int, compute_bytes: int, trained: TrainedParts = FULL_TRAINING
+) -> int:
     """What one block saves for backward without checkpointing (see the module docstring)."""
-    q, kv = shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim
-    per_token = compute_bytes * (4 * shape.dim + 3 * q + 2 * kv + 4 * shape.ffn_dim)
+    q, kv, h, f = shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim, shape.dim, shape.ffn_dim
+    elements = (
+        q
+        + 2 * kv
+        + q
+        + 3 * f  # attention kernel: q, k, v, output; silu's input, both factors of the product
+        + h * trained.attention_in  # the attention-norm output, input of q / k / v
+        + q * trained.attention_out  # the attention output again, input of the output projection
+        + h * trained.mlp_in  # the feed-forward-norm output, input of w1 / w3
+        + f * trained.mlp_out  # the product, input of w2
+        + trained.adapter_rank
+    )
+    per_token = compute_bytes * elements + 2 * norm_input_bytes(shape, compute_bytes=compute_bytes, trained=trained)
     if compute_bytes >= FP32:
         per_token += attention_matrix_bytes(shape, seq_len=seq_len)
     else:
@@ -77,15 +108,25 @@ def checkpointed_blocks(n_layers: int, every: int) -> int:
 
 
 def activation_bill(
-    shape: LlamaShape, *, micro_batch: int, seq_len: int, compute_bytes: int, checkpoint_every: int
+    shape: LlamaShape,
+    *,
+    micro_batch: int,
+    seq_len: int,
+    compute_bytes: int,
+    checkpoint_every: int,
+    trained: TrainedParts = FULL_TRAINING,
 ) -> ActivationBill:
     tokens = micro_batch * seq_len
-    block = block_bytes(shape, tokens=tokens, seq_len=seq_len, compute_bytes=compute_bytes)
+    block = block_bytes(shape, tokens=tokens, seq_len=seq_len, compute_bytes=compute_bytes, trained=trained)
     n_ckpt = checkpointed_blocks(shape.n_layers, checkpoint_every)
     checkpoint = compute_bytes * tokens * shape.dim
-    final_norm = 2 * compute_bytes * tokens * shape.dim
+    final_norm = tokens * (
+        norm_input_bytes(shape, compute_bytes=compute_bytes, trained=trained) + compute_bytes * shape.dim * trained.head
+    )
     saved = (shape.n_layers - n_ckpt) * block + n_ckpt * checkpoint + final_norm
-    extra = block if n_ckpt else 0
+    # a checkpointed block's recomputed activations, and beside them its backward's gradients of the
+    # three ffn-wide tensors (w1(x), w3(x), their product)
+    extra = block + 3 * compute_bytes * tokens * shape.ffn_dim if n_ckpt else 0
     if compute_bytes >= FP32:
         extra += 2 * tokens * attention_matrix_bytes(shape, seq_len=seq_len)
     return ActivationBill(saved=saved, backward_extra=extra, loss_peak=LOSS_BYTES_PER_LOGIT * tokens * shape.vocab_size)

@@ -225,6 +225,8 @@ def choose_plan(
 
     model_spec: anything `st.estimate_memory` takes (a built-in size such as "8b", a parameter count,
     a LlamaConfig, a Hugging Face config, an nn.Module on any device; `wrap` and shape hints as there).
+    A fine-tune is planned as one: a module's requires_grad says what trains (a peft model), or
+    `lora_rank=` / `lora_targets=` / `trainable_fraction=` pass through to `st.estimate_memory`.
     The batch: `global_batch_tokens` (over all devices, per optimizer step), or `micro_batch` sequences
     per device with `grad_accum`. With `split_batch`, each device's sequences may be regrouped into
     any micro_batch x grad_accum of the same product; without, the given split is kept. `host_memory`

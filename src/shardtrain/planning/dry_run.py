@@ -1,6 +1,9 @@
 """`st.plan`: a dry run of the wrap policy, with no process group and no memory allocated.
 
-Works on a model on any device, the meta device included.
+Works on a model on any device, the meta device included. What trains is read from each parameter's
+`requires_grad`: a frozen parameter keeps the dtype it was built in (no fp32 master) and holds no
+gradient and no optimizer state, so the frozen units of a fine-tune (a peft model's base, say) show 0
+in the gradient and optimizer columns.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from ..strategy import Strategy, parse_strategy
 
 MIB = 1024 * 1024
 DOMINANT_FRACTION = 0.5
+ADAMW_STATES = 2  # AdamW's moments, each like its (stored) parameter
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -27,6 +31,12 @@ class UnitRow:
     sharded_bytes: int  # per rank, the stored shards (fp32 masters of trainable parameters)
     grad_bytes: int  # per rank, the sharded gradients (trainable parameters only)
     unsharded_bytes: int  # the gathered parameters in their compute dtypes
+    trainable: int = 0  # parameters that train (requires_grad)
+    optimizer_bytes: int = 0  # per rank, AdamW's two moments of the trainable shards
+
+    @property
+    def frozen(self) -> bool:
+        return self.trainable == 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,7 +53,10 @@ class Plan:
         return sum(u.params for u in self.units)
 
     def __str__(self) -> str:
-        header = f"{'unit':<32} {'params':>14} {'MiB/rank sharded':>17} {'MiB unsharded':>14}"
+        header = (
+            f"{'unit':<32} {'params':>14} {'trainable':>14} {'MiB/rank sharded':>17} "
+            f"{'grads+AdamW':>12} {'MiB unsharded':>14}"
+        )
         lines = [
             f"shardtrain plan: {self.model}, {self.strategy.value}, world size {self.world_size}, "
             f"{len(self.units)} units",
@@ -52,13 +65,14 @@ class Plan:
         ]
         for u in self.units:
             lines.append(
-                f"{(u.name or '<root>'):<32} {u.params:>14,} {u.sharded_bytes / MIB:>17.2f} "
-                f"{u.unsharded_bytes / MIB:>14.2f}"
+                f"{(u.name or '<root>'):<32} {u.params:>14,} {u.trainable:>14,} {u.sharded_bytes / MIB:>17.2f} "
+                f"{(u.grad_bytes + u.optimizer_bytes) / MIB:>12.2f} {u.unsharded_bytes / MIB:>14.2f}"
             )
         lines.append("-" * len(header))
         lines.append(
-            f"{'total':<32} {self.total_params:>14,} "
+            f"{'total':<32} {self.total_params:>14,} {sum(u.trainable for u in self.units):>14,} "
             f"{sum(u.sharded_bytes for u in self.units) / MIB:>17.2f} "
+            f"{sum(u.grad_bytes + u.optimizer_bytes for u in self.units) / MIB:>12.2f} "
             f"{sum(u.unsharded_bytes for u in self.units) / MIB:>14.2f}"
         )
         lines += [f"note: {n}" for n in self.notes] + [f"warning: {w}" for w in self.warnings]
@@ -99,9 +113,18 @@ def plan(
                 sharded_bytes=layout.shard_bytes(),
                 grad_bytes=layout.grad_bytes(),
                 unsharded_bytes=layout.unsharded_bytes() if gathers else 0,
+                trainable=layout.trainable_numel,
+                optimizer_bytes=ADAMW_STATES * layout.grad_bytes(),
             )
         )
     total = sum(r.params for r in rows)
+    frozen = sum(r.params - r.trainable for r in rows)
+    if frozen:
+        units = sum(r.frozen for r in rows)
+        notes.append(
+            f"{frozen:,} of {total:,} parameters are frozen ({units} of {len(rows)} units wholly): stored as "
+            "built, with no gradient and no optimizer state"
+        )
     warnings = []
     if total and len(rows) > 0:
         big = max(rows, key=lambda r: r.params)

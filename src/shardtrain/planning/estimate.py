@@ -20,6 +20,15 @@ unit, p / r the param / reduce dtype sizes, o the optimizer's bytes per paramete
                    16 B/param / N plus p + r bytes per root parameter (embedding and head).
   optimizer step   the states alone, 16 B/param / N for AdamW (fused: no temporaries).
 
+A fine-tune (`finetune`, or a module's requires_grad): P splits into trainable parameters, billed as
+above, and frozen ones, billed only in the dtype they are stored in (bf16 for a LoRA base built in
+the compute dtype: 2 B/param / N, no master, no gradient, no optimizer state, and at N = 1 no
+unsharded copy either). Gradients, reduce buffers and the no_sync accumulation count the trainable
+parameters of each unit; the activations are those backward needs through the frozen layers
+(`activations`, `trained`). Checked against one H200's peaks for Llama-3-8B with LoRA r = 8 on
+q_proj / v_proj, batch 1 x 4096: 39.20 / 39.9 GiB without checkpointing, 22.18 / 22.49 with
+(tests/planning/test_finetune.py; `benchmarks/lora_estimate.py` measures them).
+
 Gradients are allocated in backward and freed by `zero_grad()` (set_to_none), unless keep_grads=True
 (gradient accumulation, or zero_grad(set_to_none=False)). no_shard and optimizer_only keep the
 unsharded params resident in the param dtype (an alias of the master weights when both are fp32).
@@ -46,56 +55,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import torch
-
 from ..policy import CPUOffload, MixedPrecision, parse_cpu_offload, parse_mixed_precision
-from ..strategy import Strategy, parse_strategy
+from ..strategy import parse_strategy
 from .activations import ActivationBill, activation_bill
+from .finetune import fine_tune_spec
+from .inputs import EstimateInputs, checkpoint_every, optimizer_bytes, positive_int, shard_size_of
 from .model_spec import ModelSpec, resolve_model
 from .report import format_estimate
 from .sizes import GiB, parse_bytes
 
 MASTER_BYTES = 4  # fp32 master weights
 GRAD_BYTES = 4  # fp32 sharded gradients
-OPTIMIZER_BYTES = {"adamw": 8, "adam": 8, "sgd": 4}  # sgd: momentum buffer
 OVERHEAD_BYTES = GiB // 4  # work buffers and small state the itemised terms leave out (calibrated)
 CONTEXT_BYTES = 3 * GiB // 2  # CUDA context + NCCL: device memory the caching allocator never sees
 FRAGMENTATION = 0.05  # fraction of the peak kept for the caching allocator's fragmentation
 MAX_MICRO_BATCH = 1 << 16
-
-
-@dataclass(frozen=True, kw_only=True)
-class EstimateInputs:
-    """Everything an estimate was computed from (normalised), so it can be recomputed for another batch."""
-
-    model: ModelSpec
-    world_size: int
-    strategy: Strategy
-    shard_size: int  # ranks one shard spans: world_size, the hybrid group, or 1 for no_shard
-    precision: MixedPrecision
-    checkpoint_every: int  # 0: no activation checkpointing, 1: every block, k: every k-th block
-    offload: CPUOffload | None
-    micro_batch: int
-    seq_len: int
-    optimizer: str
-    optimizer_bytes: float
-    in_flight: int
-    keep_grads: bool
-    device_memory: int | None
-
-    @property
-    def param_bytes(self) -> int:
-        return (self.precision.param_dtype or torch.float32).itemsize
-
-    @property
-    def reduce_bytes(self) -> int:
-        return (self.precision.reduce_dtype or torch.float32).itemsize
-
-    @property
-    def label(self) -> str:
-        if self.strategy.is_hybrid:
-            return f"{self.strategy.value}({self.shard_size})"
-        return self.strategy.value
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,7 +79,7 @@ class MemoryEstimate:
     `host` is what CPU offload keeps in host memory, per process (times the processes of a node).
     """
 
-    parameters: int  # fp32 master weights (the shard, or all of them when unsharded)
+    parameters: int  # fp32 master weights (the shard, or all of them when unsharded), frozen ones as stored
     gradients: int  # fp32 gradients (sharded unless no_shard)
     optimizer_state: int
     unsharded_params: int  # param-dtype copies of gathered (or resident) units
@@ -168,53 +142,6 @@ class MemoryEstimate:
         return format_estimate(self)
 
 
-def positive_int(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r} must be a positive integer")
-    return value
-
-
-def _checkpoint_every(value: Any) -> int:
-    if value is None or value is False:
-        return 0
-    if value is True:
-        return 1
-    if isinstance(value, int) and value >= 1:
-        return value
-    raise ValueError(
-        f"activation_checkpointing={value!r} is not understood; use False, True (every block) "
-        "or an int k >= 1 (every k-th block)"
-    )
-
-
-def _optimizer_bytes(value: Any) -> tuple[str, float]:
-    if isinstance(value, str) and value.lower() in OPTIMIZER_BYTES:
-        return value.lower(), float(OPTIMIZER_BYTES[value.lower()])
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
-        return f"{value:g} B/param", float(value)
-    raise ValueError(
-        f"optimizer={value!r} is not understood; use one of {sorted(OPTIMIZER_BYTES)} "
-        "or the optimizer state's bytes per parameter as a number (e.g. 0 for plain SGD)"
-    )
-
-
-def _shard_size(strategy: Strategy, world_size: int, shard_size: int | None) -> int:
-    if strategy is Strategy.NO_SHARD:
-        return 1
-    if not strategy.is_hybrid:
-        return world_size
-    if shard_size is None:
-        raise ValueError(
-            f"strategy={strategy.value!r} needs shard_size= (ranks per shard group, e.g. the GPUs of one node)"
-        )
-    size = positive_int(shard_size, "shard_size")
-    if world_size % size:
-        raise ValueError(
-            f"shard_size={size} must divide world_size={world_size}; use a divisor such as 1, 2 or {world_size}"
-        )
-    return size
-
-
 def estimate_memory(
     model_or_spec: Any = None,
     /,
@@ -233,6 +160,9 @@ def estimate_memory(
     device_memory: int | str | None = None,
     wrap=None,
     params: Any = None,
+    lora_rank: int | None = None,
+    lora_targets: Any = ("q_proj", "v_proj"),
+    trainable_fraction: float | None = None,
     **shape_hints: Any,
 ) -> MemoryEstimate:
     """Estimate one device's peak memory for a training step (see the module docstring for the bill).
@@ -243,22 +173,32 @@ def estimate_memory(
     ffn, heads, kv_heads, tie_embeddings) complete a count or adjust a config. `in_flight` is how many
     inner units are gathered at once (2: the current one and the prefetched one). `device_memory`
     (bytes or '80GiB') only adds a fits / largest-micro-batch line to the printed bill.
+
+    A fine-tune: an nn.Module says what trains through requires_grad (a peft model, say); the other
+    forms take `lora_rank` with `lora_targets` (adapters on a frozen base) or `trainable_fraction`
+    (`planning.finetune`). Frozen parameters are billed in their stored dtype, with no gradient and
+    no optimizer state, and their layers save only what backward needs through them.
     """
     strategy = parse_strategy(strategy)
     world_size = positive_int(world_size, "world_size")
-    optimizer_name, optimizer_bytes = _optimizer_bytes(optimizer)
+    optimizer_name, optimizer_state_bytes = optimizer_bytes(optimizer)
     inputs = EstimateInputs(
-        model=resolve_model(model_or_spec, params=params, wrap=wrap, **shape_hints),
+        model=fine_tune_spec(
+            resolve_model(model_or_spec, params=params, wrap=wrap, **shape_hints),
+            lora_rank=lora_rank,
+            lora_targets=lora_targets,
+            trainable_fraction=trainable_fraction,
+        ),
         world_size=world_size,
         strategy=strategy,
-        shard_size=_shard_size(strategy, world_size, shard_size),
+        shard_size=shard_size_of(strategy, world_size, shard_size),
         precision=parse_mixed_precision(precision),
-        checkpoint_every=_checkpoint_every(activation_checkpointing),
+        checkpoint_every=checkpoint_every(activation_checkpointing),
         offload=parse_cpu_offload(cpu_offload),
         micro_batch=positive_int(micro_batch, "micro_batch"),
         seq_len=positive_int(seq_len, "seq_len"),
         optimizer=optimizer_name,
-        optimizer_bytes=optimizer_bytes,
+        optimizer_bytes=optimizer_state_bytes,
         in_flight=positive_int(in_flight, "in_flight"),
         keep_grads=bool(keep_grads),
         device_memory=None if device_memory is None else parse_bytes(device_memory),
@@ -276,6 +216,7 @@ def _activations(inputs: EstimateInputs) -> ActivationBill:
         seq_len=inputs.seq_len,
         compute_bytes=inputs.param_bytes,
         checkpoint_every=inputs.checkpoint_every,
+        trained=inputs.model.trained,
     )
 
 
@@ -291,44 +232,65 @@ def _estimate(inputs: EstimateInputs) -> MemoryEstimate:
     m, s, p, r = inputs.model, inputs.strategy, inputs.param_bytes, inputs.reduce_bytes
     n = inputs.shard_size
     resident = s.keeps_params_resident
+    # Frozen parameters stay in the dtype they were built in (`policy.storage_dtypes`): no master.
+    frozen_size = m.frozen_bytes / m.frozen_params if (m.frozen_bytes is not None and m.frozen_params) else p
     params_alias = p == MASTER_BYTES and (n == 1 or resident)  # unsharded params are views of the master
+    frozen_alias = frozen_size == p and (n == 1 or resident)  # ... or of the frozen shards
     grads_alias = p == GRAD_BYTES and n == 1  # unsharded grads land in the fp32 gradient itself
     # Each parameter's rows are padded to a multiple of the shard group (core.layout).
     padding, trainable_padding = m.padding(n)
-    stored, trainable = m.num_params + padding, m.trainable_params + trainable_padding
-    master = m.num_params * MASTER_BYTES if (resident and params_alias) else stored * MASTER_BYTES // n
+    trainable = m.trainable_params + trainable_padding
+    frozen_stored = int((m.frozen_params + padding - trainable_padding) * frozen_size) // n
+    sharded = trainable * MASTER_BYTES // n + frozen_stored
+    master = (
+        (m.trainable_params * MASTER_BYTES if params_alias else trainable * MASTER_BYTES // n)
+        + (int(m.frozen_params * frozen_size) if frozen_alias else frozen_stored)
+        if resident
+        else sharded
+    )
     grads = trainable * GRAD_BYTES // n
     optim = int(trainable * inputs.optimizer_bytes / n)
     host = 0
     if inputs.offload:  # the host keeps shards, gradients and optimizer state; the step runs there
         share = offloaded_share(m, inputs.offload)
-        moved = [int(share * b) for b in (stored * MASTER_BYTES // n, grads, optim)]
+        moved = [int(share * b) for b in (sharded, grads, optim)]
         host += sum(moved)
-        master, grads, optim = (b - off for b, off in zip((stored * MASTER_BYTES // n, grads, optim), moved))
-        params_alias = False  # the (offloaded) master lives on the host: the device needs its own copy
+        master, grads, optim = (b - off for b, off in zip((sharded, grads, optim), moved))
+        params_alias = frozen_alias = False  # the offloaded shards live on the host: the device needs copies
 
-    copy = 0 if params_alias else p
+    copy, frozen_copy = (0 if params_alias else p), (0 if frozen_alias else p)
     grad_copy = 0 if grads_alias else p
-    whole = m.num_params * copy  # every unit unsharded
+
+    def unsharded(params: int, trainable_params: int) -> int:
+        """Bytes of the unsharded copies of `params` parameters, `trainable_params` of them trainable."""
+        trains = min(params, trainable_params)
+        return trains * copy + (params - trains) * frozen_copy
+
+    whole = unsharded(m.num_params, m.trainable_params)  # every unit unsharded
     resident_params = whole if resident else 0
     # Note: mirrors core.lookup.runs_sharded_lookup: an embedding unit sharded over several ranks,
     # neither resident nor offloaded, is never gathered and has no unsharded gradient.
     lookups_gather = n == 1 or resident or bool(inputs.offload)
     if s.reshard_after_forward:  # only the outermost unit and the units in flight are gathered
         in_flight = m.largest_units(inputs.in_flight, lookups_gather=lookups_gather)
-        at_loss, gathered = 0, (m.enclosing_params + in_flight) * copy
+        at_loss = 0
+        gathered = unsharded(m.enclosing_params, m.trainable_of("enclosing")) + unsharded(
+            in_flight, inputs.in_flight * m.trainable_of("unit")
+        )
     else:  # gathered in forward, kept until each unit's backward ends (or for good)
-        at_loss = gathered = whole - (0 if lookups_gather else sum(m.lookup_params) * copy)
-    big = m.largest_units(1, lookups_gather=lookups_gather)
+        at_loss = gathered = whole - (0 if lookups_gather else sum(m.lookup_params) * copy)  # copy == frozen_copy here
+    # gradients: of the trainable parameters only (the unit with the most of them)
+    big = min(m.largest_units(1, lookups_gather=lookups_gather), m.trainable_of("unit"))
+    root_trainable, enclosing_trainable = m.trainable_of("root"), m.trainable_of("enclosing")
 
     def reduce_copy(numel: int) -> int:
         return numel * r if r != p else 0
 
-    root_shard = min(grads, m.root_params * GRAD_BYTES // n)
-    in_place = m.root_params * grad_copy if r == p else 0  # the reduce reads the unsharded gradients
+    root_shard = min(grads, root_trainable * GRAD_BYTES // n)
+    in_place = root_trainable * grad_copy if r == p else 0  # the reduce reads the unsharded gradients
     reducing = dict(
         unsharded_params=resident_params,
-        reduce_buffers=reduce_copy(m.root_params) + reduce_copy(big),
+        reduce_buffers=reduce_copy(root_trainable) + reduce_copy(big),
         activations=0,
         logits=0,
     )
@@ -349,14 +311,14 @@ def _estimate(inputs: EstimateInputs) -> MemoryEstimate:
             common,
             gradients=grads_between,
             unsharded_params=gathered,
-            unsharded_grads=(m.enclosing_params + big) * grad_copy,
+            unsharded_grads=(enclosing_trainable + big) * grad_copy,
             reduce_buffers=reduce_copy(big),
             activations=acts.saved + acts.backward_extra,
             logits=0,
         ),
         "backward end": max(
             (  # the outermost unit's gradients are copied into its reduce buffer...
-                dict(common, gradients=grads - root_shard, unsharded_grads=m.root_params * grad_copy, **reducing),
+                dict(common, gradients=grads - root_shard, unsharded_grads=root_trainable * grad_copy, **reducing),
                 # ...then freed, while the reduce-scatter writes its shard of the gradients
                 dict(common, gradients=grads, unsharded_grads=in_place, **reducing),
             ),
@@ -376,7 +338,9 @@ def _estimate(inputs: EstimateInputs) -> MemoryEstimate:
     peak = max(totals, key=totals.__getitem__)
     notes = m.notes
     if m.trainable_params < m.num_params:
-        notes += (f"{m.num_params - m.trainable_params:,} frozen parameters: no gradients or optimizer state",)
+        notes += (
+            f"{m.frozen_params:,} frozen parameters ({frozen_size:g} B each as stored): no gradients or optimizer state",
+        )
     return MemoryEstimate(
         **phases[peak],
         overhead=OVERHEAD_BYTES,

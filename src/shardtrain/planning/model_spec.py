@@ -15,15 +15,14 @@ activation and unit estimates; a parameter count the user gives is used as is fo
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from typing import Any
 
 from torch import nn
 
-from ..core.partition import partition
 from ..models.llama_config import LLAMA_SIZES, LlamaConfig, splits_embedding
 from .sizes import format_count, parse_count
+from .trained import FULL_TRAINING, TrainedParts
 
 DEFAULT_VOCAB = 128256
 HINTS = ("dim", "layers", "vocab", "ffn", "heads", "kv_heads", "tie_embeddings")
@@ -41,6 +40,7 @@ class LlamaShape:
     ffn_dim: int
     vocab_size: int
     tie_embeddings: bool = False
+    hf_norms: bool = False  # Hugging Face's RMSNorm: computes in fp32 and keeps an fp32 copy of its input
 
     def __post_init__(self) -> None:
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size"):
@@ -95,6 +95,24 @@ class ModelSpec:
     lookup_params: tuple[int, ...] = ()
     notes: tuple[str, ...] = ()
     param_rows: tuple[tuple[int, int, bool], ...] = ()  # per parameter: rows, elements per row, trainable
+    trained: TrainedParts = FULL_TRAINING
+    frozen_bytes: int | None = None
+    root_trainable: int | None = None
+    enclosing_trainable: int | None = None
+    unit_trainable: tuple[int, ...] | None = None
+
+    @property
+    def frozen_params(self) -> int:
+        return self.num_params - self.trainable_params
+
+    def trainable_of(self, part: str) -> int:
+        """Trainable parameters of the root ('root'), of the units enclosing an inner unit ('enclosing'),
+        or the most of any inner unit ('unit')."""
+        if part == "unit":
+            counts = self.unit_trainable if self.unit_trainable is not None else self.unit_params
+            return max(counts, default=0)
+        value = {"root": self.root_trainable, "enclosing": self.enclosing_trainable}[part]
+        return value if value is not None else {"root": self.root_params, "enclosing": self.enclosing_params}[part]
 
     def padding(self, shard_size: int) -> tuple[int, int]:
         """(all, trainable) padding elements when every parameter's rows are padded to a multiple of
@@ -234,6 +252,7 @@ def _shape_from_hf(cfg: Any) -> LlamaShape:
         ffn_dim=int(getattr(cfg, "intermediate_size", None) or _default_ffn(dim)),
         vocab_size=int(cfg.vocab_size),
         tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+        hf_norms=True,
     )
 
 
@@ -255,64 +274,6 @@ def _apply_hints(shape: LlamaShape, hints: dict[str, Any]) -> LlamaShape:
         changes.setdefault("n_heads", shape.n_heads)
         changes["head_dim"] = changes.get("dim", shape.dim) // changes["n_heads"]
     return replace(shape, **changes)
-
-
-def _llama_config(module: nn.Module) -> LlamaConfig | None:
-    """The configuration of a built-in Llama (a module whose `cfg` is a `LlamaConfig`), else None."""
-    cfg = getattr(module, "cfg", None)
-    return cfg if isinstance(cfg, LlamaConfig) else None
-
-
-def _default_wrap(module: nn.Module):
-    """The model's own `default_units()` (the built-in Llama has one). Otherwise: the element classes of
-    the largest nn.ModuleList."""
-    if callable(getattr(module, "default_units", None)):
-        return module.default_units()
-    lists = [m for m in module.modules() if isinstance(m, nn.ModuleList) and len(m)]
-    if not lists:
-        return None
-    largest = max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
-    return {type(child) for child in largest}
-
-
-def _from_module(module: nn.Module, wrap, hints: dict[str, Any]) -> ModelSpec:
-    parts = partition(module, _default_wrap(module) if wrap is None else wrap)
-    units = parts.units
-    root, inner = units[0], units[1:]
-    enclosing = 0
-    for unit in inner:
-        outer = [u for u in units if u is root or (u is not unit and unit.name.startswith(u.name + "."))]
-        enclosing = max(enclosing, sum(u.numel for u in outer))
-    params = [p for u in units for p in u.params]
-    total = sum(p.numel() for p in params)
-    notes = list(parts.notes)
-    shape = None
-    if _llama_config(module) is not None:
-        shape = _apply_hints(_shape_from_llama(_llama_config(module)), hints)
-    elif hints.get("dim"):
-        embeddings = [m for m in module.modules() if isinstance(m, nn.Embedding)]
-        vocab = max((e.num_embeddings for e in embeddings), default=None)
-        filled = {"layers": len(inner) or None, "vocab": vocab, **{k: v for k, v in hints.items() if v}}
-        if not filled.get("layers"):
-            raise ValueError(f"{type(module).__name__} has no inner units to count as layers; give layers=")
-        shape = _shape_from_dims(filled["dim"], filled["layers"], filled)
-    else:
-        notes.append(
-            f"activations and logits of {type(module).__name__} are not estimated (counted as 0): pass "
-            "dim= (and optionally layers=, vocab=, ffn=, heads=, kv_heads=) to estimate them Llama-style"
-        )
-    return ModelSpec(
-        name=f"{type(module).__name__} ({format_count(total)} params)",
-        num_params=total,
-        trainable_params=sum(p.numel() for p in params if p.requires_grad),
-        root_params=root.numel,
-        enclosing_params=enclosing or root.numel,
-        unit_params=tuple(u.numel for u in inner),
-        lookup_params=tuple(u.numel for u in inner if u.can_look_up),
-        shape=shape,
-        notes=tuple(notes),
-        param_rows=tuple((p.shape[0], math.prod(p.shape[1:]), p.requires_grad) for p in params if p.dim()),
-    )
 
 
 def resolve_model(model: Any = None, *, params: Any = None, wrap=None, **hints: Any) -> ModelSpec:
@@ -360,7 +321,9 @@ def resolve_model(model: Any = None, *, params: Any = None, wrap=None, **hints: 
         shape = _apply_hints(_shape_from_llama(model), hints)
         return _from_shape(f"Llama {format_count(shape.num_params)}", shape)
     if isinstance(model, nn.Module):
-        return _from_module(model, wrap, hints)
+        from .module_spec import spec_of_module  # an nn.Module's units and requires_grad
+
+        return spec_of_module(model, wrap, hints)
     if hasattr(model, "hidden_size") and hasattr(model, "num_hidden_layers"):
         shape = _apply_hints(_shape_from_hf(model), hints)
         kind = getattr(model, "model_type", None) or type(model).__name__

@@ -12,7 +12,8 @@ import torch
 from .sizes import format_count, format_gib
 
 if TYPE_CHECKING:
-    from .estimate import EstimateInputs, MemoryEstimate, StrategyComparison
+    from .estimate import MemoryEstimate, StrategyComparison
+    from .inputs import EstimateInputs
 
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -53,8 +54,9 @@ def describe_setup(inputs: EstimateInputs) -> str:
 def _rows(estimate: MemoryEstimate) -> list[tuple[str, int]]:
     mp = estimate.inputs.precision
     p, r = _dtype(mp.param_dtype), _dtype(mp.reduce_dtype)
+    frozen = " + frozen" if estimate.inputs.model.frozen_params else ""
     return [
-        ("parameters (fp32 master)", estimate.parameters),
+        (f"parameters (fp32 master{frozen})", estimate.parameters),
         ("gradients (fp32)", estimate.gradients),
         (f"optimizer state ({estimate.inputs.optimizer})", estimate.optimizer_state),
         (f"unsharded params ({p})", estimate.unsharded_params),

@@ -7,7 +7,9 @@ precision="auto" follow the Engine's rules, the micro-batch follows the loop's `
 
 `resolve_auto_config(cfg)` replaces strategy "auto" by `planning.auto.choose_plan`'s choice, keeping
 the global batch: engine.strategy, model.activation_checkpointing, engine.cpu_offload and
-train.grad_accum change; nothing else does. The returned config is what the run saves as its
+train.grad_accum change; nothing else does. A fine-tune (lora.rank > 0) is planned as one: the
+model is built on the meta device with its adapters, so the frozen base is billed without gradients
+or optimizer state and with the activations backward needs through it. The returned config is what the run saves as its
 config.yaml, so rerunning that file repeats the choice without planning again.
 """
 
@@ -23,6 +25,8 @@ import torch
 from ..engine.devices import launched_externally, resolve_topology
 from ..planning.auto import AutoChoice, choose_plan
 from ..planning.machine import local_device_memory, local_processes
+from ..policy import parse_mixed_precision
+from .finetune import build_dtype, check_finetune_config, with_lora
 from .loop import check_batch
 from .models import BuiltModel, build_model
 from .sections import Config, ConfigError, EngineConfig
@@ -86,10 +90,29 @@ def planned_setup(cfg: Config) -> PlannedSetup:
     )
 
 
-def build_on_meta(cfg: Config) -> BuiltModel:
-    """The configured model on the meta device: shapes, dtypes and units, no memory, no initialisation."""
+def build_on_meta(cfg: Config, *, precision: str) -> BuiltModel:
+    """The configured model on the meta device as `shardtrain train` builds it under `precision`: shapes,
+    dtypes, units and what trains (a LoRA base in its build dtype, with peft's adapters), no memory."""
+    try:
+        check_finetune_config(cfg)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
     with torch.device("meta"):
-        return build_model(cfg.model, init_context=lambda empty_init=True: contextlib.nullcontext())
+        built = build_model(
+            cfg.model,
+            init_context=lambda empty_init=True: contextlib.nullcontext(),
+            dtype=build_dtype(cfg, parse_mixed_precision(precision)),
+        )
+    if not cfg.lora.rank:
+        return built
+    model, _ = with_lora(cfg, built.module)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return dataclasses.replace(
+        built,
+        module=model,
+        description=f"{built.description}, LoRA r={cfg.lora.rank} on {','.join(cfg.lora.targets)}: "
+        f"{trainable / 1e6:.2f}M trainable",
+    )
 
 
 def apply_choice(cfg: Config, choice: AutoChoice) -> Config:
@@ -116,7 +139,7 @@ def resolve_auto_config(
     ConfigError) naming what to change when nothing fits or the model has no blocks to plan with.
     """
     setup = planned_setup(cfg)
-    built = built or build_on_meta(cfg)
+    built = built or build_on_meta(cfg, precision=setup.precision)
     if not built.wrap:
         raise ConfigError(
             f"engine.strategy='auto' needs the model's block classes, and {cfg.model.name!r} names none; "

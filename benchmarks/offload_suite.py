@@ -3,7 +3,9 @@
     python benchmarks/offload_suite.py            # one H200, world size 1, about 6 minutes
 
 Rows (bf16 compute, fp32 masters, fused AdamW, seq 4096): 1.5B batch 2 resident; full offload with
-the host step in sequence and overlapped; torch FSDP2 with CPUOffloadPolicy; 14.5B (`14b`) batch 2,
+the host step in sequence and overlapped, and overlapped under shard_grad_op (the bf16 parameters kept
+from forward to backward: no second host-to-device copy, planning/offload_time.py says why it matters);
+torch FSDP2 with CPUOffloadPolicy; 14.5B (`14b`) batch 2,
 every block checkpointed, half offloaded, overlapped and in sequence. Prints each row's JSON line,
 a table with the breakdown (offload_step.py's docstring) and the ratios issue 28 asks for. A row
 that fails or runs out of time is reported and the next one runs.
@@ -21,23 +23,13 @@ from pathlib import Path
 STEP = Path(__file__).with_name("offload_step.py")
 TODAY_14B_TOK_S = 2065  # issue 28: 14.5B half offloaded, the host step in sequence
 ROWS = {
-    "resident": ["--size", "1.5b", "--batch", "2", "--split"],
-    "offload sequential": ["--size", "1.5b", "--batch", "2", "--split", "--offload", "--host-step", "sequential"],
-    "offload overlapped": ["--size", "1.5b", "--batch", "2", "--split", "--offload"],
-    "fsdp2 CPUOffloadPolicy": ["--size", "1.5b", "--batch", "2", "--offload", "--engine", "fsdp2"],
-    "14b half overlapped": ["--size", "14b", "--batch", "2", "--ac", "--split", "--offload", "0.5"],
-    "14b half sequential": [
-        "--size",
-        "14b",
-        "--batch",
-        "2",
-        "--ac",
-        "--split",
-        "--offload",
-        "0.5",
-        "--host-step",
-        "sequential",
-    ],
+    "resident": "--size 1.5b --batch 2 --split",
+    "offload sequential": "--size 1.5b --batch 2 --split --offload --host-step sequential",
+    "offload overlapped": "--size 1.5b --batch 2 --split --offload",
+    "offload overlapped shard_grad_op": "--size 1.5b --batch 2 --split --offload --strategy shard_grad_op",
+    "fsdp2 CPUOffloadPolicy": "--size 1.5b --batch 2 --offload --engine fsdp2",
+    "14b half overlapped": "--size 14b --batch 2 --ac --split --offload 0.5",
+    "14b half sequential": "--size 14b --batch 2 --ac --split --offload 0.5 --host-step sequential",
 }
 COLUMNS = [
     "tok_s_gpu",
@@ -81,6 +73,11 @@ def ratios(rows: dict[str, dict]) -> list[str]:
     out = []
     over, fsdp = rows.get("offload overlapped"), rows.get("fsdp2 CPUOffloadPolicy")
     seq, resident = rows.get("offload sequential"), rows.get("resident")
+    sgo = rows.get("offload overlapped shard_grad_op")
+    if sgo and fsdp:
+        out.append(
+            f"1.5B overlapped shard_grad_op / FSDP2 CPUOffloadPolicy tok/s: {sgo['tok_s_gpu'] / fsdp['tok_s_gpu']:.2f}"
+        )
     if over and fsdp:
         out.append(
             f"1.5B overlapped / FSDP2 CPUOffloadPolicy tok/s: {over['tok_s_gpu'] / fsdp['tok_s_gpu']:.2f} (need >= 1.8)"
@@ -118,7 +115,7 @@ def main() -> None:
         if left < 30:
             print(f"== {name}: skipped, {left:.0f} s left", flush=True)
             continue
-        result = run_row(name, argv, budget_s=left, port=29600 + i)
+        result = run_row(name, argv.split(), budget_s=left, port=29600 + i)
         if result is not None:
             rows[name] = result
     print("\n| row | " + " | ".join(COLUMNS) + " |")

@@ -126,6 +126,10 @@ class HostSteps:
 
     # ------------------------------------------------------------------ the user's step()
     def before_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        if self._held is not None:  # the previous step() raised before its post-hook: give the gradients back
+            for p, grad in self._held.grads:
+                p.grad = grad
+            self._held = None
         mine = [p for g in optimizer.param_groups for p in g["params"] if id(p) in self._unit_of and p.grad is not None]
         if not mine:
             return

@@ -9,6 +9,7 @@ order, each waited for by its unit's pre-forward hook.
 from __future__ import annotations
 
 import math
+import os
 import time
 import warnings
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 import shardtrain as st
-from shardtrain.core.host_step import HostSteps, overlap_host_steps
+from shardtrain.core.host_step import ENV, HostSteps, StepMode, overlap_host_steps
 from shardtrain.core.shard import runtime_of
 from shardtrain.core.sharded_param import local_of
 from shardtrain.models.llama import Block
@@ -51,17 +52,30 @@ def make_optimizer(model: nn.Module, name: str) -> torch.optim.Optimizer:
     return torch.optim.Adagrad(groups, lr=1e-2)
 
 
+def device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
 def build(*, overlapped: bool, optim: str, stepped: list[int] | None = None) -> Run:
+    """On CUDA the units are offloaded and `st.shard` defers their steps unless SHARDTRAIN_HOST_STEP is
+    sequential; on the CPU nothing is offloaded and every unit is handed to `overlap_host_steps`."""
     torch.manual_seed(0)
-    model = tiny_llama()
-    st.shard(model, strategy="full_shard", wrap={Block})
+    model = tiny_llama().to(device())
+    cuda = device().type == "cuda"
+    os.environ[ENV] = StepMode.OVERLAPPED.value if overlapped else StepMode.SEQUENTIAL.value
+    try:
+        st.shard(model, strategy="full_shard", wrap={Block}, cpu_offload=cuda)
+    finally:
+        del os.environ[ENV]
     optimizer = make_optimizer(model, optim)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.8**s)
     stepped = [0] if stepped is None else stepped
-    steps = None
-    if overlapped:
-        runtime = runtime_of(model)
+    runtime = runtime_of(model)
+    steps = runtime.host_steps
+    if overlapped and not cuda:
         steps = overlap_host_steps(model, runtime, runtime.units)
+    assert (steps is not None) == overlapped
+    if overlapped:
         step_unit = steps._step_unit
 
         def slow_step(task) -> None:  # a host step slower than the forward beside it
@@ -86,9 +100,21 @@ def train_step(run: Run, batch, step: int) -> float:
         run.optimizer.step()
         if run.steps is not None and step > 0:
             assert run.steps.pending(), f"step {step}: nothing deferred"
+            flush = FLUSHES.get(step)
+            if flush is not None:  # whatever reads what a pending step writes completes it first
+                flush(run)
+                assert not run.steps.pending(), f"step {step}: steps still pending after the flush"
         run.scheduler.step()
-    run.optimizer.zero_grad(set_to_none=True)
+    run.optimizer.zero_grad(set_to_none=step != ZERO_IN_PLACE_STEP)
     return norm
+
+
+ZERO_IN_PLACE_STEP = 7  # zero_grad(set_to_none=False): zeroing in place waits for the pending steps
+FLUSHES = {
+    1: lambda run: run.model.state_dict(),
+    2: lambda run: run.optimizer.state_dict(),
+    ZERO_IN_PLACE_STEP: lambda run: run.optimizer.zero_grad(set_to_none=False),
+}
 
 
 def checkpoint_and_resume(run: Run, *, overlapped: bool, optim: str, directory: str) -> Run:
@@ -115,7 +141,10 @@ def final_state(run: Run) -> list[tuple[str, torch.Tensor]]:
 def overlapped_equals_sequential(directory: str, optim: str, steps: int, resume: bool) -> int:
     """Train both ways on the same batches; assert the norms and the final state bitwise equal."""
     world = dist.get_world_size()
-    batches = make_batches("llama", steps=steps, global_batch=world * MICRO * PER)
+    batches = [
+        tuple(t.to(device()) for t in batch)
+        for batch in make_batches("llama", steps=steps, global_batch=world * MICRO * PER)
+    ]
     finals, norms = {}, {}
     for overlapped in (False, True):
         run = build(overlapped=overlapped, optim=optim)
@@ -149,7 +178,9 @@ def falls_back_once(optim: str) -> list[str]:
     """An optimizer that cannot be split (Adagrad) or a closure: the user's step, in sequence, and one
     warning; the result equals the sequential run's."""
     world = dist.get_world_size()
-    batches = make_batches("llama", steps=2, global_batch=world * MICRO * PER)
+    batches = [
+        tuple(t.to(device()) for t in b) for b in make_batches("llama", steps=2, global_batch=world * MICRO * PER)
+    ]
     results, messages = {}, []
     for overlapped in (False, True):
         run = build(overlapped=overlapped, optim=optim)

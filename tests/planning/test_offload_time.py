@@ -6,15 +6,15 @@ from shardtrain.planning.offload_time import offload_step_time
 
 
 def test_issue_28_one_gpu_figures():
-    """1.5B fully offloaded on one H200 (resident step 0.166 s): the sequential prediction is within 10%
+    """1.5B fully offloaded on one H200 (resident step 0.166 s): the sequential prediction is within 3%
     of the 0.660 s measured; overlapped, the host step hides behind the forward's copies and compute
     and the backward stays bound by the copies both ways."""
     t = offload_step_time(resident_step_s=0.166, offloaded_params=1_532_037_120, checkpointed=False)
     assert t.host_step_s == pytest.approx(0.2834, abs=1e-3)
     assert t.h2d_forward_s == pytest.approx(1_532_037_120 * 4 / 54.5e9)
-    assert t.sequential_s == pytest.approx(0.660, rel=0.1)
+    assert t.sequential_s == pytest.approx(0.660, rel=0.03)
     assert t.overlapped_s == pytest.approx(t.host_step_s + t.h2d_backward_s + t.d2h_s)
-    assert 1.1 < t.speedup < 1.4
+    assert 1.2 < t.speedup < 1.4
 
 
 def test_nothing_offloaded_is_the_resident_step_and_overlap_never_loses():
@@ -24,7 +24,7 @@ def test_nothing_offloaded_is_the_resident_step_and_overlap_never_loses():
         for ckpt in (False, True):
             t = offload_step_time(resident_step_s=1.0, offloaded_params=params, checkpointed=ckpt)
             assert t.overlapped_s <= t.sequential_s
-            assert t.sequential_s - t.overlapped_s <= t.host_step_s * (1 + 1e-9)
+            assert t.sequential_s - t.overlapped_s <= t.sequential_host_step_s * (1 + 1e-9)
 
 
 @pytest.mark.parametrize(

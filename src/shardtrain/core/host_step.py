@@ -98,13 +98,11 @@ class HostSteps:
         self._held: _Held | None = None
         self._adopted: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._warned: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
-        threads = torch.get_num_threads()
-        # Note: intra-op threads are per thread; the worker takes the count st.shard chose for the host.
         self._worker = ThreadPoolExecutor(
             max_workers=1,
             thread_name_prefix="shardtrain-host-step",
-            initializer=torch.set_num_threads,
-            initargs=(threads,),
+            initializer=_init_worker,
+            initargs=(torch.get_num_threads(), runtime.comm.device),
         )
         weakref.finalize(self, self._worker.shutdown, wait=True)
 
@@ -212,6 +210,15 @@ class HostSteps:
             zero_grad(set_to_none=set_to_none)
 
         optimizer.zero_grad = zero_grad_flushing
+
+
+def _init_worker(threads: int, device: torch.device) -> None:
+    """Note: intra-op threads and the current CUDA device are per thread; the worker takes the thread
+    count st.shard chose for the host and this rank's device (the optimizer's capture check queries the
+    current device's stream, which would otherwise open a context on GPU 0 from every rank)."""
+    torch.set_num_threads(threads)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
 
 
 def _unit_step(

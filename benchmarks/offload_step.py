@@ -1,8 +1,20 @@
-"""Tokens/s, peak GPU memory and peak host memory of one shardtrain configuration, with or without
-CPU offload. Run under torchrun on GPUs; prints one JSON line from rank 0:
+"""Tokens/s, peak GPU memory, peak host memory and where the step's time goes, for one configuration
+with or without CPU offload. Run under torchrun on GPUs; prints one JSON line from rank 0:
 
     torchrun --nproc_per_node=2 benchmarks/offload_step.py --size 8b --batch 1 --ac --offload
     torchrun --nproc_per_node=2 benchmarks/offload_step.py --size 18b --batch 1 --ac --offload 0.5
+    torchrun --nproc_per_node=1 benchmarks/offload_step.py --size 1.5b --batch 2 --offload --split \
+        --host-step sequential
+    torchrun --nproc_per_node=1 benchmarks/offload_step.py --size 1.5b --batch 2 --offload --engine fsdp2
+
+`benchmarks/offload_suite.py` runs the one-GPU comparison of issue 28 (one process per row).
+
+The breakdown (shardtrain with offload): `host_step_ms` the host optimizer step per step (inside
+`step()` when sequential; summed over the worker's unit steps when overlapped), `waits_ms` the time
+the forward's hooks waited for a unit's deferred step (host step not hidden behind the GPU),
+`fwd_ms` / `bwd_ms` / `step_call_ms` the host time until forward, backward and `step()` returned,
+`h2d_gb` / `d2h_gb` the bytes crossing PCIe per step and `copy_ms` their time at the bandwidth
+measured here with pinned buffers (`h2d_gbs`, `d2h_gbs`).
 """
 
 import argparse
@@ -16,7 +28,9 @@ import torch
 import torch.distributed as dist
 
 import shardtrain as st
-from shardtrain.models.llama import Block, Llama, llama_config
+from shardtrain.core.host_step import ENV, HostSteps
+from shardtrain.core.shard import runtime_of
+from shardtrain.models.llama import SHARD_UNITS, Block, Llama, llama_config
 
 
 def parse_args() -> argparse.Namespace:
@@ -36,6 +50,9 @@ def parse_args() -> argparse.Namespace:
         help="CPU offload (shards and AdamW on the host), of every unit or of the units holding FRACTION "
         "of the parameters (st.CPUOffload(fraction=...))",
     )
+    p.add_argument("--split", action="store_true", help="the embedding and the head as units of their own")
+    p.add_argument("--host-step", choices=["overlapped", "sequential"], default="overlapped", help=f"sets {ENV}")
+    p.add_argument("--engine", choices=["shardtrain", "fsdp2"], default="shardtrain", help="fsdp2: CPUOffloadPolicy")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=3)
     return p.parse_args()
@@ -56,6 +73,97 @@ class PeakRss:
             time.sleep(0.2)
 
 
+class HostStepTimes:
+    """Seconds spent in the worker's unit steps and in the hooks' waits for them, and unit steps done."""
+
+    def __init__(self) -> None:
+        self.step_s = self.wait_s = 0.0
+        self.unit_steps = 0
+        step_unit, wait_for = HostSteps._step_unit, HostSteps.wait_for
+
+        def timed_step(steps, task) -> None:
+            start = time.perf_counter()
+            step_unit(steps, task)
+            self.step_s += time.perf_counter() - start
+            self.unit_steps += 1
+
+        def timed_wait(steps, units) -> None:
+            start = time.perf_counter()
+            wait_for(steps, units)
+            self.wait_s += time.perf_counter() - start
+
+        HostSteps._step_unit, HostSteps.wait_for = timed_step, timed_wait
+
+
+def pinned_bandwidth(nbytes: int = 2**30) -> tuple[float, float]:
+    """GB/s of one pinned host-to-device and one device-to-host copy of `nbytes`."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    out = []
+    for dst, src in ((device, host), (host, device)):
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(3):
+            dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        out.append(3 * nbytes / (time.perf_counter() - start) / 1e9)
+    return out[0], out[1]
+
+
+def build_shardtrain(args: argparse.Namespace) -> torch.nn.Module:
+    os.environ[ENV] = args.host_step
+    with torch.device("meta"):
+        model = Llama(llama_config(args.size))
+    return st.shard(
+        model,
+        strategy=args.strategy,
+        wrap=SHARD_UNITS if args.split else {Block},
+        mixed_precision="bf16",
+        activation_checkpointing={Block} if args.ac else None,
+        cpu_offload=False if args.offload is None else st.CPUOffload(fraction=args.offload),
+    )
+
+
+def build_fsdp2(args: argparse.Namespace) -> torch.nn.Module:
+    """torch FSDP2 per Block and on the root, CPUOffloadPolicy when offloading, as torchtitan sets it up."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    from shardtrain.bench.engines import checkpoint_blocks
+    from shardtrain.bench.model import build_meta_model
+
+    named = build_meta_model(llama_config(args.size))
+    model = named.model
+    if args.ac:
+        checkpoint_blocks(model)
+    mesh = init_device_mesh("cuda", (dist.get_world_size(),))
+    offload = CPUOffloadPolicy() if args.offload is not None else OffloadPolicy()
+    options = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    for block in model.layers:
+        fully_shard(block, offload_policy=offload, **options)
+    fully_shard(model, offload_policy=offload, **options)
+    model.to_empty(device="cpu" if args.offload is not None else "cuda")
+    named.init_all_(seed=0, device=torch.device("cuda"))
+    for name, buffer in model._buffers.items():  # the rotary tables live on the GPU
+        model._buffers[name] = buffer.cuda()
+    return model
+
+
+def copy_bytes(model: torch.nn.Module) -> tuple[int, int]:
+    """Bytes copied host-to-device and device-to-host per step by shardtrain's offloaded units."""
+    h2d = d2h = 0
+    for unit in runtime_of(model).units:
+        if not unit.behaviour.offload:
+            continue
+        gathers = 2 if unit.behaviour.reshard_after_forward else 1  # forward, and again in backward
+        for buf in unit.buffers:
+            h2d += gathers * buf.shard.numel() * buf.shard.element_size()
+            if buf.group.trainable:
+                d2h += buf.group.grad_numel * buf.shard.element_size()
+    return h2d, d2h
+
+
 def main() -> None:
     args = parse_args()
     local = int(os.environ["LOCAL_RANK"])
@@ -63,46 +171,68 @@ def main() -> None:
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     cfg = llama_config(args.size)
     rss = PeakRss()
+    h2d_gbs, d2h_gbs = pinned_bandwidth()
+    times = HostStepTimes()
     started = time.perf_counter()
     torch.manual_seed(0)
-    with torch.device("meta"):
-        model = Llama(cfg)
-    st.shard(
-        model,
-        strategy=args.strategy,
-        wrap={Block},
-        mixed_precision="bf16",
-        activation_checkpointing={Block} if args.ac else None,
-        cpu_offload=False if args.offload is None else st.CPUOffload(fraction=args.offload),
-    )
+    model = build_shardtrain(args) if args.engine == "shardtrain" else build_fsdp2(args)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)  # on the host when offloaded
     init_s = time.perf_counter() - started
     gen = torch.Generator(device="cuda").manual_seed(1)
-    times = []
+    phases, step_calls = [], []
     for step in range(args.warmup + args.steps):
         tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), device="cuda", generator=gen)
         if step == args.warmup:
             torch.cuda.reset_peak_memory_stats()
+            times.step_s = times.wait_s = 0.0
+            times.unit_steps = 0
         torch.cuda.synchronize()
         start = time.perf_counter()
         loss = model.loss(tokens[:, :-1], tokens[:, 1:])
+        forward = time.perf_counter()
         loss.backward()
+        backward = time.perf_counter()
         opt.step()
+        step_calls.append(time.perf_counter() - backward)
         opt.zero_grad()
         torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    timed = sorted(times[args.warmup :])
-    step_s = timed[len(timed) // 2]
+        phases.append((time.perf_counter() - start, forward - start, backward - forward))
+    timed = sorted(phases[args.warmup :])
+    step_s, fwd_s, bwd_s = timed[len(timed) // 2]
+    sequential_step_s = sorted(step_calls[args.warmup :])[args.steps // 2]
+    waits_s = times.wait_s / args.steps
+    if args.engine == "shardtrain":
+        runtime = runtime_of(model)  # completes the last step's deferred host steps
+        units = len(runtime.host_steps.units) if runtime.host_steps is not None else 0
+        host_step_s = times.step_s / (times.unit_steps / units) if times.unit_steps else sequential_step_s
+        h2d, d2h = copy_bytes(model) if args.offload is not None else (0, 0)
+    else:
+        host_step_s, h2d, d2h = sequential_step_s, 0, 0
     if dist.get_rank() == 0:
         print(
             json.dumps(
                 {
                     "size": args.size,
+                    "engine": args.engine,
                     "strategy": args.strategy,
                     "ac": args.ac,
                     "offload": args.offload,
+                    "split": args.split,
+                    "host_step": args.host_step if args.offload is not None else None,
+                    "batch": args.batch,
                     "tok_s_gpu": args.batch * args.seq / step_s,
                     "step_ms": step_s * 1000,
+                    "fwd_ms": fwd_s * 1000,
+                    "bwd_ms": bwd_s * 1000,
+                    "step_call_ms": sequential_step_s * 1000,
+                    "host_step_ms": host_step_s * 1000,
+                    "waits_ms": waits_s * 1000,
+                    "h2d_gb": h2d / 1e9,
+                    "d2h_gb": d2h / 1e9,
+                    "copy_ms": (h2d / h2d_gbs + d2h / d2h_gbs) / 1e6,
+                    "h2d_gbs": h2d_gbs,
+                    "d2h_gbs": d2h_gbs,
+                    "threads": torch.get_num_threads(),
                     "peak_alloc_gib": torch.cuda.max_memory_allocated() / 2**30,
                     "host_rss_gib_rank0": rss.peak / 2**30,
                     "host_used_gib_machine": rss.machine_peak / 2**30,

@@ -35,6 +35,7 @@ from .order_check import Collective, OrderCheck
 from .unit import ShardUnit
 
 if TYPE_CHECKING:
+    from .host_step import HostSteps
     from .pinned import PinnedBuffers
 
 
@@ -72,6 +73,7 @@ class Runtime:
         self._next_backward: dict[int, list[GatheredUnit]] = {}
         self._last_reduce: Pending | None = None
         self._deferred: tuple[ShardUnit, list] | None = None
+        self.host_steps: HostSteps | None = None  # deferred optimizer steps (core/host_step.py), if any
         # None: nothing to compare (one rank, or SHARDTRAIN_CHECK_ORDER=0)
         self.order = (
             OrderCheck(group=order_group, unit_name=lambda i: self.units[i].label, slots=2 + prefetch)
@@ -88,6 +90,15 @@ class Runtime:
         self.units.append(unit)
         module.register_forward_pre_hook(lambda m, a, k: self._pre_forward(unit, a, k), with_kwargs=True, prepend=True)
         module.register_forward_hook(lambda m, a, o: self._post_forward(unit, o))
+
+    def forward_order(self) -> list[ShardUnit]:
+        """The units in the order the first forward ran them (empty before it ran)."""
+        return list(self._forward_order) if self._order_recorded else []
+
+    def settle(self) -> None:
+        """Complete the deferred optimizer steps, if any (before the shards are read or replaced)."""
+        if self.host_steps is not None:
+            self.host_steps.flush()
 
     def _begin_iteration(self) -> None:
         """The first unit of a new forward runs: free gradients the user cleared since the last step."""
@@ -107,6 +118,8 @@ class Runtime:
         if not self._order_recorded and not in_backward and unit not in self._forward_order:
             self._forward_order.append(unit)
         ahead = self._next_forward.get(unit.index, []) if self._order_recorded and not in_backward else []
+        if self.host_steps is not None:
+            self.host_steps.wait_for([unit, *ahead])  # their optimizer steps land before their shards are read
         entries = self._gathers([unit, *ahead])
         if not unit.gathers:
             entries.append((Collective.LOOKUP, unit.index))  # its forward exchanges ids and rows
@@ -150,6 +163,7 @@ class Runtime:
     def _pre_backward(self, unit: ShardUnit) -> None:
         if self.state is not TrainingState.BACKWARD:
             self.state = TrainingState.BACKWARD
+            self.settle()  # a unit the forward skipped steps now, before gradients land again
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
         ahead = self._next_backward.get(unit.index, []) if self._order_recorded else []
         self._check(self._deferred_entry() + self._gathers([unit, *ahead]))

@@ -15,6 +15,7 @@ from . import replaced
 from .comm import UnitComm
 from .flat_buffers import FlatBuffers
 from .gathered import GatheredUnit
+from .host_step import StepMode, overlap_host_steps
 from .layout import layout_of_unit
 from .lookup import LookupUnit, runs_sharded_lookup
 from .materialize import Materializer, current_tensors, cut_shards
@@ -134,6 +135,9 @@ def shard_module(
         runtime.register(unit, spec.module)
     _place_buffers(model, device, precision.buffer_dtype, broadcast_group)
     setattr(model, RUNTIME_ATTR, runtime)
+    offloaded_units = [u for u in runtime.units if u.behaviour.offload]
+    if offloaded_units and StepMode.from_env() is StepMode.OVERLAPPED:
+        overlap_host_steps(model, runtime, offloaded_units)
     return model
 
 
@@ -183,8 +187,16 @@ def _place_buffers(
             module._buffers[name] = new
 
 
-def runtime_of(model: nn.Module) -> Runtime:
+def runtime_of(model: nn.Module, *, settle: bool = True) -> Runtime:
+    """The runtime of the sharded `model`; `settle`: its deferred optimizer steps completed first.
+
+    Note: every shardtrain API that reads or replaces shards or optimizer state (checkpoints,
+    `full_state_dict`, export, clipping) comes through here, so none sees a half-stepped model;
+    `no_sync`, which only sets a switch before the forward, passes settle=False to keep the overlap.
+    """
     runtime = getattr(model, RUNTIME_ATTR, None)
     if runtime is None:
         raise ValueError(f"{type(model).__name__} is not sharded; call st.shard(model, ...) first")
+    if settle:
+        runtime.settle()
     return runtime

@@ -17,7 +17,7 @@ def no_sync(model: nn.Module, *, enabled: bool = True) -> Iterator[None]:
     Costs memory: each unit keeps its full gradient (in reduce dtype) until the synchronising
     backward, as with torch FSDP's no_sync.
     """
-    runtime = runtime_of(model)
+    runtime = runtime_of(model, settle=False)
     previous = runtime.sync_gradients
     runtime.sync_gradients = not enabled and previous
     try:

@@ -1,0 +1,131 @@
+"""Issue 28's one-GPU offload comparison in one invocation: one `offload_step.py` process per row.
+
+    python benchmarks/offload_suite.py            # one H200, world size 1, about 6 minutes
+
+Rows (bf16 compute, fp32 masters, fused AdamW, seq 4096): 1.5B batch 2 resident; full offload with
+the host step in sequence and overlapped, and overlapped under shard_grad_op (the bf16 parameters kept
+from forward to backward: no second host-to-device copy, planning/offload_time.py says why it matters);
+torch FSDP2 with CPUOffloadPolicy; 14.5B (`14b`) batch 2,
+every block checkpointed, half offloaded, overlapped and in sequence. Prints each row's JSON line,
+a table with the breakdown (offload_step.py's docstring) and the ratios issue 28 asks for. A row
+that fails or runs out of time is reported and the next one runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+STEP = Path(__file__).with_name("offload_step.py")
+TODAY_14B_TOK_S = 2065  # issue 28: 14.5B half offloaded, the host step in sequence
+ROWS = {
+    "resident": "--size 1.5b --batch 2 --split",
+    "offload sequential": "--size 1.5b --batch 2 --split --offload --host-step sequential",
+    "offload overlapped": "--size 1.5b --batch 2 --split --offload",
+    "offload overlapped shard_grad_op": "--size 1.5b --batch 2 --split --offload --strategy shard_grad_op",
+    "fsdp2 CPUOffloadPolicy": "--size 1.5b --batch 2 --offload --engine fsdp2",
+    "14b half overlapped": "--size 14b --batch 2 --ac --split --offload 0.5",
+    "14b half sequential": "--size 14b --batch 2 --ac --split --offload 0.5 --host-step sequential",
+}
+COLUMNS = [
+    "tok_s_gpu",
+    "step_ms",
+    "fwd_ms",
+    "bwd_ms",
+    "step_call_ms",
+    "host_step_ms",
+    "waits_ms",
+    "copy_ms",
+    "peak_alloc_gib",
+    "host_rss_gib_rank0",
+]
+
+
+def run_row(name: str, argv: list[str], *, budget_s: float, port: int) -> dict | None:
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=1",
+        f"--master_port={port}",
+        str(STEP),
+        *argv,
+    ]
+    print(f"== {name}: {' '.join(argv)}", flush=True)
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=budget_s)
+    except subprocess.TimeoutExpired:
+        print(f"   {name}: out of time after {budget_s:.0f} s", flush=True)
+        return None
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode or not lines:
+        print(f"   {name}: failed (exit {done.returncode}):\n{done.stderr[-3000:]}", flush=True)
+        return None
+    print(lines[-1], flush=True)
+    return json.loads(lines[-1])
+
+
+def ratios(rows: dict[str, dict]) -> list[str]:
+    out = []
+    over, fsdp = rows.get("offload overlapped"), rows.get("fsdp2 CPUOffloadPolicy")
+    seq, resident = rows.get("offload sequential"), rows.get("resident")
+    sgo = rows.get("offload overlapped shard_grad_op")
+    if sgo and fsdp:
+        out.append(
+            f"1.5B overlapped shard_grad_op / FSDP2 CPUOffloadPolicy tok/s: {sgo['tok_s_gpu'] / fsdp['tok_s_gpu']:.2f}"
+        )
+    if over and fsdp:
+        out.append(
+            f"1.5B overlapped / FSDP2 CPUOffloadPolicy tok/s: {over['tok_s_gpu'] / fsdp['tok_s_gpu']:.2f} (need >= 1.8)"
+        )
+    if over and seq:
+        out.append(f"1.5B overlapped / sequential tok/s: {over['tok_s_gpu'] / seq['tok_s_gpu']:.2f}")
+    if over and seq and resident:
+        parts = {
+            "resident step": resident["step_ms"],
+            "host AdamW alone": seq["host_step_ms"],
+            "copies": over["copy_ms"],
+        }
+        bound = max(parts.values())
+        what = ", ".join(f"{k} {v:.0f} ms" for k, v in parts.items())
+        out.append(f"1.5B overlapped step / max({what}): {over['step_ms'] / bound:.2f} (need <= 1.25)")
+    for name in ("14b half overlapped", "14b half sequential"):
+        if rows.get(name):
+            out.append(
+                f"{name} / today's {TODAY_14B_TOK_S} tok/s: {rows[name]['tok_s_gpu'] / TODAY_14B_TOK_S:.2f} (need >= 1.5 overlapped)"
+            )
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--budget", type=float, default=570, help="seconds for the whole suite")
+    parser.add_argument("--only", nargs="*", choices=list(ROWS), help="run these rows only")
+    args = parser.parse_args()
+    deadline = time.monotonic() + args.budget
+    rows: dict[str, dict] = {}
+    for i, (name, argv) in enumerate(ROWS.items()):
+        left = deadline - time.monotonic()
+        if args.only and name not in args.only:
+            continue
+        if left < 30:
+            print(f"== {name}: skipped, {left:.0f} s left", flush=True)
+            continue
+        result = run_row(name, argv.split(), budget_s=left, port=29600 + i)
+        if result is not None:
+            rows[name] = result
+    print("\n| row | " + " | ".join(COLUMNS) + " |")
+    print("|---|" + "---:|" * len(COLUMNS))
+    for name, row in rows.items():
+        print(f"| {name} | " + " | ".join(f"{row[c]:,.1f}" for c in COLUMNS) + " |")
+    print()
+    for line in ratios(rows):
+        print(line)
+
+
+if __name__ == "__main__":
+    main()

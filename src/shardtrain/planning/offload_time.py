@@ -1,0 +1,95 @@
+"""Predicted step time of a CPU-offloaded configuration, with the host optimizer step in sequence or
+overlapped with the GPU's work (docs/design.md, Note [Overlapped host step]).
+
+Four resources work per step: the GPU (forward, then backward), the host AdamW over the offloaded
+parameters, and PCIe each way. What runs beside what:
+
+    sequential   max(forward, H2D of the forward's gathers)
+                 + max(backward, H2D of the backward's re-gathers + D2H of the gradients)
+                 + host step over DTensors
+    overlapped   max(forward, H2D of the forward's gathers, host step)
+                 + max(backward, H2D of the backward's re-gathers + D2H of the gradients)
+
+Overlapped, the host step of unit k runs during the next forward just before unit k is needed, so the
+forward takes as long as the slowest of the three; the backward cannot hide it (clipping's norm, the
+non-finite verdict and the last micro-batch are only known at its end). In backward the host-to-device
+re-gathers and the device-to-host gradient copies share the link (measured 47.7 GB/s each way at once
+on an H200 host, about the one-way rate): they are counted one after the other, at the one-way rate.
+
+Defaults are issue 28's measurements on one H200 host (16 cores, PCIe Gen5 x16): pinned copies 54.5
+GB/s, fused AdamW 0.185 ns per fp32 parameter with 16 threads over plain tensors (283 ms at 1.5B,
+`benchmarks/optimizer_step.py`), 16% more over DTensors (329 ms), which the user's own `step()`
+steps in sequence and the overlapped step avoids (it steps the local rows). With these, 1.5B fully
+offloaded is predicted at 0.666 s in sequence (measured 0.660 s). The GPU's share: forward a third of the resident step, backward the
+rest (half of it again when every block is checkpointed: the recomputed forward). The offloaded shards
+are copied in their stored dtype (the cast runs on the device).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PCIE_BYTES_PER_S = 54.5e9
+HOST_ADAMW_S_PER_PARAM = 0.185e-9
+DTENSOR_FACTOR = 329 / 283  # the same fused AdamW over DTensors: their dispatch
+
+
+@dataclass(frozen=True, kw_only=True)
+class OffloadTime:
+    """The predicted phases of one step, in seconds."""
+
+    forward_s: float  # GPU forward
+    backward_s: float  # GPU backward (with the recomputation when checkpointed)
+    host_step_s: float  # host AdamW over the offloaded parameters' local rows (overlapped)
+    sequential_host_step_s: float  # the same over the DTensors, inside the user's step()
+    h2d_forward_s: float  # copies of the offloaded shards for the forward
+    h2d_backward_s: float  # their copies again for the backward (units resharded after forward)
+    d2h_s: float  # the offloaded gradients back to the host
+    sequential_s: float
+    overlapped_s: float
+
+    @property
+    def speedup(self) -> float:
+        return self.sequential_s / self.overlapped_s
+
+
+def offload_step_time(
+    *,
+    resident_step_s: float,
+    offloaded_params: int,
+    checkpointed: bool,
+    reshard_after_forward: bool = True,
+    stored_bytes: int = 4,
+    pcie_bytes_per_s: float = PCIE_BYTES_PER_S,
+    host_s_per_param: float = HOST_ADAMW_S_PER_PARAM,
+) -> OffloadTime:
+    """The offloaded step's phases from the resident step's time (GPU work alone) and the offload."""
+    for name, value in (
+        ("resident_step_s", resident_step_s),
+        ("pcie_bytes_per_s", pcie_bytes_per_s),
+        ("host_s_per_param", host_s_per_param),
+    ):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"offload_step_time: {name}={value!r} must be a positive number")
+    if isinstance(offloaded_params, bool) or not isinstance(offloaded_params, int) or offloaded_params < 0:
+        raise ValueError(f"offload_step_time: offloaded_params={offloaded_params!r} must be a count (0 or more)")
+    if stored_bytes not in (2, 4):
+        raise ValueError(f"offload_step_time: stored_bytes={stored_bytes!r}: use 4 (fp32 masters) or 2")
+    # forward : backward = 1 : 2 of the FLOPs, 1 : 3 with every block's forward recomputed
+    forward = resident_step_s / (4 if checkpointed else 3)
+    backward = resident_step_s - forward
+    shard_s = offloaded_params * stored_bytes / pcie_bytes_per_s
+    h2d_backward = shard_s if reshard_after_forward else 0.0
+    host = offloaded_params * host_s_per_param
+    backward_phase = max(backward, h2d_backward + shard_s)  # the re-gathers, then the gradients (d2h)
+    return OffloadTime(
+        forward_s=forward,
+        backward_s=backward,
+        host_step_s=host,
+        sequential_host_step_s=host * DTENSOR_FACTOR,
+        h2d_forward_s=shard_s,
+        h2d_backward_s=h2d_backward,
+        d2h_s=shard_s,
+        sequential_s=max(forward, shard_s) + backward_phase + host * DTENSOR_FACTOR,
+        overlapped_s=max(forward, shard_s, host) + backward_phase,
+    )

@@ -1,0 +1,110 @@
+"""The Fabric FSDP guide's loop, run with Fabric's DDP strategy and then with ShardtrainStrategy.
+
+Run as a script (`python fabric_run.py OUT_DIR [--precision P] [--resume-only]`): Fabric's launcher
+re-runs it once per device (2 CPU ranks, Gloo). Rank 0 writes OUT_DIR/result.json with the losses,
+gradient norms and parameter differences the test asserts on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import lightning as L
+import torch
+
+import shardtrain as st
+from shardtrain.integrations.fabric import ShardtrainStrategy
+from tests.integrations.toy import Block, Toy, batch, initial_state, param_bytes
+
+STEPS, ACCUM, MAX_NORM, LR = 6, 2, 0.05, 1e-2
+
+
+def train_steps(fabric, model, opt, steps: range) -> tuple[list[float], list[float]]:
+    """Steps of ACCUM micro-batches: no gradient sync but on the last, clip, step. Loss: mean over ranks."""
+    losses, norms = [], []
+    for step in steps:
+        total = 0.0
+        for micro in range(ACCUM):
+            tokens, targets = batch(fabric.global_rank, step * ACCUM + micro)
+            with fabric.no_backward_sync(model, enabled=micro < ACCUM - 1):
+                loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+                fabric.backward(loss / ACCUM)
+            total += loss.item() / ACCUM
+        norms.append(float(fabric.clip_gradients(model, opt, max_norm=MAX_NORM)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(fabric.all_reduce(torch.tensor(total), reduce_op="mean")))
+    return losses, norms
+
+
+def ddp_reference() -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy="ddp", precision="32-true")
+    fabric.launch()
+    model = Toy()
+    model.load_state_dict(initial_state())
+    model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=LR))
+    losses, norms = train_steps(fabric, model, opt, range(STEPS))
+    return losses, norms, {k: v.detach().clone() for k, v in model.module.state_dict().items()}
+
+
+def sharded_model(fabric):
+    """The guide's set-up: built on meta (no rank holds it whole), sharded, optimizer after."""
+    with fabric.init_module(empty_init=True):
+        model = Toy()
+    on_meta = all(p.is_meta for p in model.parameters())
+    model = fabric.setup_module(model)
+    st.load_full_state_dict(model.module, initial_state())
+    opt = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=LR))
+    return model, opt, on_meta
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    args = parser.parse_args()
+    ddp_losses, ddp_norms, ddp_params = ddp_reference()
+
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=ShardtrainStrategy(wrap={Block}), precision="32-true")
+    fabric.launch()
+    model, opt, on_meta = sharded_model(fabric)
+    held = param_bytes(model)
+    full = sum(v.numel() * v.element_size() for v in initial_state().values())
+    losses, norms = train_steps(fabric, model, opt, range(3))
+    fabric.save(args.out / "ckpt", {"model": model, "optimizer": opt, "step": 3})
+    more_losses, more_norms = train_steps(fabric, model, opt, range(3, STEPS))
+    final = st.full_state_dict(model.module)
+
+    fresh, fresh_opt, _ = sharded_model(fabric)
+    state = {"model": fresh, "optimizer": fresh_opt, "step": 0}
+    fabric.load(args.out / "ckpt", state)
+    resumed_losses, _ = train_steps(fabric, fresh, fresh_opt, range(state["step"], STEPS))
+
+    everyone = {
+        "on_meta": on_meta,
+        "held_bytes": held,
+        "full_bytes": full,
+        "broadcast": fabric.broadcast(fabric.global_rank + 7),
+    }
+    gathered = fabric.all_gather(torch.tensor([held, int(on_meta)]))
+    fabric.barrier()
+    if fabric.global_rank == 0:
+        result = {
+            **everyone,
+            "held_bytes_per_rank": gathered[:, 0].tolist(),
+            "on_meta_per_rank": gathered[:, 1].tolist(),
+            "ddp_losses": ddp_losses,
+            "ddp_norms": ddp_norms,
+            "losses": losses + more_losses,
+            "norms": norms + more_norms,
+            "resumed_step": state["step"],
+            "resumed_losses": resumed_losses,
+            "max_param_diff": max((final[k] - ddp_params[k]).abs().max().item() for k in ddp_params),
+            "param_names_match": sorted(final) == sorted(ddp_params),
+        }
+        (args.out / "result.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -170,10 +170,9 @@ class ShardtrainStrategy(DDPStrategy):
         from .. import clip_grad_norm_
 
         self.precision.unscale_gradients(optimizer)
-        norm = clip_grad_norm_(sharded_root(module), max_norm, norm_type=norm_type)
-        if error_if_nonfinite and not torch.isfinite(norm):
-            raise RuntimeError(f"the total norm of order {norm_type} of the gradients is {norm.item()}")
-        return norm
+        return clip_grad_norm_(
+            sharded_root(module), max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite
+        )
 
     def clip_gradients_value(self, module: nn.Module, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
         self.precision.unscale_gradients(optimizer)

@@ -16,9 +16,10 @@ import torch
 import torch.distributed as dist
 from datasets import Dataset
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Trainer, TrainingArguments
+from transformers import LlamaForCausalLM, PreTrainedTokenizerFast, Trainer, TrainingArguments
 
 from shardtrain.integrations.transformers import ShardtrainTrainer, ShardtrainTrainerMixin
+from tests.pretrained.hf_models import config
 
 SEQ, STEPS, WRAP = 16, 10, ["LlamaDecoderLayer"]
 TEXT = [f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(200)]
@@ -37,19 +38,10 @@ def dataset(tok: PreTrainedTokenizerFast, first: int, count: int) -> Dataset:
     return Dataset.from_dict({"input_ids": blocks, "labels": blocks})
 
 
-def model(vocab: int) -> LlamaForCausalLM:
+def model() -> LlamaForCausalLM:
+    """The same initial weights in every run (the pretrained tests' untied Llama; vocabulary 259)."""
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    return LlamaForCausalLM(config)
+    return LlamaForCausalLM(config("llama_untied"))
 
 
 def arguments(out: Path, **fsdp) -> TrainingArguments:
@@ -96,12 +88,12 @@ def parity(out: Path) -> dict:
     tok = tokenizer()
     train, evaluation = dataset(tok, 0, 96), dataset(tok, 96, 8)
     common = dict(train_dataset=train, eval_dataset=evaluation, processing_class=tok)
-    ddp = Trainer(model=model(len(tok)), args=arguments(out / "ddp"), **common)
+    ddp = Trainer(model=model(), args=arguments(out / "ddp"), **common)
     ddp.train()
     ddp_eval = ddp.evaluate()["eval_loss"]
 
     documents = dict(fsdp="full_shard auto_wrap", fsdp_config={"transformer_layer_cls_to_wrap": WRAP})
-    sharded = ShardtrainTrainer(model=model(len(tok)), args=arguments(out / "st", **documents), **common)
+    sharded = ShardtrainTrainer(model=model(), args=arguments(out / "st", **documents), **common)
     sharded.train()
     sharded_eval = sharded.evaluate()["eval_loss"]
     sharded.save_model(str(out / "final"))
@@ -109,7 +101,7 @@ def parity(out: Path) -> dict:
     generated = sharded.model.generate(prompt, max_new_tokens=6, do_sample=False).tolist()
 
     transformers5 = dict(fsdp=True, fsdp_config={"transformer_layer_cls_to_wrap": WRAP, "reshard_after_forward": True})
-    resumed = ShardtrainTrainer(model=model(len(tok)), args=arguments(out / "st", **transformers5), **common)
+    resumed = ShardtrainTrainer(model=model(), args=arguments(out / "st", **transformers5), **common)
     resumed.train(resume_from_checkpoint=str(out / "st" / "checkpoint-5"))
     result = {}
     if dist.get_rank() == 0:
@@ -137,7 +129,7 @@ def sft(out: Path) -> dict:
 
     tok = tokenizer()
     data = Dataset.from_dict({"text": TEXT[:64]})
-    config = SFTConfig(
+    sft_args = SFTConfig(
         output_dir=str(out / "sft"),
         per_device_train_batch_size=2,
         max_steps=4,
@@ -150,7 +142,7 @@ def sft(out: Path) -> dict:
         fsdp="full_shard auto_wrap",
         fsdp_config={"transformer_layer_cls_to_wrap": WRAP},
     )
-    trainer = ShardtrainSFTTrainer(model=model(len(tok)), args=config, train_dataset=data, processing_class=tok)
+    trainer = ShardtrainSFTTrainer(model=model(), args=sft_args, train_dataset=data, processing_class=tok)
     trainer.train()
     return {"losses": losses(trainer), "sharded": all(hasattr(p, "to_local") for p in trainer.model.parameters())}
 

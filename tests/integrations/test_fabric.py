@@ -21,3 +21,31 @@ def test_fabric_guide_loop_matches_ddp_and_resumes(tmp_path):
     assert r["param_names_match"] and r["max_param_diff"] < 1e-5
     assert r["resumed_step"] == 3
     assert r["resumed_losses"] == pytest.approx(r["losses"][3:], abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"wrapp": {object}}, TypeError, r"\['wrapp'\]"),
+        ({"mixed_precision": "bf16"}, ValueError, r"mixed_precision=.*precision='bf16-mixed'"),
+        ({"state_dict_type": "single"}, ValueError, r"state_dict_type='single'"),
+        ({"strategy": "zero9"}, ValueError, r"'zero9'"),
+    ],
+)
+def test_bad_options_fail_when_the_strategy_is_built(kwargs, error, message):
+    from shardtrain.integrations.fabric import ShardtrainStrategy
+
+    with pytest.raises(error, match=message):
+        ShardtrainStrategy(**kwargs)
+
+
+def test_the_name_shardtrain_and_precision_names():
+    import lightning as L
+
+    from shardtrain.integrations.fabric import ShardtrainMixedPrecision, ShardtrainStrategy
+
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy="shardtrain", precision="bf16-mixed")
+    assert isinstance(fabric.strategy, ShardtrainStrategy)
+    assert isinstance(fabric.strategy.precision, ShardtrainMixedPrecision)
+    with pytest.raises(ValueError, match=r"precision='64-true'"):
+        L.Fabric(accelerator="cpu", devices=1, strategy="shardtrain", precision="64-true")

@@ -10,7 +10,7 @@ from tests.integrations.hf_run import model  # noqa: E402
 
 @pytest.fixture(scope="module")
 def llama():
-    return model(64)
+    return model()
 
 
 def _args(tmp_path, **kwargs):

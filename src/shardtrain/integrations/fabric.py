@@ -18,7 +18,6 @@ built and kept in bf16).
 from __future__ import annotations
 
 import contextlib
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -27,10 +26,8 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from torch import nn
 
-from ._options import shard_options, shard_precision
+from ._options import HOST_ARGS, convert_precision, register, shard_precision, strategy_args
 from ._wrapped import ShardedModule, clip_by_value, sharded_root
-
-STATE_DICT_TYPES = ("sharded", "full")
 
 
 class ShardtrainMixedPrecision(MixedPrecision):
@@ -47,20 +44,16 @@ class ShardtrainMixedPrecision(MixedPrecision):
         return contextlib.nullcontext()
 
 
-def _shardtrain_precision(plugin: Precision) -> Precision:
-    """The plugin Fabric chose from `precision=`, turned into the one this strategy runs with."""
-    name = getattr(plugin, "precision", None)
-    shard_precision("ShardtrainStrategy", name)
-    if isinstance(plugin, ShardtrainMixedPrecision):
-        return plugin
-    if type(plugin) is MixedPrecision:
-        return ShardtrainMixedPrecision(name, plugin.device)
-    if type(plugin) in (Precision, HalfPrecision):
-        return plugin
-    raise ValueError(
-        f"ShardtrainStrategy does not support the precision plugin {type(plugin).__name__}; "
-        "pass Fabric(precision=...) by name instead"
-    )
+def _identity(plugin: Precision) -> Precision:
+    return plugin
+
+
+_PRECISIONS = {
+    Precision: _identity,  # "32-true"
+    HalfPrecision: _identity,  # "bf16-true": Fabric's own builds and keeps the model in bf16
+    MixedPrecision: lambda p: ShardtrainMixedPrecision(p.precision, p.device),
+    ShardtrainMixedPrecision: _identity,
+}
 
 
 class ShardtrainStrategy(DDPStrategy):
@@ -75,35 +68,14 @@ class ShardtrainStrategy(DDPStrategy):
             spellings); precision, device and process group come from Fabric.
     """
 
-    def __init__(
-        self,
-        *,
-        state_dict_type: str = "sharded",
-        accelerator: Any = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: Any = None,
-        checkpoint_io: Any = None,
-        precision: Precision | None = None,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = None,
-        start_method: str = "popen",
-        **options: Any,
-    ) -> None:
-        if state_dict_type not in STATE_DICT_TYPES:
-            raise ValueError(f"ShardtrainStrategy(state_dict_type={state_dict_type!r}): use one of {STATE_DICT_TYPES}")
-        if checkpoint_io is not None:
-            raise ValueError("ShardtrainStrategy(checkpoint_io=...): checkpoints are shardtrain's own; drop it")
-        kwargs = {"timeout": timeout} if timeout is not None else {}
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            precision=precision,
-            process_group_backend=process_group_backend,
-            start_method=start_method,
-            **kwargs,
+    def __init__(self, *, state_dict_type: str = "sharded", checkpoint_io: Any = None, **kwargs: Any) -> None:
+        host, self._shard_options = strategy_args(
+            state_dict_type=state_dict_type,
+            checkpoint_io=checkpoint_io,
+            kwargs=kwargs,
+            host_args=(*HOST_ARGS, "precision"),
         )
-        self._shard_options = shard_options("ShardtrainStrategy", options)
+        super().__init__(**host)
         self._state_dict_type = state_dict_type
         self._backward_sync_control = _NoSync()
 
@@ -113,7 +85,7 @@ class ShardtrainStrategy(DDPStrategy):
 
     @precision.setter
     def precision(self, plugin: Precision | None) -> None:
-        self._precision = None if plugin is None else _shardtrain_precision(plugin)
+        self._precision = None if plugin is None else convert_precision(plugin, _PRECISIONS, host="Fabric")
 
     @property
     def checkpoint_io(self):
@@ -211,9 +183,7 @@ class ShardtrainStrategy(DDPStrategy):
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            "shardtrain", cls, description="shardtrain: fully sharded data parallel (st.shard)", override=True
-        )
+        register(cls, strategy_registry)
 
 
 class _NoSync(_BackwardSyncControl):

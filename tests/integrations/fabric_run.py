@@ -1,8 +1,8 @@
 """The Fabric FSDP guide's loop, run with Fabric's DDP strategy and then with ShardtrainStrategy.
 
-Run as a script (`python fabric_run.py OUT_DIR [--precision P] [--resume-only]`): Fabric's launcher
-re-runs it once per device (2 CPU ranks, Gloo). Rank 0 writes OUT_DIR/result.json with the losses,
-gradient norms and parameter differences the test asserts on.
+Run as a script (`python fabric_run.py OUT_DIR [--more]`): Fabric's launcher re-runs it once per
+device (2 CPU ranks, Gloo). Rank 0 writes OUT_DIR/result.json with the losses, gradient norms and
+parameter differences the test asserts on. `--more`: the bf16 precisions and full checkpoints.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from safetensors.torch import load_file
 
 import shardtrain as st
 from shardtrain.integrations.fabric import ShardtrainStrategy
@@ -60,10 +61,44 @@ def sharded_model(fabric):
     return model, opt, on_meta
 
 
+def more(out: Path) -> dict:
+    """bf16-mixed and bf16-true train (masters fp32, resp. bf16); a "full" checkpoint opens with
+    safetensors and loads back into a fresh sharded model."""
+    result = {}
+    for precision in ("bf16-mixed", "bf16-true"):
+        fabric = L.Fabric(accelerator="cpu", devices=2, strategy=ShardtrainStrategy(wrap={Block}), precision=precision)
+        fabric.launch()
+        model, opt, _ = sharded_model(fabric)
+        losses, _ = train_steps(fabric, model, opt, range(3))
+        result[precision] = {"losses": losses, "dtypes": sorted({str(p.dtype) for p in model.parameters()})}
+    strategy = ShardtrainStrategy(wrap={Block}, state_dict_type="full")
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy, precision="32-true")
+    fabric.launch()
+    model, opt, _ = sharded_model(fabric)
+    train_steps(fabric, model, opt, range(2))
+    fabric.save(out / "full", {"model": model, "optimizer": opt})
+    saved = st.full_state_dict(model.module)
+    fresh, fresh_opt, _ = sharded_model(fabric)
+    fabric.load(out / "full", {"model": fresh, "optimizer": fresh_opt})
+    loaded = st.full_state_dict(fresh.module)
+    if fabric.global_rank == 0:
+        plain = Toy()
+        plain.load_state_dict(load_file(out / "full" / "model.safetensors"))
+        result["full_file_diff"] = max((v - saved[k]).abs().max().item() for k, v in plain.state_dict().items())
+        result["full_reload_diff"] = max((v - saved[k]).abs().max().item() for k, v in loaded.items())
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
+    parser.add_argument("--more", action="store_true")
     args = parser.parse_args()
+    if args.more:
+        result = more(args.out)
+        if result:
+            (args.out / "result.json").write_text(json.dumps(result))
+        return
     ddp_losses, ddp_norms, ddp_params = ddp_reference()
 
     fabric = L.Fabric(accelerator="cpu", devices=2, strategy=ShardtrainStrategy(wrap={Block}), precision="32-true")

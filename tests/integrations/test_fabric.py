@@ -49,3 +49,15 @@ def test_the_name_shardtrain_and_precision_names():
     assert isinstance(fabric.strategy.precision, ShardtrainMixedPrecision)
     with pytest.raises(ValueError, match=r"precision='64-true'"):
         L.Fabric(accelerator="cpu", devices=1, strategy="shardtrain", precision="64-true")
+
+
+@pytest.mark.slow
+def test_fabric_bf16_precisions_and_full_checkpoints(tmp_path):
+    r = run_script("fabric_run.py", str(tmp_path), "--more")
+    assert r["bf16-mixed"]["dtypes"] == ["torch.float32"]  # fp32 masters, bf16 compute
+    assert r["bf16-true"]["dtypes"] == ["torch.bfloat16"]
+    for precision in ("bf16-mixed", "bf16-true"):
+        losses = r[precision]["losses"]
+        assert all(3.5 < loss < 5 for loss in losses), losses  # ln(64) = 4.16 at the start
+    assert r["full_file_diff"] == 0.0
+    assert r["full_reload_diff"] == 0.0

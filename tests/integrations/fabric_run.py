@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 import shardtrain as st
-from shardtrain.integrations.fabric import ShardtrainStrategy
+from shardtrain.integrations.fabric import ShardtrainMixedPrecision, ShardtrainStrategy
 from tests.integrations.toy import Block, Toy, batch, initial_state, param_bytes
 
 STEPS, ACCUM, MAX_NORM, LR = 6, 2, 0.05, 1e-2
@@ -71,6 +71,14 @@ def more(out: Path) -> dict:
         model, opt, _ = sharded_model(fabric)
         losses, _ = train_steps(fabric, model, opt, range(3))
         result[precision] = {"losses": losses, "dtypes": sorted({str(p.dtype) for p in model.parameters()})}
+    # "16-mixed": Fabric turns it into bf16 on the CPU, so the plugin is given as such (fp16 runs there).
+    fp16 = ShardtrainMixedPrecision("16-mixed", "cpu")
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=ShardtrainStrategy(wrap={Block}), plugins=[fp16])
+    fabric.launch()
+    model, opt, _ = sharded_model(fabric)
+    losses, _ = train_steps(fabric, model, opt, range(3))
+    scales = fabric.all_gather(fp16.scaler.get_scale() * torch.ones(1))
+    result["16-mixed"] = {"losses": losses, "scales": scales.flatten().tolist()}
     strategy = ShardtrainStrategy(wrap={Block}, state_dict_type="full")
     fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy, precision="32-true")
     fabric.launch()

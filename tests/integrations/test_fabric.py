@@ -52,12 +52,15 @@ def test_the_name_shardtrain_and_precision_names():
 
 
 @pytest.mark.slow
-def test_fabric_bf16_precisions_and_full_checkpoints(tmp_path):
+def test_fabric_half_precisions_and_full_checkpoints(tmp_path):
     r = run_script("fabric_run.py", str(tmp_path), "--more")
     assert r["bf16-mixed"]["dtypes"] == ["torch.float32"]  # fp32 masters, bf16 compute
     assert r["bf16-true"]["dtypes"] == ["torch.bfloat16"]
-    for precision in ("bf16-mixed", "bf16-true"):
+    scales = r["16-mixed"]["scales"]
+    assert scales[0] == scales[1] and scales[0] <= 2.0**16  # both ranks keep the same loss scale
+    for precision in ("bf16-mixed", "bf16-true", "16-mixed"):
         losses = r[precision]["losses"]
         assert all(3.5 < loss < 5 for loss in losses), losses  # ln(64) = 4.16 at the start
+        assert losses[0] == pytest.approx(4.28672, abs=0.01)  # the fp32 run's first loss, in half precision
     assert r["full_file_diff"] == 0.0
     assert r["full_reload_diff"] == 0.0

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from transformers import Trainer
 
@@ -55,7 +56,9 @@ class ShardtrainTrainerMixin:
         self.accelerator.no_sync = self._no_sync
         from .. import shard
 
-        # Accelerate joined the process group (torchrun's environment) above.
+        if not dist.is_initialized():  # one process, not launched by torchrun: a world of one
+            backend = "nccl" if self.args.device.type == "cuda" else "gloo"
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         shard(self.model, device=self.args.device, **self._sharding.shard)
 
     def _prepare_sharded(self, model: nn.Module, device_placement: Any = None, evaluation_mode: bool = False):

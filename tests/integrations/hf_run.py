@@ -1,8 +1,9 @@
 """transformers.Trainer (DDP) against ShardtrainTrainer on a small LlamaForCausalLM, under torchrun.
 
-`torchrun --nproc_per_node=2 hf_run.py OUT [--sft]`: rank 0 writes OUT/result.json with both runs'
-losses, the save_model round trip, generation and the resumed run's losses. With `--sft`, TRL's
-SFTTrainer with the mixin trains a few steps instead.
+`torchrun --nproc_per_node=2 hf_run.py OUT [--mode parity|sft|single]`: rank 0 writes
+OUT/result.json with both runs' losses, the save_model round trip, generation and the resumed run's
+losses. `--mode sft`: TRL's SFTTrainer with the mixin trains a few steps instead; `--mode single`
+(plain `python`, one process): a meta-built model loaded with st.load_pretrained after sharding.
 """
 
 from __future__ import annotations
@@ -147,13 +148,40 @@ def sft(out: Path) -> dict:
     return {"losses": losses(trainer), "sharded": all(hasattr(p, "to_local") for p in trainer.model.parameters())}
 
 
+def single(out: Path) -> dict:
+    """One process without torchrun: a model built on meta, sharded by the Trainer, then loaded with
+    st.load_pretrained (the docs' way for models larger than host memory); 3 steps; save_model."""
+    import shardtrain as st
+
+    tok = tokenizer()
+    model().save_pretrained(out / "pretrained")
+    with torch.device("meta"):
+        meta = LlamaForCausalLM(config("llama_untied"))
+    args = arguments(out / "single")
+    args.max_steps = 3
+    trainer = ShardtrainTrainer(model=meta, args=args, train_dataset=dataset(tok, 0, 16), processing_class=tok)
+    st.load_pretrained(trainer.model, out / "pretrained")
+    loaded = st.full_state_dict(trainer.model)
+    reference = model().state_dict()
+    trainer.train()
+    trainer.save_model(str(out / "final"))
+    saved = LlamaForCausalLM.from_pretrained(out / "final").state_dict()
+    final = st.full_state_dict(trainer.model)
+    return {
+        "world": dist.get_world_size(),
+        "loaded_diff": max((v - reference[k]).abs().max().item() for k, v in loaded.items()),
+        "saved_diff": max((v - final[k]).abs().max().item() for k, v in saved.items()),
+        "losses": losses(trainer),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
-    parser.add_argument("--sft", action="store_true")
+    parser.add_argument("--mode", choices=("parity", "sft", "single"), default="parity")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
-    result = sft(args.out) if args.sft else parity(args.out)
+    result = {"parity": parity, "sft": sft, "single": single}[args.mode](args.out)
     if dist.get_rank() == 0:
         (args.out / "result.json").write_text(json.dumps(result))
     dist.barrier()

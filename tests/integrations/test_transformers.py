@@ -28,6 +28,15 @@ def test_trainer_matches_ddp_saves_generates_and_resumes(tmp_path):
 @pytest.mark.slow
 def test_trl_sft_trainer_with_the_mixin_trains(tmp_path):
     pytest.importorskip("trl")
-    r = run_script("hf_run.py", str(tmp_path), "--sft", torchrun=True)
+    r = run_script("hf_run.py", str(tmp_path), "--mode", "sft", torchrun=True)
     assert r["sharded"]
     assert len(r["losses"]) == 4 and all(0 < loss < 10 for loss in r["losses"])
+
+
+@pytest.mark.slow
+def test_one_process_meta_model_loaded_after_sharding(tmp_path):
+    r = run_script("hf_run.py", str(tmp_path), "--mode", "single")
+    assert r["world"] == 1
+    assert r["loaded_diff"] == 0.0
+    assert r["saved_diff"] == 0.0
+    assert len(r["losses"]) == 3 and all(0 < loss < 10 for loss in r["losses"])

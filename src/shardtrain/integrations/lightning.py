@@ -100,6 +100,8 @@ class ShardtrainStrategy(DDPStrategy):
     def setup(self, trainer: Any) -> None:
         from .. import shard
 
+        if self._layer_sync is not None:
+            raise ValueError("Trainer(sync_batchnorm=True) is not supported by ShardtrainStrategy; drop it")
         self.accelerator.setup(trainer)
         module = self.lightning_module
         if not _is_sharded(module):

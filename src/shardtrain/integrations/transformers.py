@@ -45,7 +45,7 @@ class ShardtrainTrainerMixin:
     _sharding: TrainerSharding
 
     def create_accelerator_and_postprocess(self) -> None:
-        if getattr(self, "model_init", None) is not None or self.model is None:
+        if self.model is None:  # Trainer(model_init=...) builds its model later, for each trial
             raise ValueError(
                 "ShardtrainTrainer needs model=...; model_init is not supported (it would rebuild the model)"
             )
@@ -63,7 +63,7 @@ class ShardtrainTrainerMixin:
 
     def _prepare_sharded(self, model: nn.Module, device_placement: Any = None, evaluation_mode: bool = False):
         """Accelerate's `prepare_model` for the sharded model: no DDP, no second sharding, no autocast."""
-        sharded_root(model)
+        sharded_root(model)  # raises for a model that is not ours
         self.accelerator._models.append(model)
         return model
 

@@ -2,7 +2,8 @@
 
 Run as a script (`python fabric_run.py OUT_DIR [--more]`): Fabric's launcher re-runs it once per
 device (2 CPU ranks, Gloo). Rank 0 writes OUT_DIR/result.json with the losses, gradient norms and
-parameter differences the test asserts on. `--more`: the bf16 precisions and full checkpoints.
+parameter differences the test asserts on. `--more`: the half precisions and full checkpoints;
+`--resume CKPT`: steps 4-6 from the parity run's checkpoint, in fresh processes.
 """
 
 from __future__ import annotations
@@ -97,13 +98,25 @@ def more(out: Path) -> dict:
     return result
 
 
+def resume(checkpoint: Path) -> dict:
+    """A fresh run (new processes) loads the parity run's step-3 checkpoint and trains steps 4-6."""
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=ShardtrainStrategy(wrap={Block}), precision="32-true")
+    fabric.launch()
+    model, opt, _ = sharded_model(fabric)
+    state = {"model": model, "optimizer": opt, "step": 0}
+    fabric.load(checkpoint, state)
+    losses, _ = train_steps(fabric, model, opt, range(state["step"], STEPS))
+    return {"resumed_step": state["step"], "resumed_losses": losses} if fabric.global_rank == 0 else {}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
     parser.add_argument("--more", action="store_true")
+    parser.add_argument("--resume", type=Path, help="a checkpoint to continue from in a fresh run")
     args = parser.parse_args()
-    if args.more:
-        result = more(args.out)
+    if args.more or args.resume:
+        result = more(args.out) if args.more else resume(args.resume)
         if result:
             (args.out / "result.json").write_text(json.dumps(result))
         return

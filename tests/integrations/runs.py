@@ -15,6 +15,7 @@ def run_script(script: str, *args: str, torchrun: bool = False, timeout: float =
     """Run `tests/integrations/<script> OUT ARGS...` from the repository root (under torchrun with 2 ranks
     when `torchrun`, else as a plain script whose framework starts the ranks); return OUT/result.json."""
     out = Path(args[0])
+    out.mkdir(parents=True, exist_ok=True)
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"] if torchrun else []
     env = {
         **os.environ,

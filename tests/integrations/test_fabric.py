@@ -52,6 +52,14 @@ def test_the_name_shardtrain_and_precision_names():
 
 
 @pytest.mark.slow
+def test_fabric_resumes_in_fresh_processes(tmp_path):
+    first = run_script("fabric_run.py", str(tmp_path / "first"))
+    fresh = run_script("fabric_run.py", str(tmp_path / "fresh"), "--resume", str(tmp_path / "first" / "ckpt"))
+    assert fresh["resumed_step"] == 3
+    assert fresh["resumed_losses"] == pytest.approx(first["losses"][3:], abs=1e-6)
+
+
+@pytest.mark.slow
 def test_fabric_half_precisions_and_full_checkpoints(tmp_path):
     r = run_script("fabric_run.py", str(tmp_path), "--more")
     assert r["bf16-mixed"]["dtypes"] == ["torch.float32"]  # fp32 masters, bf16 compute

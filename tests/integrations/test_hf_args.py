@@ -45,6 +45,11 @@ def test_defaults_wrap_the_models_layers_and_read_the_rest(tmp_path, llama):
     assert s.shard["mixed_precision"] == "bf16"
     grad_op = trainer_sharding(_args(tmp_path, fsdp="shard_grad_op auto_wrap"), llama)
     assert grad_op.shard["strategy"] == "shard_grad_op"
+    assert grad_op.checkpoint_format == "sharded"
+    full = trainer_sharding(_args(tmp_path, fsdp=True, fsdp_config={"state_dict_type": "FULL_STATE_DICT"}), llama)
+    assert full.checkpoint_format == "full"
+    sized = {"auto_wrap_policy": "SIZE_BASED_WRAP", "min_num_params": 1000}
+    assert trainer_sharding(_args(tmp_path, fsdp=True, fsdp_config=sized), llama).shard["wrap"].min_params == 1000
 
 
 @pytest.mark.parametrize(

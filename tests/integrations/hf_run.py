@@ -150,14 +150,14 @@ def sft(out: Path) -> dict:
 
 def single(out: Path) -> dict:
     """One process without torchrun: a model built on meta, sharded by the Trainer, then loaded with
-    st.load_pretrained (the docs' way for models larger than host memory); 3 steps; save_model."""
+    st.load_pretrained (the docs' way for models larger than host memory); 3 steps in bf16; save_model."""
     import shardtrain as st
 
     tok = tokenizer()
     model().save_pretrained(out / "pretrained")
     with torch.device("meta"):
         meta = LlamaForCausalLM(config("llama_untied"))
-    args = arguments(out / "single")
+    args = arguments(out / "single", bf16=True)  # bf16 compute by st.shard, fp32 masters
     args.max_steps = 3
     trainer = ShardtrainTrainer(model=meta, args=args, train_dataset=dataset(tok, 0, 16), processing_class=tok)
     st.load_pretrained(trainer.model, out / "pretrained")
@@ -172,6 +172,8 @@ def single(out: Path) -> dict:
         "loaded_diff": max((v - reference[k]).abs().max().item() for k, v in loaded.items()),
         "saved_diff": max((v - final[k]).abs().max().item() for k, v in saved.items()),
         "losses": losses(trainer),
+        "dtypes": sorted({str(p.dtype) for p in trainer.model.parameters()}),
+        "mixed_precision": trainer._sharding.shard["mixed_precision"],
     }
 
 

@@ -37,6 +37,7 @@ def test_trl_sft_trainer_with_the_mixin_trains(tmp_path):
 def test_one_process_meta_model_loaded_after_sharding(tmp_path):
     r = run_script("hf_run.py", str(tmp_path), "--mode", "single")
     assert r["world"] == 1
+    assert r["dtypes"] == ["torch.float32"] and r["mixed_precision"] == "bf16"  # bf16=True: fp32 masters
     assert r["loaded_diff"] == 0.0
     assert r["saved_diff"] == 0.0
     assert len(r["losses"]) == 3 and all(0 < loss < 10 for loss in r["losses"])

@@ -17,23 +17,28 @@ import torch
 from safetensors.torch import load_file
 
 import shardtrain as st
+from shardtrain.core.collectives import observe
 from shardtrain.integrations.fabric import ShardtrainMixedPrecision, ShardtrainStrategy
-from tests.integrations.toy import Block, Toy, batch, initial_state, param_bytes
+from tests.integrations.toy import Block, ReduceScatters, Toy, batch, initial_state, param_bytes
 
 STEPS, ACCUM, MAX_NORM, LR = 6, 2, 0.05, 1e-2
 
 
-def train_steps(fabric, model, opt, steps: range) -> tuple[list[float], list[float]]:
-    """Steps of ACCUM micro-batches: no gradient sync but on the last, clip, step. Loss: mean over ranks."""
+def train_steps(fabric, model, opt, steps: range, reduces: list[int] | None = None) -> tuple[list[float], list[float]]:
+    """Steps of ACCUM micro-batches: no gradient sync but on the last, clip, step. Loss: mean over ranks.
+    `reduces` gets the number of gradient reduce-scatters of each micro-batch."""
     losses, norms = [], []
+    counter = ReduceScatters()
     for step in steps:
         total = 0.0
         for micro in range(ACCUM):
             tokens, targets = batch(fabric.global_rank, step * ACCUM + micro)
-            with fabric.no_backward_sync(model, enabled=micro < ACCUM - 1):
+            with observe(counter), fabric.no_backward_sync(model, enabled=micro < ACCUM - 1):
                 loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
                 fabric.backward(loss / ACCUM)
             total += loss.item() / ACCUM
+            if reduces is not None:
+                reduces.append(counter.take())
         norms.append(float(fabric.clip_gradients(model, opt, max_norm=MAX_NORM)))
         opt.step()
         opt.zero_grad()
@@ -127,7 +132,8 @@ def main() -> None:
     model, opt, on_meta = sharded_model(fabric)
     held = param_bytes(model)
     full = sum(v.numel() * v.element_size() for v in initial_state().values())
-    losses, norms = train_steps(fabric, model, opt, range(3))
+    reduces: list[int] = []
+    losses, norms = train_steps(fabric, model, opt, range(3), reduces)
     fabric.save(args.out / "ckpt", {"model": model, "optimizer": opt, "step": 3})
     more_losses, more_norms = train_steps(fabric, model, opt, range(3, STEPS))
     final = st.full_state_dict(model.module)
@@ -154,6 +160,7 @@ def main() -> None:
             "ddp_norms": ddp_norms,
             "losses": losses + more_losses,
             "norms": norms + more_norms,
+            "reduce_scatters": reduces,
             "resumed_step": state["step"],
             "resumed_losses": resumed_losses,
             "max_param_diff": max((final[k] - ddp_params[k]).abs().max().item() for k in ddp_params),

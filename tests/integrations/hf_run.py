@@ -17,9 +17,11 @@ import torch
 import torch.distributed as dist
 from datasets import Dataset
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-from transformers import LlamaForCausalLM, PreTrainedTokenizerFast, Trainer, TrainingArguments
+from transformers import LlamaForCausalLM, PreTrainedTokenizerFast, Trainer, TrainerCallback, TrainingArguments
 
+from shardtrain.core.collectives import observe
 from shardtrain.integrations.transformers import ShardtrainTrainer, ShardtrainTrainerMixin
+from tests.integrations.toy import ReduceScatters
 from tests.pretrained.hf_models import config
 
 SEQ, STEPS, WRAP = 16, 10, ["LlamaDecoderLayer"]
@@ -85,6 +87,21 @@ def compare(out: Path, ref: LlamaForCausalLM, tok: PreTrainedTokenizerFast) -> d
     }
 
 
+class CountReduces(TrainerCallback):
+    """The gradient reduce-scatters of each accumulating micro-batch and of each optimizer step's last one."""
+
+    def __init__(self) -> None:
+        self.counter = ReduceScatters()
+        self.accumulating: list[int] = []
+        self.syncing: list[int] = []
+
+    def on_substep_end(self, args, state, control, **kwargs):
+        self.accumulating.append(self.counter.take())
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.syncing.append(self.counter.take())
+
+
 def parity(out: Path) -> dict:
     tok = tokenizer()
     train, evaluation = dataset(tok, 0, 96), dataset(tok, 96, 8)
@@ -94,8 +111,10 @@ def parity(out: Path) -> dict:
     ddp_eval = ddp.evaluate()["eval_loss"]
 
     documents = dict(fsdp="full_shard auto_wrap", fsdp_config={"transformer_layer_cls_to_wrap": WRAP})
-    sharded = ShardtrainTrainer(model=model(), args=arguments(out / "st", **documents), **common)
-    sharded.train()
+    reduces = CountReduces()
+    sharded = ShardtrainTrainer(model=model(), args=arguments(out / "st", **documents), callbacks=[reduces], **common)
+    with observe(reduces.counter):
+        sharded.train()
     sharded_eval = sharded.evaluate()["eval_loss"]
     sharded.save_model(str(out / "final"))
     prompt = tok("def f12(x):", return_tensors="pt").input_ids
@@ -116,6 +135,8 @@ def parity(out: Path) -> dict:
             "generated": generated,
             "ddp_generated": ddp.model.generate(prompt, max_new_tokens=6, do_sample=False).tolist(),
             "resumed_losses": losses(resumed, after=5),
+            "accumulating_reduces": reduces.accumulating,
+            "syncing_reduces": reduces.syncing,
             "checkpoint_files": sorted(p.name for p in (out / "st" / "checkpoint-5").iterdir()),
             **compare(out / "final", ddp.model, tok),
         }

@@ -8,6 +8,7 @@ Run as a script (`python lightning_run.py OUT`): the Trainer's launcher re-runs 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 from pathlib import Path
 
@@ -16,9 +17,10 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import shardtrain as st
+from shardtrain.core.collectives import observe
 from shardtrain.integrations.lightning import ShardtrainStrategy
 from shardtrain.ops.grad_norm import grad_norm
-from tests.integrations.toy import Block, Toy, batch, initial_state
+from tests.integrations.toy import Block, ReduceScatters, Toy, batch, initial_state
 
 EPOCHS, STEPS_PER_EPOCH, ACCUM, LR = 2, 3, 2, 1e-2
 LOSS_SCALE = 4.0  # makes gradient_clip_val=1.0 clip
@@ -31,6 +33,9 @@ class Module(L.LightningModule):
         self.load_initial = load_initial
         self.losses: list[float] = []
         self.norms: list[float] = []
+        self.reduces: list[int] = []  # gradient reduce-scatters of each micro-batch (shardtrain's)
+        self.counter = ReduceScatters()
+        self.observing = contextlib.ExitStack()
 
     def configure_model(self) -> None:
         if self.model is None:
@@ -38,6 +43,7 @@ class Module(L.LightningModule):
 
     def on_fit_start(self) -> None:
         """The same start for both strategies (a resumed run keeps the checkpoint's weights)."""
+        self.observing.enter_context(observe(self.counter))
         if not self.load_initial:
             return
         state = {f"model.{k}": v for k, v in initial_state().items()}
@@ -52,6 +58,12 @@ class Module(L.LightningModule):
         self.log("train_loss", loss)
         self.losses.append(float(self.all_gather(loss.detach()).mean()))
         return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        self.reduces.append(self.counter.take())
+
+    def on_fit_end(self) -> None:
+        self.observing.close()
 
     def validation_step(self, batch, batch_idx):
         tokens, targets = batch
@@ -124,6 +136,7 @@ def main() -> None:
         result = {
             "ddp_losses": ddp_module.losses,
             "losses": module.losses,
+            "reduce_scatters": module.reduces,
             "ddp_norms": ddp_module.norms,
             "norms": module.norms,
             "ddp_val": float(ddp_val),

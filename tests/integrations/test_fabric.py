@@ -14,6 +14,8 @@ def test_fabric_guide_loop_matches_ddp_and_resumes(tmp_path):
     assert r["on_meta_per_rank"] == [1, 1]  # init_module(empty_init=True) built nothing
     assert r["held_bytes_per_rank"] == [r["full_bytes"] // 2] * 2  # each rank its half, no full copy
     assert r["broadcast"] == 7
+    assert r["reduce_scatters"][0::2] == [0, 0, 0]  # accumulating micro-batches: no gradient exchange
+    assert min(r["reduce_scatters"][1::2]) >= 3  # the last of each step: the blocks and the root
     assert len(r["losses"]) == 6
     assert r["losses"] == pytest.approx(r["ddp_losses"], abs=1e-5)
     assert r["norms"] == pytest.approx(r["ddp_norms"], abs=1e-5)

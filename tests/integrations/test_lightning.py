@@ -13,6 +13,8 @@ def test_trainer_matches_ddp_and_resumes_from_ckpt_path(tmp_path):
     a fresh Trainer and module resumed with fit(ckpt_path=...) train epoch 2 identically."""
     r = run_script("lightning_run.py", str(tmp_path))
     assert len(r["losses"]) == 12  # 6 optimizer steps of 2 micro-batches
+    assert r["reduce_scatters"][0::2] == [0] * 6  # accumulating micro-batches: no gradient exchange
+    assert min(r["reduce_scatters"][1::2]) >= 3  # the last of each step: the blocks and the root
     assert r["losses"] == pytest.approx(r["ddp_losses"], abs=1e-5)
     assert r["norms"] == pytest.approx(r["ddp_norms"], abs=1e-5)
     assert min(r["norms"]) > 1.0  # gradient_clip_val=1.0 clipped every step

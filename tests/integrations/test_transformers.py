@@ -14,6 +14,8 @@ def test_trainer_matches_ddp_saves_generates_and_resumes(tmp_path):
     checkpoint-5 with transformers 5's `fsdp=True` + fsdp_config spelling."""
     r = run_script("hf_run.py", str(tmp_path), torchrun=True)
     assert len(r["losses"]) == 10
+    assert r["accumulating_reduces"] == [0] * 10  # no gradient exchange on accumulating micro-batches
+    assert len(r["syncing_reduces"]) == 10 and min(r["syncing_reduces"]) >= 3
     assert r["losses"] == pytest.approx(r["ddp_losses"], abs=1e-5)
     assert r["grad_norms"] == pytest.approx(r["ddp_grad_norms"], abs=1e-5)
     assert min(r["grad_norms"]) > 0.5  # max_grad_norm=0.5 clipped every step

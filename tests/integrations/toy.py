@@ -56,3 +56,18 @@ def param_bytes(module: nn.Module) -> int:
         local = p.to_local() if hasattr(p, "to_local") else p
         total += local.numel() * local.element_size()
     return total
+
+
+class ReduceScatters:
+    """Counts the gradient reduce-scatters shardtrain issues (`core.collectives.observe`)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self, collective) -> None:
+        if collective.kind == "reduce_scatter":
+            self.count += 1
+
+    def take(self) -> int:
+        count, self.count = self.count, 0
+        return count

@@ -7,8 +7,10 @@
     entry          sharding, testing                     the public st.shard; the test pools
     application    engine, train                         the Engine and `shardtrain train`
     tools          bench, cli                            `shardtrain bench` and the commands
+    integrations   integrations                          adapters for Lightning and the Hugging Face Trainer
 
-Nothing below the tools imports `bench`: the benchmark is a tool, not part of the call chain.
+Nothing below the tools imports `bench`: the benchmark is a tool, not part of the call chain. Nothing
+imports `integrations`: the engine does not know that the frameworks exist.
 """
 
 import ast
@@ -27,6 +29,7 @@ LAYERS = [
     {"sharding", "testing"},
     {"engine", "train"},
     {"bench", "cli", "__main__", "__init__"},
+    {"integrations"},
 ]
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
 # within a layer: checkpoint uses ops, pretrained both; train uses the engine

@@ -68,7 +68,7 @@ def write_jsonl(rows: list[dict], path: Path) -> Path:
     return path
 
 
-def llama_folder(path: Path, *, hidden: int = 64, layers: int = 2) -> Path:
+def llama_folder(path: Path, *, hidden: int = 64, layers: int = 2, init_range: float = 0.02) -> Path:
     """A randomly initialised LlamaForCausalLM + its tokenizer (with chat template), as save_pretrained writes."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -88,6 +88,7 @@ def llama_folder(path: Path, *, hidden: int = 64, layers: int = 2) -> Path:
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
+        initializer_range=init_range,
     )
     LlamaForCausalLM(config).save_pretrained(path)
     tokenizer.save_pretrained(path)

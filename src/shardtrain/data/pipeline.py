@@ -100,14 +100,8 @@ def prepare(
     """Tokenize, mask, hold out and pack `spec`'s rows (or memory-map them from the cache); ValueError with the fix."""
     datasets = require("datasets", why=f"data.path={spec.path!r}")
     (datasets.enable_progress_bars if progress else datasets.disable_progress_bars)()
-    rows = load_rows(spec.path, pattern=spec.pattern, cache_dir=cache_dir)
+    rows, fmt = read_source(spec, tokenizer=tokenizer, cache_dir=cache_dir)
     where = f"data.path={spec.path!r}"
-    fmt = detect_format(rows.column_names, forced=spec.format, where=where)
-    if fmt is Format.MESSAGES and not tokenizer.chat_template:
-        raise ValueError(
-            f"{where} holds chat messages but the tokenizer has no chat template; give it one "
-            "(tokenizer_config.json's chat_template) or pass --data.tokenizer with a chat tokenizer"
-        )
     workers = num_proc or min(os.cpu_count() or 1, len(rows) // 2000) or 1
     if workers > 1:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the workers are the parallelism
@@ -125,12 +119,6 @@ def prepare(
     docs = _encode(rows, encoder, **common)
     if spec.eval_path is not None:
         eval_rows = load_rows(spec.eval_path, key="data.eval_path", pattern=spec.pattern, cache_dir=cache_dir)
-        eval_fmt = detect_format(eval_rows.column_names, forced=spec.format, where=f"data.eval_path={spec.eval_path!r}")
-        if eval_fmt is not fmt:
-            raise ValueError(
-                f"data.eval_path={spec.eval_path!r} holds {eval_fmt.value} rows but data.path holds {fmt.value} "
-                "rows; hold out rows of the same layout"
-            )
         train_docs, held_docs = docs, _encode(eval_rows, encoder, **common)
     else:
         held = _held_out_rows(len(rows), spec)
@@ -148,6 +136,29 @@ def prepare(
         stats=_stats(train_docs, train, rows=len(rows), held_out_rows=len(eval_rows), seq_len=spec.seq_len),
         prompts=held_out_prompts(eval_rows, fmt, tokenizer, count=prompts) if prompts else [],
     )
+
+
+def read_source(spec: DataSpec, *, tokenizer, cache_dir: str | None = None) -> tuple[Any, Format]:
+    """The rows of data.path and their format, with data.eval_path checked alike: every mistake in what
+    the files hold (a missing path, unknown columns, chat rows without a template) is found here,
+    cheaply enough for every rank to run it before any communication."""
+    rows = load_rows(spec.path, pattern=spec.pattern, cache_dir=cache_dir)
+    where = f"data.path={spec.path!r}"
+    fmt = detect_format(rows.column_names, forced=spec.format, where=where)
+    if fmt is Format.MESSAGES and not tokenizer.chat_template:
+        raise ValueError(
+            f"{where} holds chat messages but the tokenizer has no chat template; give it one "
+            "(tokenizer_config.json's chat_template) or pass --data.tokenizer with a chat tokenizer"
+        )
+    if spec.eval_path is not None:
+        eval_rows = load_rows(spec.eval_path, key="data.eval_path", pattern=spec.pattern, cache_dir=cache_dir)
+        eval_fmt = detect_format(eval_rows.column_names, forced=spec.format, where=f"data.eval_path={spec.eval_path!r}")
+        if eval_fmt is not fmt:
+            raise ValueError(
+                f"data.eval_path={spec.eval_path!r} holds {eval_fmt.value} rows but data.path holds {fmt.value} "
+                "rows; hold out rows of the same layout"
+            )
+    return rows, fmt
 
 
 def _key(*parts: Any) -> str:

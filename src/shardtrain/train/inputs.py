@@ -91,7 +91,29 @@ def plan_data(cfg: Config, module: nn.Module) -> DataPlan:
             f"a tokenizer ({key}={path!r}) trains on your data: pass --data.path (a .jsonl, .parquet, ... "
             "file, a folder of them, or plain text)"
         )
+    from ..data.pipeline import read_source
+
+    read_source(data_spec(cfg), tokenizer=tokenizer, cache_dir=data.cache_dir)
     return DataPlan(tokenizer=tokenizer, corpus=None, notice=notice)
+
+
+def data_spec(cfg: Config):
+    """The data section as shardtrain.data's DataSpec."""
+    from ..data.pipeline import DataSpec
+
+    d = cfg.data
+    return DataSpec(
+        path=d.path,
+        eval_path=d.eval_path,
+        seq_len=d.seq_len,
+        format=d.format,
+        train_on=d.train_on,
+        packing=d.packing,
+        overlong=d.overlong,
+        val_fraction=d.val_fraction,
+        seed=cfg.train.seed,
+        pattern=d.pattern,
+    )
 
 
 def build_data(cfg: Config, engine, plan: DataPlan, *, micro_batch: int) -> TrainData:
@@ -115,24 +137,12 @@ def build_data(cfg: Config, engine, plan: DataPlan, *, micro_batch: int) -> Trai
             tokenizer=None,
             packed=False,
         )
-    from ..data.pipeline import DataSpec, prepare
+    from ..data.pipeline import prepare
 
     d = cfg.data
-    spec = DataSpec(
-        path=d.path,
-        eval_path=d.eval_path,
-        seq_len=d.seq_len,
-        format=d.format,
-        train_on=d.train_on,
-        packing=d.packing,
-        overlong=d.overlong,
-        val_fraction=d.val_fraction,
-        seed=cfg.train.seed,
-        pattern=d.pattern,
-    )
     with engine.rank_zero_first(local=True):
         prepared = prepare(
-            spec,
+            data_spec(cfg),
             tokenizer=plan.tokenizer,
             cache_dir=d.cache_dir,
             num_proc=d.num_proc,

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .packed import forward_logits
+
 
 @torch.no_grad()
 def greedy_samples(model: nn.Module, prompts: list[dict], *, tokenizer, max_new_tokens: int, device) -> list[dict]:
@@ -22,8 +24,7 @@ def greedy_samples(model: nn.Module, prompts: list[dict], *, tokenizer, max_new_
     for prompt in prompts:
         ids = torch.tensor([prompt["prompt_ids"]], device=device)
         for _ in range(max_new_tokens):
-            out = model(ids)
-            logits = getattr(out, "logits", out)
+            logits = forward_logits(model, ids, position_ids=None)
             ids = torch.cat([ids, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
         new = ids[0, len(prompt["prompt_ids"]) :].tolist()
         end = next((i for i, t in enumerate(new) if t in stops), len(new))

@@ -23,6 +23,7 @@ from .ema import WeightEMA
 from .finetune import checkpoint_params
 from .finite import NonFiniteGuard
 from .inputs import TrainData
+from .packed import forward_logits
 from .samples import greedy_samples
 from .sections import Config
 from .state import check_data_position, data_position
@@ -30,19 +31,10 @@ from .state import check_data_position, data_position
 Batch = dict[str, torch.Tensor]
 
 
-def logits_of(model: nn.Module, batch: Batch, *, packed: bool) -> torch.Tensor:
-    """The model's logits [B, T, V]; packed windows go through train/packed.py's leak-free forward."""
-    if packed:
-        from .packed import forward_logits
-
-        return forward_logits(model, batch["input_ids"], position_ids=batch["position_ids"])
-    out = model(batch["input_ids"])
-    return getattr(out, "logits", out)
-
-
 def loss_sum(model: nn.Module, batch: Batch, *, packed: bool, vocab_size: int) -> torch.Tensor:
-    """Summed next-token cross-entropy (in fp32) over the batch's trained labels (labels are already shifted)."""
-    logits = logits_of(model, batch, packed=packed)
+    """Summed next-token cross-entropy (in fp32) over the batch's trained labels (labels are already shifted).
+    Packed windows go through train/packed.py's forward, which keeps their documents apart."""
+    logits = forward_logits(model, batch["input_ids"], position_ids=batch["position_ids"] if packed else None)
     if logits.size(-1) < vocab_size:
         raise ValueError(
             f"the model predicts {logits.size(-1)} classes but the tokenizer has {vocab_size} tokens; "

@@ -41,7 +41,7 @@ def make_demo(out: Path) -> tuple[Path, Path]:
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     names = ["Zor", "Bel", "Qua", "Mir", "Tan", "Vek", "Dra", "Sin"]
-    facts = [(a + b.lower() + "ia", b + a.lower()) for a in names for b in names[:3] if a != b][:24]
+    facts = [(a + b.lower() + "ia", b + a.lower()) for a in names for b in names[:4] if a != b][:24]
     rows = [
         {"messages": [{"role": "user", "content": f"Capital of {x}?"}, {"role": "assistant", "content": y}]}
         for x, y in facts

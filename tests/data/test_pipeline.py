@@ -64,6 +64,15 @@ def test_the_cache_is_reused_and_keyed_by_seq_len(tmp_path, tok, monkeypatch):
     assert calls and max(len(w) for w in other.train["input_ids"]) <= 32
 
 
+def test_worker_processes_give_the_same_windows(tmp_path, tok):
+    path = _jsonl(tmp_path, chat_rows())
+    serial = prepare(DataSpec(path=str(path), seq_len=64), tokenizer=tok, cache_dir=str(tmp_path / "a"), progress=False)
+    parallel = prepare(
+        DataSpec(path=str(path), seq_len=64), tokenizer=tok, cache_dir=str(tmp_path / "b"), num_proc=2, progress=False
+    )
+    assert parallel.train["input_ids"] == serial.train["input_ids"] and parallel.stats == serial.stats
+
+
 def test_show_marks_exactly_the_assistant_answers(tmp_path, tok):
     prepared = _prepare(_jsonl(tmp_path, chat_rows()), tok, tmp_path, packing=False)
     text = show(prepared.train, tok, count=3)

@@ -216,6 +216,7 @@ def _loop(job: Job, run_dir: Path, *, first_step: int, description: str, start: 
                 "grad_norm": None if norm is None else float(norm),
                 "tokens": done * tokens_per_step,
                 "tokens_per_s": interval_steps * tokens_per_step / elapsed,
+                "data_load_s": round(job.load_s, 4),  # of elapsed: reading batches on the host
                 "elapsed_s": round(time.perf_counter() - start, 3),
                 "memory_bytes": memory,
             }
@@ -228,7 +229,7 @@ def _loop(job: Job, run_dir: Path, *, first_step: int, description: str, start: 
                     mem="/".join(format_bytes(b) for b in memory),
                 )
             loss_sum.zero_()
-            loss_count, interval_steps, interval_start = 0, 0, time.perf_counter()
+            loss_count, interval_steps, interval_start, job.load_s = 0, 0, time.perf_counter(), 0.0
         if evaluates:
             heartbeat(done, "eval")
             pause = time.perf_counter()

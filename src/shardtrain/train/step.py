@@ -10,6 +10,7 @@ every token, so its count is known and skips it); micro-batch m then backpropaga
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,6 +59,7 @@ class Job:
     vocab_size: int
     ema: WeightEMA | None
     guard: NonFiniteGuard
+    load_s: float = 0.0  # host seconds spent reading batches since the last log record (the loop resets it)
 
     @property
     def train_batches(self):
@@ -78,7 +80,9 @@ class Job:
         """One optimizer step; returns (this rank's share of the step's mean loss per trained token, gradient
         norm before clipping, whether the step was skipped for a non-finite loss or norm)."""
         accum = self.cfg.train.grad_accum
+        start = time.perf_counter()
         batches = [self.to_device(self.data.train.batch(step * accum + micro)) for micro in range(accum)]
+        self.load_s += time.perf_counter() - start
         scale = self.engine.world_size / self.trained_tokens(batches)
         total = torch.zeros((), device=self.engine.device)
         for micro, batch in enumerate(batches):

@@ -127,8 +127,8 @@ def prepare(
         is_held = np.isin(doc_rows, held)
         train_docs, held_docs = docs.select(np.flatnonzero(~is_held)), docs.select(np.flatnonzero(is_held))
     _check_trained(train_docs, where=where, seq_len=spec.seq_len)
-    train = _pack(train_docs, "train", **common)
-    held_out = _pack(held_docs, "held", **common)
+    train = _pack(train_docs, "train", root=root, workers=workers, spec=spec)
+    held_out = _pack(held_docs, "held", root=root, workers=workers, spec=spec)
     return Prepared(
         train=train,
         held_out=held_out,
@@ -210,7 +210,7 @@ def _check_trained(docs, *, where: str, seq_len: int) -> None:
         )
 
 
-def _pack(docs, name: str, *, root: Path, workers: int, tok_key: str, spec: DataSpec):
+def _pack(docs, name: str, *, root: Path, workers: int, spec: DataSpec):
     key = _key("pack", name, docs._fingerprint, spec.seq_len, spec.packing)
     return docs.map(
         windows,

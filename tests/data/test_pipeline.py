@@ -42,14 +42,25 @@ def test_every_file_kind_gives_the_same_windows(tmp_path, tok):
     table.save_to_disk(str(tmp_path / "saved"))
     for path in (tmp_path / "pq", tmp_path / "rows.csv", tmp_path / "saved"):
         got = _prepare(path, tok, tmp_path)
-        assert got.train["input_ids"] == reference.train["input_ids"], path
-        assert got.held_out["labels"] == reference.held_out["labels"], path
+        assert list(got.train["input_ids"]) == list(reference.train["input_ids"]), path
+        assert list(got.held_out["labels"]) == list(reference.held_out["labels"]), path
     assert reference.format.value == "prompt_completion"
     stats = reference.stats
     assert stats.rows == 144 and stats.held_out_rows == 14 and stats.truncated_rows == 0
-    assert stats.supervised_tokens == sum(sum(t != IGNORE for t in w) for w in reference.train["labels"])
-    assert stats.tokens == sum(len(w) for w in reference.train["input_ids"])
+    assert stats.supervised_tokens == sum(sum(t != IGNORE for t in w) for w in list(reference.train["labels"]))
+    assert stats.tokens == sum(len(w) for w in list(reference.train["input_ids"]))
     assert stats.packing_efficiency == stats.tokens / (stats.windows * 64) and stats.windows < stats.documents
+
+
+def test_plain_text_files_are_one_document_each(tmp_path, tok):
+    (tmp_path / "txt").mkdir()
+    texts = [" ".join(q for q, _ in questions()[i::4]) for i in range(4)]
+    for i, text in enumerate(texts):
+        (tmp_path / "txt" / f"{i}.txt").write_text(text)
+    prepared = _prepare(tmp_path / "txt", tok, tmp_path, pattern="*.txt", val_fraction=0.25)
+    assert prepared.format.value == "text" and prepared.stats.rows == 4 and prepared.stats.held_out_rows == 1
+    tokens = sorted(t for w in list(prepared.train["input_ids"]) + list(prepared.held_out["input_ids"]) for t in w)
+    assert tokens == sorted(t for text in texts for t in tok(text)["input_ids"] + [tok.eos_token_id])
 
 
 def test_the_cache_is_reused_and_keyed_by_seq_len(tmp_path, tok, monkeypatch):
@@ -59,9 +70,9 @@ def test_the_cache_is_reused_and_keyed_by_seq_len(tmp_path, tok, monkeypatch):
     original = Encoder.__call__
     monkeypatch.setattr(Encoder, "__call__", lambda self, *a: calls.append(1) or original(self, *a))
     again = _prepare(path, tok, tmp_path)
-    assert calls == [] and again.train["input_ids"] == first.train["input_ids"]
+    assert calls == [] and list(again.train["input_ids"]) == list(first.train["input_ids"])
     other = _prepare(path, tok, tmp_path, seq_len=32)
-    assert calls and max(len(w) for w in other.train["input_ids"]) <= 32
+    assert calls and max(len(w) for w in list(other.train["input_ids"])) <= 32
 
 
 def test_worker_processes_give_the_same_windows(tmp_path, tok):
@@ -70,7 +81,7 @@ def test_worker_processes_give_the_same_windows(tmp_path, tok):
     parallel = prepare(
         DataSpec(path=str(path), seq_len=64), tokenizer=tok, cache_dir=str(tmp_path / "b"), num_proc=2, progress=False
     )
-    assert parallel.train["input_ids"] == serial.train["input_ids"] and parallel.stats == serial.stats
+    assert list(parallel.train["input_ids"]) == list(serial.train["input_ids"]) and parallel.stats == serial.stats
 
 
 def test_show_marks_exactly_the_assistant_answers(tmp_path, tok):

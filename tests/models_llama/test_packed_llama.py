@@ -4,6 +4,7 @@ under st.shard (activation checkpointing, compiled blocks) at worlds 1 and 2."""
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from shardtrain.models.llama import Llama, PackedAttention, document_mask, llama_config
 from tests.models_llama.packing import (
@@ -117,3 +118,15 @@ def test_flex_on_cuda_trains_like_the_documents_alone(compiled):
     torch.testing.assert_close(loss, ref, rtol=0, atol=1e-4)
     for g, r in zip(grads, ref_grads):
         torch.testing.assert_close(g, r, rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.gpu
+def test_sharded_checkpointed_compiled_flex_on_cuda_trains_like_the_documents_alone(tmp_path):
+    """One rank on NCCL: st.shard, activation checkpointing and inductor-compiled blocks around flex."""
+    dist.init_process_group("nccl", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        for compiled in (False, True):
+            r = sharded_packed_training("llama", compiled=compiled)
+            assert r["loss"] < 1e-4 and r["weights"] < 1e-4, (compiled, r)
+    finally:
+        dist.destroy_process_group()

@@ -83,7 +83,10 @@ class PackedAttention(enum.Enum):
     MASK: `scaled_dot_product_attention` with a block-diagonal causal boolean mask of shape
     (batch, 1, seq, seq); any device, memory quadratic in seq (one byte per pair, shared by all layers).
     FLEX: `flex_attention` with a document `BlockMask`, compiled into a fused kernel that skips the
-    blocks across documents; the default on CUDA (unfused and slow elsewhere).
+    blocks across documents; the default on CUDA (unfused and slow elsewhere, no CPU backward). It is
+    a graph break in a compiled block (`_flex`), so a block compiled with fullgraph=True needs MASK.
+    On an H200, 8B-shaped blocks, 8192 tokens in 10 documents: 131 ms a step with FLEX, 172 ms with
+    MASK, 140 ms for one causal document of 8192 tokens (compiled blocks, bf16).
     """
 
     MASK = "mask"

@@ -7,16 +7,19 @@ silently let tokens attend across documents.
 
 Supported, and why:
 - the built-in Llama: `Llama.forward(tokens, position_ids=...)` builds a document mask once per
-  forward (sdpa's block-diagonal boolean mask, or flex_attention's BlockMask on CUDA).
+  forward (sdpa's block-diagonal boolean mask, or flex_attention's BlockMask on CUDA, which skips
+  the blocks across documents: on an H200 an 8B-shaped step of 8192 tokens in 10 documents took
+  131 ms against 140 ms for one causal document and 172 ms with the boolean mask).
 - transformers models (a peft model around one too) with attn_implementation "sdpa", "eager" or
   "flex_attention": their mask builder (`transformers.masking_utils`) detects packed rows from
   `position_ids` (a new document wherever the position does not grow by one) and makes the mask
   block-diagonal, but only when the forward gets no `attention_mask` and no cache. So the forward
   gets `input_ids`, `position_ids`, `use_cache=False` and never an `attention_mask` (an all-ones
-  mask leaks too).
+  mask leaks too). "sdpa" and "eager" then attend through a dense (batch, 1, seq, seq) mask, so
+  sdpa leaves its flash kernel; "flex_attention" skips the blocks across documents.
 
-Refused: transformers' flash_attention_2/3/4 (they find packed documents from `position_ids` only for
-a batch of one row, and then attend across rows' documents for larger batches), any other or
+Refused: transformers' flash_attention_2/3/4 (they find packed documents from `position_ids` only in
+a batch of one row; in larger batches a row's documents attend to each other), any other or
 custom attention (`masking_utils` builds no mask for it), a transformers version without
 `masking_utils.find_packed_sequence_indices`, a model whose modeling code builds its masks without
 `masking_utils` (remote code, say), a forward without `position_ids`, and any other model (nothing

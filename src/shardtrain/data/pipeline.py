@@ -98,9 +98,7 @@ def prepare(
     prompts: int = 0,
 ) -> Prepared:
     """Tokenize, mask, hold out and pack `spec`'s rows (or memory-map them from the cache); ValueError with the fix."""
-    datasets = require("datasets", why=f"data.path={spec.path!r}")
-    (datasets.enable_progress_bars if progress else datasets.disable_progress_bars)()
-    rows, fmt = read_source(spec, tokenizer=tokenizer, cache_dir=cache_dir)
+    rows, fmt = read_source(spec, tokenizer=tokenizer, cache_dir=cache_dir, progress=progress)
     where = f"data.path={spec.path!r}"
     workers = num_proc or min(os.cpu_count() or 1, len(rows) // 2000) or 1
     if workers > 1:
@@ -138,10 +136,14 @@ def prepare(
     )
 
 
-def read_source(spec: DataSpec, *, tokenizer, cache_dir: str | None = None) -> tuple[Any, Format]:
+def read_source(
+    spec: DataSpec, *, tokenizer, cache_dir: str | None = None, progress: bool = True
+) -> tuple[Any, Format]:
     """The rows of data.path and their format, with data.eval_path checked alike: every mistake in what
     the files hold (a missing path, unknown columns, chat rows without a template) is found here,
-    cheaply enough for every rank to run it before any communication."""
+    cheaply enough for every rank to run it before any communication. `progress`: datasets' bars."""
+    datasets = require("datasets", why=f"data.path={spec.path!r}")
+    (datasets.enable_progress_bars if progress else datasets.disable_progress_bars)()
     rows = load_rows(spec.path, pattern=spec.pattern, cache_dir=cache_dir)
     where = f"data.path={spec.path!r}"
     fmt = detect_format(rows.column_names, forced=spec.format, where=where)

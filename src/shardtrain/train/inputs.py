@@ -51,8 +51,8 @@ def embedding_rows(module: nn.Module) -> int | None:
     return None if embedding is None else embedding.num_embeddings
 
 
-def plan_data(cfg: Config, module: nn.Module) -> DataPlan:
-    """The tokenizer and data source of the run; ValueError with the fix."""
+def plan_data(cfg: Config, module: nn.Module, *, progress: bool = False) -> DataPlan:
+    """The tokenizer and data source of the run; ValueError with the fix. `progress`: show reading bars."""
     data, pretrained = cfg.data, cfg.model.pretrained
     structured = is_structured(data.path)
     notice = None
@@ -93,7 +93,7 @@ def plan_data(cfg: Config, module: nn.Module) -> DataPlan:
         )
     from ..data.pipeline import read_source
 
-    read_source(data_spec(cfg), tokenizer=tokenizer, cache_dir=data.cache_dir)
+    read_source(data_spec(cfg), tokenizer=tokenizer, cache_dir=data.cache_dir, progress=progress)
     return DataPlan(tokenizer=tokenizer, corpus=None, notice=notice)
 
 

@@ -91,7 +91,7 @@ def _prepare(cfg: Config, engine: Engine) -> tuple[BuiltModel, int, DataPlan]:
             f"data.seq_len={cfg.data.seq_len} exceeds the model's maximum sequence length "
             f"{built.max_seq_len}; lower --data.seq_len or raise --model.kwargs.max_seq_len"
         )
-    plan = plan_data(cfg, built.module)
+    plan = plan_data(cfg, built.module, progress=cfg.run.progress and engine.local_rank == 0)
     if plan.notice and engine.rank == 0:
         print(f"note: {plan.notice}", flush=True)
     if plan.tokenizer is not None and cfg.data.packing:

@@ -61,10 +61,6 @@ class Job:
     guard: NonFiniteGuard
     load_s: float = 0.0  # host seconds spent reading batches since the last log record (the loop resets it)
 
-    @property
-    def train_batches(self):
-        return self.data.train
-
     def to_device(self, batch: Batch) -> Batch:
         return {k: t.to(self.engine.device, non_blocking=True) for k, t in batch.items()}
 

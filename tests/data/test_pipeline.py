@@ -75,6 +75,23 @@ def test_the_cache_is_reused_and_keyed_by_seq_len(tmp_path, tok, monkeypatch):
     assert calls and max(len(w) for w in list(other.train["input_ids"])) <= 32
 
 
+def test_sharegpt_rows_train_as_their_messages(tmp_path, tok):
+    chats = chat_rows()
+    shared = [
+        {
+            "conversations": [
+                {"from": {"user": "human"}.get(m["role"], "gpt"), "value": m["content"]} for m in r["messages"]
+            ]
+        }
+        for r in chats
+    ]
+    a = _prepare(_jsonl(tmp_path, chats, "a.jsonl"), tok, tmp_path)
+    b = _prepare(_jsonl(tmp_path, shared, "b.jsonl"), tok, tmp_path)
+    assert list(a.train["labels"]) == list(b.train["labels"]) and list(a.train["input_ids"]) == list(
+        b.train["input_ids"]
+    )
+
+
 def test_worker_processes_give_the_same_windows(tmp_path, tok):
     path = _jsonl(tmp_path, chat_rows())
     serial = prepare(DataSpec(path=str(path), seq_len=64), tokenizer=tok, cache_dir=str(tmp_path / "a"), progress=False)
@@ -117,6 +134,7 @@ def test_batches_pad_by_length_and_restart_positions(tmp_path):
     [
         ([{"question": "q", "answer": "a"}], "have the columns ['question', 'answer'], which match no known layout"),
         ([{"prompt": "Q: what is the capital of Zorbia? " * 30, "completion": " Quelmar"}], "row 0 of data.path="),
+        ([{"messages": [{"role": "user", "content": "hi"}]}], "has no trained token (nothing in it is a completion"),
     ],
 )
 def test_bad_rows_are_one_line(tmp_path, tok, rows, message):

@@ -118,3 +118,11 @@ def test_best_fit_never_overfills():
     bins = best_fit(lengths, 8)
     assert sorted(i for b in bins for i in b) == list(range(10))
     assert all(sum(lengths[i] for i in b) <= 8 for b in bins) and len(bins) == 5
+
+
+def test_conversational_prompt_completion_trains_as_its_chat(tok):
+    chat = CHATS[0]
+    row = {"prompt": chat[:1], "completion": chat[1:]}
+    assert _encoder(tok, Format.PROMPT_COMPLETION).encode(row) == chat_tokens(tok, chat)
+    ids, trained = _encoder(tok, Format.MESSAGES, train_on=TrainOn.ALL).encode({"messages": chat})
+    assert ids == chat_tokens(tok, chat)[0] and trained == [1] * len(ids)

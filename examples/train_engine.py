@@ -77,7 +77,8 @@ def main() -> None:
     for step in range(args.steps):
         total = 0.0
         for micro in range(args.grad_accum):
-            inputs, targets = (t.to(engine.device) for t in batches.batch(step * args.grad_accum + micro))
+            batch = batches.batch(step * args.grad_accum + micro)
+            inputs, targets = batch["input_ids"].to(engine.device), batch["labels"].to(engine.device)
             with engine.no_backward_sync(model, enabled=micro < args.grad_accum - 1):
                 loss = model.loss(inputs, targets) / args.grad_accum
                 engine.backward(loss)

@@ -3,7 +3,8 @@
     descriptions   policy, strategy, compat, models      what users choose and the built-in model
     engine         core                                  st.shard's machinery: units, runtime, comm
     planning       planning                              plans and memory estimates (reads core's partition)
-    operations     ops, checkpoint, pretrained           around the step: norms, state dicts, checkpoints, HF weights
+    operations     ops, checkpoint, pretrained, data     around the step: norms, state dicts, checkpoints, HF weights,
+                                                         fine-tuning data (tokenizers, masks, packing)
     entry          sharding, testing                     the public st.shard; the test pools
     application    engine, train                         the Engine and `shardtrain train`
     tools          bench, cli                            `shardtrain bench` and the commands
@@ -25,7 +26,7 @@ LAYERS = [
     {"policy", "strategy", "compat", "models"},
     {"core"},
     {"planning"},
-    {"ops", "checkpoint", "pretrained"},
+    {"ops", "checkpoint", "pretrained", "data"},
     {"sharding", "testing"},
     {"engine", "train"},
     {"bench", "cli", "__main__", "__init__"},

@@ -35,10 +35,16 @@ _EXPORTS = {
     "compile_blocks": "shardtrain.ops.compile",
 }
 
-__all__ = sorted(_EXPORTS)
+_MODULES = {"data": "shardtrain.data"}  # fine-tuning data (st.data.prepare, ...): needs the hf extra only when used
+
+__all__ = sorted([*_EXPORTS, *_MODULES])
 
 
 def __getattr__(name: str) -> Any:
+    if name in _MODULES:
+        value = importlib.import_module(_MODULES[name])
+        globals()[name] = value
+        return value
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'shardtrain' has no attribute {name!r}")

@@ -12,7 +12,8 @@ def _batches(tokens, *, rank=0, world_size=1, seed=0, global_batch=8, seq_len=16
 
 
 def _rows(batches, index):
-    inputs, targets = batches.batch(index)
+    batch = batches.batch(index)
+    inputs, targets = batch["input_ids"], batch["labels"]
     return [tuple(r) for r in inputs.tolist()], inputs, targets
 
 

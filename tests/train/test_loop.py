@@ -46,14 +46,14 @@ def _job(corpus: str, cache: str, *extra: str):
 def _accumulate(corpus: str, cache: str) -> dict:
     job = _job(corpus, cache, "--train.grad_accum", "3", "--train.batch_size", "12", "--train.steps", "4")
     read, optimizer_steps, samples = [], [], []
-    batch = job.train_batches.batch
+    batch = job.data.train.batch
 
     def recording(index):
         read.append(index)
-        samples.extend(job.train_batches.samples(index))
+        samples.extend(job.data.train.samples(index))
         return batch(index)
 
-    job.train_batches.batch = recording
+    job.data.train.batch = recording
     job.optimizer.register_step_post_hook(lambda *_: optimizer_steps.append(len(read)))
     lrs = []
     for step in range(4):

@@ -5,9 +5,10 @@ import torch
 
 from shardtrain.engine import Engine
 from shardtrain.models.llama import SHARD_UNITS, Block, Llama
-from shardtrain.train.models import build_model, classes_by_name, lm_loss
+from shardtrain.train.models import build_model, classes_by_name
 from shardtrain.train.schedule import make_scheduler, warmup_cosine
 from shardtrain.train.sections import ModelConfig
+from shardtrain.train.step import loss_sum
 
 
 def test_warmup_then_cosine_to_floor():
@@ -93,4 +94,4 @@ def test_loss_checks_the_vocabulary():
     model = torch.nn.Sequential(torch.nn.Embedding(256, 8), torch.nn.Linear(8, 100))
     tokens = torch.zeros(2, 4, dtype=torch.long)
     with pytest.raises(ValueError, match="predicts 100 classes but the tokenizer has 256"):
-        lm_loss(model, tokens, tokens, vocab_size=256)
+        loss_sum(model, {"input_ids": tokens, "labels": tokens}, packed=False, vocab_size=256)

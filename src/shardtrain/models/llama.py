@@ -2,13 +2,23 @@
 `scaled_dot_product_attention`, SwiGLU feed-forward, optional tied input/output embeddings.
 
 Sizes are registered by name in `LLAMA_SIZES` (from a few million parameters to 8B and beyond).
+
+Packed batches: `forward(tokens, position_ids=...)` treats each run of a row that starts at
+position 0 as a document of its own. Rotary embeddings take each token's position from
+`position_ids`, and attention is causal within a document and blind across documents, through
+a document mask built once per forward and handed to every block (`PackedAttention` says which
+kernel). Without `position_ids` the forward is the plain causal one (`is_causal=True`).
 """
 
 from __future__ import annotations
 
+import enum
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from .llama_config import LLAMA_SIZES, LlamaConfig, flops_per_token, llama_config, splits_embedding
 
@@ -20,8 +30,10 @@ __all__ = [
     "Llama",
     "LlamaConfig",
     "OutputHead",
+    "PackedAttention",
     "RMSNorm",
     "default_units",
+    "document_mask",
     "flops_per_token",
     "llama_config",
     "rotary_tables",
@@ -65,6 +77,61 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+class PackedAttention(enum.Enum):
+    """How a block attends within the documents of a packed batch.
+
+    MASK: `scaled_dot_product_attention` with a block-diagonal causal boolean mask of shape
+    (batch, 1, seq, seq); any device, memory quadratic in seq (one byte per pair, shared by all layers).
+    FLEX: `flex_attention` with a document `BlockMask`, compiled into a fused kernel that skips the
+    blocks across documents; the default on CUDA (unfused and slow elsewhere, no CPU backward). It is
+    a graph break in a compiled block (`_flex`), so a block compiled with fullgraph=True needs MASK.
+    On an H200, 8B-shaped blocks, 8192 tokens in 10 documents: 131 ms a step with FLEX, 172 ms with
+    MASK, 140 ms for one causal document of 8192 tokens (compiled blocks, bf16).
+    """
+
+    MASK = "mask"
+    FLEX = "flex"
+
+    @classmethod
+    def for_device(cls, device: torch.device) -> PackedAttention:
+        return cls.FLEX if device.type == "cuda" else cls.MASK
+
+
+@functools.cache
+def _compiled_flex():
+    return torch.compile(flex_attention, dynamic=False)
+
+
+@torch._dynamo.disable
+def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask, *, gqa: bool) -> torch.Tensor:
+    """flex_attention, compiled once per process on CUDA (eager flex materialises every score).
+
+    Note: kept out of compiled blocks' graphs (a graph break): torch 2.11's inductor, tracing flex
+    inside an activation-checkpointed block, computed wrong attention (the loss 0.02 off at the first
+    step, tests/models_llama); the block's other operations still compile.
+    """
+    attend = _compiled_flex() if q.device.type == "cuda" else flex_attention
+    return attend(q, k, v, block_mask=mask, enable_gqa=gqa)
+
+
+def document_mask(position_ids: torch.Tensor, kind: PackedAttention) -> torch.Tensor | BlockMask:
+    """The attention mask of packed rows: token q sees token k iff k <= q in the same document.
+
+    A document starts wherever `position_ids` is 0 (tokens before a row's first 0 form one more).
+    MASK gives a boolean (batch, 1, seq, seq) tensor (True: attend), FLEX a `BlockMask`.
+    """
+    doc = (position_ids == 0).cumsum(-1)
+    batch, seq = doc.shape
+    if kind is PackedAttention.FLEX:
+
+        def same_document(b, h, q, k):  # noqa: ARG001 - flex's mask_mod signature
+            return (doc[b, q] == doc[b, k]) & (k <= q)
+
+        return create_block_mask(same_document, batch, None, seq, seq, device=doc.device)
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=doc.device).tril()
+    return ((doc.unsqueeze(2) == doc.unsqueeze(1)) & causal).unsqueeze(1)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
@@ -75,14 +142,26 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, kv, bias=False)
         self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | BlockMask | None = None
+    ) -> torch.Tensor:
+        """`mask` None: one causal sequence per row, `cos`/`sin` the whole tables. Otherwise packed
+        documents: `cos`/`sin` per token (batch, 1, seq, head_dim / 2) and `document_mask`'s mask."""
         b, s, _ = x.shape
         c = self.cfg
+        gqa = c.n_heads != c.n_kv_heads
         q = self.wq(x).view(b, s, c.n_heads, c.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, s, c.n_kv_heads, c.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, s, c.n_kv_heads, c.head_dim).transpose(1, 2)
-        q, k = apply_rotary(q, cos[:s], sin[:s]), apply_rotary(k, cos[:s], sin[:s])
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=c.n_heads != c.n_kv_heads)
+        if mask is None:
+            q, k = apply_rotary(q, cos[:s], sin[:s]), apply_rotary(k, cos[:s], sin[:s])
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            if isinstance(mask, BlockMask):
+                out = _flex(q, k, v, mask, gqa=gqa)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.wo(out.transpose(1, 2).reshape(b, s, c.dim))
 
 
@@ -105,8 +184,10 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.ffn = FeedForward(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | BlockMask | None = None
+    ) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask)
         return x + self.ffn(self.ffn_norm(x))
 
 
@@ -129,7 +210,12 @@ def default_units(cfg: LlamaConfig) -> frozenset[type[nn.Module]]:
 
 
 class Llama(nn.Module):
-    """Returns logits of shape (batch, seq, vocab); `loss(tokens, targets)` gives mean cross-entropy."""
+    """Returns logits of shape (batch, seq, vocab); `loss(tokens, targets)` gives mean cross-entropy.
+
+    `packed_attention` picks the kernel of packed batches (None: `PackedAttention.for_device`).
+    """
+
+    packed_attention: PackedAttention | None = None
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
@@ -155,12 +241,28 @@ class Llama(nn.Module):
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, *, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of `tokens` (batch, seq); with `position_ids` (same shape), of packed documents
+        (module docstring): no token attends to another document's."""
         x = self.embed(tokens)
+        if position_ids is None:
+            for layer in self.layers:
+                x = layer(x, self.rope_cos, self.rope_sin)
+            return self.head(self.norm(x))
+        if position_ids.shape != tokens.shape:
+            raise ValueError(
+                f"position_ids of shape {tuple(position_ids.shape)} for tokens of shape {tuple(tokens.shape)}; "
+                "give one position per token"
+            )
+        kind = self.packed_attention or PackedAttention.for_device(tokens.device)
+        mask = document_mask(position_ids, kind)
+        cos, sin = self.rope_cos[position_ids].unsqueeze(1), self.rope_sin[position_ids].unsqueeze(1)
         for layer in self.layers:
-            x = layer(x, self.rope_cos, self.rope_sin)
+            x = layer(x, cos, sin, mask)
         return self.head(self.norm(x))
 
-    def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self(tokens)
+    def loss(
+        self, tokens: torch.Tensor, targets: torch.Tensor, *, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        logits = self(tokens, position_ids=position_ids)
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())

@@ -294,6 +294,13 @@ def _write_config(model: nn.Module, directory: Path, plan: ExportPlan) -> None:
 _ACCEPTED = {"max_shard_size", "is_main_process", "safe_serialization"}
 
 
+def save_tokenizer(tokenizer: Any, directory: str | os.PathLike) -> None:
+    """Carry the run's tokenizer into an exported folder (tokenizer.json, tokenizer_config.json with its
+    chat template), so `AutoTokenizer.from_pretrained` + `apply_chat_template` work on it as on the input.
+    Called by rank 0 only."""
+    tokenizer.save_pretrained(str(directory))
+
+
 def install_save_pretrained(model: nn.Module) -> None:
     """Give sharded `model` (if it has a `save_pretrained`) one that writes full tensors (`save_pretrained`
     above): every rank calls it, rank 0 writes."""

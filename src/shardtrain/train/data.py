@@ -25,6 +25,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from ..data.batches import WindowOrder
+
 CACHE_VERSION = 1
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
@@ -199,67 +201,36 @@ def _write_tokens(
     return num_train
 
 
-class TokenBatches:
-    """Batches of (inputs, targets) drawn from a token array for one rank.
+class TokenBatches(WindowOrder):
+    """Batches drawn from a token array for one rank, as the dict every step reads (data/batches.py):
+    input_ids, labels (the next tokens: every one trained) and position_ids (0..seq_len-1).
 
     `batch(index)` returns the rank's slice of global micro-batch `index`: global sample
     `index * global_batch + j` for j in this rank's range. Training windows are visited in a
     per-epoch permutation drawn from `seed`; evaluation (`shuffle=False`) reads windows in order.
     """
 
-    def __init__(
-        self,
-        tokens: np.ndarray,
-        *,
-        seq_len: int,
-        global_batch: int,
-        rank: int,
-        world_size: int,
-        seed: int,
-        shuffle: bool,
-    ) -> None:
-        if global_batch % world_size:
-            raise ValueError(
-                f"a global micro-batch of {global_batch} sequences does not split over {world_size} "
-                "ranks; use a batch size that is a multiple of the world size"
-            )
+    all_trained = True  # every label is a real next token: the step knows its token count
+
+    def __init__(self, tokens: np.ndarray, *, seq_len: int, global_batch: int, **order) -> None:
+        num_windows = (len(tokens) - 1) // seq_len
+        super().__init__(num_windows, global_batch=global_batch, **order)
         self.tokens = tokens
         self.seq_len = seq_len
-        self.global_batch = global_batch
-        self.per_rank = global_batch // world_size
-        self.rank = rank
-        self.seed = seed
-        self.shuffle = shuffle
-        self.num_windows = (len(tokens) - 1) // seq_len
-        if self.num_windows < global_batch:
+        if num_windows < global_batch:
             raise ValueError(
-                f"{len(tokens):,} tokens hold only {self.num_windows} sequences of {seq_len + 1} tokens, "
+                f"{len(tokens):,} tokens hold only {num_windows} sequences of {seq_len + 1} tokens, "
                 f"fewer than one batch of {global_batch}; use more data or a smaller "
                 "data.seq_len / train.batch_size"
             )
-        self._epoch = -1
-        self._perm: np.ndarray | None = None
 
-    def _window(self, sample: int) -> int:
-        epoch, pos = divmod(sample, self.num_windows)
-        if not self.shuffle:
-            return pos
-        if epoch != self._epoch:
-            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_windows)
-            self._epoch = epoch
-        return int(self._perm[pos])
-
-    def samples(self, index: int) -> list[int]:
-        """Global sample numbers of this rank's part of micro-batch `index`."""
-        start = index * self.global_batch + self.rank * self.per_rank
-        return list(range(start, start + self.per_rank))
-
-    def batch(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, index: int) -> dict[str, torch.Tensor]:
         rows = np.stack(
             [
                 self.tokens[w * self.seq_len : w * self.seq_len + self.seq_len + 1]
-                for w in map(self._window, self.samples(index))
+                for w in map(self.window, self.samples(index))
             ]
         ).astype(np.int64)
         data = torch.from_numpy(rows)
-        return data[:, :-1], data[:, 1:]
+        positions = torch.arange(self.seq_len).expand(len(rows), -1)
+        return {"input_ids": data[:, :-1], "labels": data[:, 1:], "position_ids": positions}

@@ -15,23 +15,27 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from ..core.shard import RUNTIME_ATTR
 from ..core.sharded_param import local_of
 
 
 class WeightEMA:
     def __init__(self, model: nn.Module, *, decay: float) -> None:
         self.decay = decay
+        self.model = model
         self.params = [local_of(p) for p in model.parameters() if p.requires_grad]
         self.averages = [p.detach().to("cpu", torch.float32, copy=True) for p in self.params]
 
     @torch.no_grad()
     def update(self) -> None:
+        self._settle()
         current = [p.detach().to("cpu", torch.float32) for p in self.params]
         torch._foreach_lerp_(self.averages, current, 1.0 - self.decay)
 
     @contextlib.contextmanager
     def swapped_in(self) -> Iterator[None]:
         """Within the block the model's weights are the averages."""
+        self._settle()
         saved = [p.detach().to("cpu", copy=True) for p in self.params]
         with torch.no_grad():
             for p, avg in zip(self.params, self.averages):
@@ -42,6 +46,13 @@ class WeightEMA:
             with torch.no_grad():
                 for p, w in zip(self.params, saved):
                     p.copy_(w)
+
+    def _settle(self) -> None:
+        """Complete the offloaded units' deferred optimizer steps (Note [Overlapped host step]) before
+        the rows are read: the local rows are read directly, not through an API that settles."""
+        runtime = getattr(self.model, RUNTIME_ATTR, None)
+        if runtime is not None:
+            runtime.settle()
 
     def state_dict(self) -> dict:
         return {"decay": self.decay, "averages": self.averages}

@@ -14,9 +14,9 @@ rate stays a function of the step number.
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import time
-from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
@@ -28,15 +28,16 @@ from ..engine.health import heartbeat
 from ..planning.checkpointing import checkpoint_policy
 from ..policy import parse_mixed_precision
 from .config import save_config
-from .data import ByteTokenizer, TokenBatches, build_cache, corpus_files
+from .data import ByteTokenizer
 from .ema import WeightEMA
-from .finetune import build_dtype, check_finetune_config, checkpoint_params, export, load_base, with_lora
+from .finetune import build_dtype, check_finetune_config, export, load_base, with_lora
 from .finite import NonFiniteGuard
+from .inputs import DataPlan, build_data, plan_data
 from .metrics import MetricsLog, Summary, format_bytes, memory_bytes, plot_metrics
-from .models import BuiltModel, build_model, lm_loss
+from .models import BuiltModel, build_model
 from .schedule import make_scheduler
 from .sections import Config
-from .state import check_data_position, data_position
+from .step import Job
 
 
 def check_batch(cfg: Config, world_size: int) -> int:
@@ -61,88 +62,10 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-@dataclass(kw_only=True)
-class _Job:
-    """The objects of one run, shared by the step, evaluation and checkpoint helpers."""
-
-    cfg: Config
-    engine: Engine
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    train_batches: TokenBatches
-    eval_batches: TokenBatches
-    vocab_size: int
-    ema: WeightEMA | None
-    guard: NonFiniteGuard
-
-    def to_device(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        return tuple(t.to(self.engine.device, non_blocking=True) for t in batch)
-
-    def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
-        """One optimizer step; returns (mean loss over its micro-batches, gradient norm before clipping,
-        whether the step was skipped for a non-finite loss or norm)."""
-        accum = self.cfg.train.grad_accum
-        total = torch.zeros((), device=self.engine.device)
-        for micro in range(accum):
-            inputs, targets = self.to_device(self.train_batches.batch(step * accum + micro))
-            with self.engine.no_backward_sync(self.model, enabled=micro < accum - 1):
-                loss = lm_loss(self.model, inputs, targets, vocab_size=self.vocab_size) / accum
-                self.engine.backward(loss)
-            total += loss.detach()
-        norm = None
-        if self.cfg.optim.grad_clip > 0:
-            norm = self.engine.clip_gradients(self.model, self.optimizer, max_norm=self.cfg.optim.grad_clip)
-        skipped = self.guard.skips(step + 1, total, norm)
-        if not skipped:
-            self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.ema is not None and not skipped:
-            self.ema.update()
-        return total, norm, skipped
-
-    @torch.no_grad()
-    def held_out_loss(self) -> float:
-        self.model.eval()
-        total = torch.zeros((), device=self.engine.device)
-        for index in range(self.cfg.train.eval_batches):
-            inputs, targets = self.to_device(self.eval_batches.batch(index))
-            total += lm_loss(self.model, inputs, targets, vocab_size=self.vocab_size)
-        self.model.train()
-        return self.engine.all_reduce(total / self.cfg.train.eval_batches).item()
-
-    def evaluate(self, step: int, elapsed: float) -> dict:
-        record = {"kind": "eval", "step": step, "eval_loss": self.held_out_loss(), "elapsed_s": round(elapsed, 3)}
-        if self.ema is not None:
-            with self.ema.swapped_in():
-                record["eval_loss_ema"] = self.held_out_loss()
-        return record
-
-    def checkpoint_state(self) -> dict:
-        state = {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler}
-        if self.engine.grad_scaler is not None:
-            state["grad_scaler"] = self.engine.grad_scaler
-        if self.ema is not None:
-            state["ema"] = self.ema
-        return state
-
-    def save(self, run_dir: Path, step: int) -> None:
-        state = self.checkpoint_state()
-        state["data"] = data_position(step=step, batch_size=self.cfg.train.batch_size)
-        self.engine.save(str(run_dir / "checkpoints" / f"step_{step:06d}"), state, params=checkpoint_params(self.cfg))
-
-    def resume(self, path: str) -> int:
-        """Load the checkpoint at `path` into the job; return the step to continue from."""
-        rest = self.engine.load(path, self.checkpoint_state(), params=checkpoint_params(self.cfg))
-        return check_data_position(rest["data"], batch_size=self.cfg.train.batch_size)
-
-
-def _prepare(cfg: Config, engine: Engine) -> tuple[BuiltModel, int, tuple]:
+def _prepare(cfg: Config, engine: Engine) -> tuple[BuiltModel, int, DataPlan]:
     """Every check a user can fail, on every rank, before any communication."""
     micro_batch = check_batch(cfg, engine.world_size)
     check_finetune_config(cfg)
-    corpus = corpus_files(cfg.data.path, cfg.data.pattern)
     if cfg.run.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ValueError("run.tensorboard=true needs the tensorboard package: pip install 'shardtrain[tensorboard]'")
     out_dir = Path(cfg.run.out_dir)
@@ -168,7 +91,14 @@ def _prepare(cfg: Config, engine: Engine) -> tuple[BuiltModel, int, tuple]:
             f"data.seq_len={cfg.data.seq_len} exceeds the model's maximum sequence length "
             f"{built.max_seq_len}; lower --data.seq_len or raise --model.kwargs.max_seq_len"
         )
-    return built, micro_batch, corpus
+    plan = plan_data(cfg, built.module, progress=cfg.run.progress and engine.local_rank == 0)
+    if plan.notice and engine.rank == 0:
+        print(f"note: {plan.notice}", flush=True)
+    if plan.tokenizer is not None and cfg.data.packing:
+        from .packed import check_packing_supported
+
+        check_packing_supported(built.module)
+    return built, micro_batch, plan
 
 
 def _run_dir(cfg: Config, engine: Engine) -> Path:
@@ -180,27 +110,15 @@ def _run_dir(cfg: Config, engine: Engine) -> Path:
     return run_dir
 
 
-def build_job(cfg: Config, engine: Engine) -> tuple[_Job, str]:
+def build_job(cfg: Config, engine: Engine) -> tuple[Job, str]:
     """Check the configuration, tokenize the data (once per node), build and shard the model, make the
     optimizer, scheduler and EMA. Returns the job and a description of the model."""
-    built, micro_batch, (root, files) = _prepare(cfg, engine)
-    tokenizer = ByteTokenizer()
-    with engine.rank_zero_first(local=True):
-        cache = build_cache(
-            root=root,
-            files=files,
-            val_fraction=cfg.data.val_fraction,
-            cache_dir=cfg.data.cache_dir,
-            tokenizer=tokenizer,
-            progress=cfg.run.progress and engine.local_rank == 0,
-        )
-    common = dict(
-        seq_len=cfg.data.seq_len,
-        global_batch=micro_batch,
-        rank=engine.rank,
-        world_size=engine.world_size,
-        seed=cfg.train.seed,
-    )
+    built, micro_batch, plan = _prepare(cfg, engine)
+    data = build_data(cfg, engine, plan, micro_batch=micro_batch)
+    if cfg.data.show and engine.rank == 0 and data.stats is not None:
+        from ..data.display import show
+
+        print(show(data.train.windows, data.tokenizer, count=cfg.data.show), flush=True)
     model, adapter_init = with_lora(cfg, built.module)
     optimizer = torch.optim.AdamW(
         param_groups(model, cfg.optim.weight_decay),
@@ -224,7 +142,7 @@ def build_job(cfg: Config, engine: Engine) -> tuple[_Job, str]:
     guard = NonFiniteGuard(
         engine, mode=cfg.train.on_nonfinite, check_norm=cfg.optim.grad_clip > 0 and engine.grad_scaler is None
     )
-    job = _Job(
+    job = Job(
         cfg=cfg,
         engine=engine,
         model=model,
@@ -232,9 +150,8 @@ def build_job(cfg: Config, engine: Engine) -> tuple[_Job, str]:
         scheduler=scheduler,
         guard=guard,
         ema=WeightEMA(model, decay=cfg.train.ema_decay) if cfg.train.ema_decay > 0 else None,
-        train_batches=TokenBatches(cache.train, shuffle=True, **common),
-        eval_batches=TokenBatches(cache.held_out, shuffle=False, **common),
-        vocab_size=tokenizer.vocab_size,
+        data=data,
+        vocab_size=ByteTokenizer.vocab_size if data.tokenizer is None else len(data.tokenizer),
     )
     description = built.description
     if cfg.lora.rank:
@@ -252,7 +169,7 @@ def run(cfg: Config, engine: Engine) -> Summary:
     return _loop(job, _run_dir(cfg, engine), first_step=first_step, description=description, start=start)
 
 
-def _loop(job: _Job, run_dir: Path, *, first_step: int, description: str, start: float) -> Summary:
+def _loop(job: Job, run_dir: Path, *, first_step: int, description: str, start: float) -> Summary:
     cfg, engine = job.cfg, job.engine
     lead = engine.rank == 0
     log = MetricsLog(run_dir, tensorboard=cfg.run.tensorboard) if lead else None
@@ -262,6 +179,7 @@ def _loop(job: _Job, run_dir: Path, *, first_step: int, description: str, start:
     first_eval = job.evaluate(first_step, time.perf_counter() - start)
     if log:
         log.write(first_eval)
+    _write_samples(job.samples(first_step), run_dir, lead=lead)
     last_eval, memory = first_eval, [0] * engine.world_size
     loss_sum, loss_count, norm = torch.zeros((), device=engine.device), 0, None
     interval_start, interval_steps, train_time, train_tokens = time.perf_counter(), 0, 0.0, 0
@@ -298,6 +216,7 @@ def _loop(job: _Job, run_dir: Path, *, first_step: int, description: str, start:
                 "grad_norm": None if norm is None else float(norm),
                 "tokens": done * tokens_per_step,
                 "tokens_per_s": interval_steps * tokens_per_step / elapsed,
+                "data_load_s": round(job.load_s, 4),  # of elapsed: reading batches on the host
                 "elapsed_s": round(time.perf_counter() - start, 3),
                 "memory_bytes": memory,
             }
@@ -310,7 +229,7 @@ def _loop(job: _Job, run_dir: Path, *, first_step: int, description: str, start:
                     mem="/".join(format_bytes(b) for b in memory),
                 )
             loss_sum.zero_()
-            loss_count, interval_steps, interval_start = 0, 0, time.perf_counter()
+            loss_count, interval_steps, interval_start, job.load_s = 0, 0, time.perf_counter(), 0.0
         if evaluates:
             heartbeat(done, "eval")
             pause = time.perf_counter()
@@ -319,6 +238,7 @@ def _loop(job: _Job, run_dir: Path, *, first_step: int, description: str, start:
                 log.write(last_eval)
             if bar is not None:
                 bar.write(f"step {done}: held-out loss {last_eval['eval_loss']:.4f}")
+            _write_samples(job.samples(done), run_dir, lead=lead)
             interval_start += time.perf_counter() - pause
         if saves:
             heartbeat(done, "checkpoint")
@@ -330,6 +250,10 @@ def _loop(job: _Job, run_dir: Path, *, first_step: int, description: str, start:
     if cfg.run.export_hf:
         heartbeat(cfg.train.steps, "export")
         exported = export(cfg, job.model, run_dir)
+        if lead and job.data.tokenizer is not None:
+            from ..pretrained.export import save_tokenizer
+
+            save_tokenizer(job.data.tokenizer, exported)
         if lead:
             print(f"exported the model to {exported}", flush=True)
     summary = Summary(
@@ -345,6 +269,7 @@ def _loop(job: _Job, run_dir: Path, *, first_step: int, description: str, start:
         memory_per_rank=memory,
         memory_label=memory_label,
         skipped_steps=job.guard.skipped,
+        data=None if job.data.stats is None else job.data.stats.describe(),
     )
     if log:
         log.write(
@@ -359,6 +284,13 @@ def _loop(job: _Job, run_dir: Path, *, first_step: int, description: str, start:
         log.close()
         plot_metrics(log.records, run_dir / "metrics.png", memory_label=memory_label)
     return summary
+
+
+def _write_samples(rows: list[dict], run_dir: Path, *, lead: bool) -> None:
+    """Append eval.samples' decoded prompts to runs/<name>/samples.jsonl (rank 0)."""
+    if lead and rows:
+        with open(run_dir / "samples.jsonl", "a") as f:
+            f.writelines(json.dumps(row) + "\n" for row in rows)
 
 
 def _progress_bar(cfg: Config, first_step: int):

@@ -115,6 +115,7 @@ class Summary:
     memory_per_rank: list[int]
     memory_label: str
     skipped_steps: int = 0  # optimizer steps skipped for a non-finite loss or gradient norm
+    data: str | None = None  # the rows' statistics (shardtrain.data.DataStats.describe), for tokenized data
 
     @property
     def eval_loss_drop(self) -> float:
@@ -136,6 +137,7 @@ class Summary:
                 ),
             ),
             ("tokens", f"{self.tokens:,}"),
+            *([("data", self.data)] if self.data else []),
             ("job time", f"{self.wall_s:.1f} s (from launch to the end, on rank 0)"),
             ("throughput", f"{self.tokens_per_s:,.0f} tokens/s"),
             (

@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..models.llama import LLAMA_SIZES, Llama, LlamaConfig, default_units, llama_config
@@ -236,15 +235,3 @@ def classes_by_name(module: nn.Module, names: tuple[str, ...]) -> frozenset[type
             f"its classes are {sorted(found)}"
         )
     return frozenset(found[n] for n in names)
-
-
-def lm_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, *, vocab_size: int) -> torch.Tensor:
-    """Mean next-token cross-entropy (in fp32) of a model returning logits or an object with `.logits`."""
-    out = model(inputs)
-    logits = getattr(out, "logits", out)
-    if logits.size(-1) < vocab_size:
-        raise ValueError(
-            f"the model predicts {logits.size(-1)} classes but the tokenizer has {vocab_size} tokens; "
-            f"give the model a vocabulary of at least {vocab_size} (e.g. --model.kwargs.vocab_size {vocab_size})"
-        )
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())

@@ -90,23 +90,70 @@ class LoraConfig:
         _require(bool(self.targets), "lora.targets", self.targets, "name at least one layer, e.g. q_proj,v_proj")
 
 
+DATA_FORMATS = ("auto", "text", "prompt_completion", "messages")
+
+
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
     path: str | None = _help(
-        "a text file or a directory of them (default: the Python standard library's own .py files)", None
+        "the training data: a .jsonl/.json/.parquet/.arrow/.csv file, a folder of them, a folder "
+        "Dataset.save_to_disk wrote, or plain text files (default: the Python standard library's own .py "
+        "files, as bytes for the built-in model)",
+        None,
     )
-    pattern: str = _help("glob of the files to read under a directory", "**/*.py")
-    seq_len: int = _help("tokens per training sequence", 256)
+    pattern: str = _help("glob of the plain text files to read under a folder", "**/*.py")
+    seq_len: int = _help("tokens per training sequence (a packed window)", 256)
     val_fraction: float = _help(
-        "fraction of the files held out for evaluation (of the tokens where there are too "
-        "few files, e.g. a single one: its last part)",
+        "fraction held out for evaluation: of the rows (of the files for plain text; of the tokens "
+        "where there are too few files, e.g. a single one: its last part)",
         0.02,
     )
-    cache_dir: str | None = _help("where the tokenized corpus is cached (default: ~/.cache/shardtrain)", None)
+    eval_path: str | None = _help("held-out data in the same layout as data.path (instead of data.val_fraction)", None)
+    tokenizer: str | None = _help(
+        "a Hugging Face tokenizer folder (default: model.pretrained's own; the byte tokenizer for the built-in model)",
+        None,
+    )
+    format: str = _help(
+        "row layout: 'auto' (from the columns: text, prompt + completion, messages or ShareGPT's "
+        "conversations), 'text', 'prompt_completion' or 'messages'",
+        "auto",
+    )
+    train_on: str = _help(
+        "tokens the loss is taken on: 'completion' (the completion, or the assistant turns of a chat) or 'all'",
+        "completion",
+    )
+    packing: bool = _help(
+        "pack rows into seq_len windows, positions restarting at each row and no attention across "
+        "rows (false: one padded row per sequence)",
+        True,
+    )
+    overlong: str = _help("a row longer than seq_len: 'truncate' (keep its start) or 'drop' (counted)", "truncate")
+    num_proc: int = _help("processes that tokenize and pack (0: one per 2,000 rows, up to the CPU count)", 0)
+    show: int = _help("print this many decoded training rows with the trained spans in [[ ]] before training", 0)
+    cache_dir: str | None = _help("where the tokenized data is cached (default: ~/.cache/shardtrain)", None)
 
     def __post_init__(self) -> None:
         _require(self.seq_len >= 2, "data.seq_len", self.seq_len, "use at least 2 tokens")
         _require(0 < self.val_fraction < 1, "data.val_fraction", self.val_fraction, "use a value in (0, 1)")
+        _require(self.format in DATA_FORMATS, "data.format", self.format, f"use one of {', '.join(DATA_FORMATS)}")
+        _require(self.train_on in ("completion", "all"), "data.train_on", self.train_on, "use completion or all")
+        _require(self.overlong in ("truncate", "drop"), "data.overlong", self.overlong, "use truncate or drop")
+        _require(self.num_proc >= 0, "data.num_proc", self.num_proc, "use 0 (automatic) or more")
+        _require(self.show >= 0, "data.show", self.show, "use 0 (off) or more")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+    samples: int = _help(
+        "greedy-decode this many held-out prompts at each evaluation (on every rank, in step) into "
+        "runs/<name>/samples.jsonl (0: off)",
+        0,
+    )
+    max_new_tokens: int = _help("tokens generated per sample at most", 32)
+
+    def __post_init__(self) -> None:
+        _require(self.samples >= 0, "eval.samples", self.samples, "use 0 (off) or more")
+        _require(self.max_new_tokens >= 1, "eval.max_new_tokens", self.max_new_tokens, "use 1 or more")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -239,5 +286,6 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     run: RunConfig = field(default_factory=RunConfig)

@@ -1,0 +1,59 @@
+"""Fine-tuning data: the user's rows, tokenized by the model's own tokenizer, loss-masked and packed.
+
+The pieces `shardtrain train` uses, for a loop of one's own (docs/data.md):
+
+    load_tokenizer(path)          transformers' AutoTokenizer from a local folder
+    load_rows(path)               a datasets.Dataset from .jsonl/.json/.parquet/.arrow/.csv, a folder,
+                                  a save_to_disk folder or plain text
+    prepare(DataSpec(...), tokenizer=...)
+                                  -> Prepared: packed train and held-out windows (cached), stats, prompts
+    WindowBatches(prepared.train, ...)
+                                  this rank's batches {"input_ids", "labels", "position_ids"}
+    Encoder / chat_tokens         one row -> tokens and trained flags
+    show(windows, tokenizer, count=N)
+                                  decoded documents with the trained spans marked
+
+Names are imported lazily: `import shardtrain.data` needs neither datasets nor transformers.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "DataSpec": "pipeline",
+    "DataStats": "pipeline",
+    "Prepared": "pipeline",
+    "prepare": "pipeline",
+    "load_rows": "sources",
+    "is_structured": "sources",
+    "load_tokenizer": "tokenizer",
+    "check_vocab": "tokenizer",
+    "Format": "formats",
+    "detect_format": "formats",
+    "Encoder": "encode",
+    "TrainOn": "encode",
+    "Overlong": "encode",
+    "chat_tokens": "encode",
+    "WindowBatches": "batches",
+    "IGNORE": "pack",
+    "show": "display",
+    "render_window": "display",
+    "held_out_prompts": "prompts",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'shardtrain.data' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)

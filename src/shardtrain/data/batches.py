@@ -1,0 +1,86 @@
+"""Batches for one rank: its slice of each global micro-batch of windows, in a seeded order per epoch.
+
+A batch is the dict every training step reads (the contract with train/packed.py):
+
+    input_ids     LongTensor[B, T]
+    labels        LongTensor[B, T]   already shifted: labels[b, t] is scored against logits[b, t];
+                                     -100 = not trained (prompt, user turn, padding)
+    position_ids  LongTensor[B, T]   restart at 0 at every document of a packed window
+
+T is seq_len: a shorter window is padded at its end with a run of its own (positions from 0, labels
+-100), so padding is masked by length and never by comparing labels with a pad id.
+
+Sample i of the run is a pure function of (seed, i) and rank r takes its own contiguous slice of the
+global micro-batch, so ranks read disjoint windows and a resumed run reads exactly the same batches.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .pack import IGNORE
+
+
+class WindowOrder:
+    """Which window global sample `i` reads: a permutation per epoch drawn from the seed (in order
+    without shuffling), and this rank's sample numbers of micro-batch `index`."""
+
+    def __init__(self, num_windows: int, *, global_batch: int, rank: int, world_size: int, seed: int, shuffle: bool):
+        if global_batch % world_size:
+            raise ValueError(
+                f"a global micro-batch of {global_batch} sequences does not split over {world_size} "
+                "ranks; use a batch size that is a multiple of the world size"
+            )
+        self.num_windows = num_windows
+        self.global_batch = global_batch
+        self.per_rank = global_batch // world_size
+        self.rank = rank
+        self.seed = seed
+        self.shuffle = shuffle
+        self._epoch = -1
+        self._perm: np.ndarray | None = None
+
+    def window(self, sample: int) -> int:
+        epoch, pos = divmod(sample, self.num_windows)
+        if not self.shuffle:
+            return pos
+        if epoch != self._epoch:
+            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_windows)
+            self._epoch = epoch
+        return int(self._perm[pos])
+
+    def samples(self, index: int) -> list[int]:
+        """Global sample numbers of this rank's part of micro-batch `index`."""
+        start = index * self.global_batch + self.rank * self.per_rank
+        return list(range(start, start + self.per_rank))
+
+
+class WindowBatches(WindowOrder):
+    """Batches of windows (rows with input_ids, labels, position_ids; e.g. a memory-mapped `datasets.Dataset`)."""
+
+    all_trained = False  # labels hold -100s: the step counts its trained tokens
+
+    def __init__(self, windows, *, seq_len: int, pad_id: int, **order) -> None:
+        if len(windows) == 0:
+            raise ValueError("the data holds no window to train or evaluate on; use more rows")
+        super().__init__(len(windows), **order)
+        self.windows = windows
+        self.seq_len = seq_len
+        self.pad_id = pad_id
+
+    def batch(self, index: int) -> dict[str, torch.Tensor]:
+        rows = self.windows[[self.window(s) for s in self.samples(index)]]
+        shape = (self.per_rank, self.seq_len)
+        ids = np.full(shape, self.pad_id, dtype=np.int64)
+        labels = np.full(shape, IGNORE, dtype=np.int64)
+        positions = np.tile(np.arange(self.seq_len, dtype=np.int64), (self.per_rank, 1))
+        for b, (i, lab, pos) in enumerate(zip(rows["input_ids"], rows["labels"], rows["position_ids"])):
+            n = len(i)
+            ids[b, :n], labels[b, :n], positions[b, :n] = i, lab, pos
+            positions[b, n:] -= n  # the padding: a run of its own, from 0
+        return {
+            "input_ids": torch.from_numpy(ids),
+            "labels": torch.from_numpy(labels),
+            "position_ids": torch.from_numpy(positions),
+        }

@@ -1,0 +1,137 @@
+"""One dataset row -> its tokens and which of them are trained, as SFT fine-tuners expect.
+
+    text                 tokenizer(text) + EOS; every token trained; a text longer than seq_len is
+                         cut into seq_len pieces (each its own document)
+    prompt_completion    tokenizer(prompt + completion) + EOS; the completion and the EOS trained
+                         (a conversational prompt/completion is trained as the chat it forms)
+    messages             the tokenizer's chat template; the assistant turns trained: through the
+                         template's `{% generation %}` marks (`return_assistant_tokens_mask=True`)
+                         where it has them, else by rendering each assistant turn's prefix and
+                         marking the characters the turn adds
+
+`train_on="all"` trains every token instead. A sequence begins with exactly one BOS (a template and a
+tokenizer that both add one do not give two) and a trained span ends with the template's end of turn
+or the tokenizer's EOS, so the model learns to stop. `trained[i]` says whether token i is a target
+(predicted from tokens < i); the first token never is.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+from .formats import Format, messages_of
+from .tokenizer import has_generation_marks
+
+
+class TrainOn(enum.Enum):
+    COMPLETION = "completion"  # the completion / the assistant turns
+    ALL = "all"
+
+
+class Overlong(enum.Enum):
+    TRUNCATE = "truncate"  # keep the first seq_len tokens
+    DROP = "drop"  # leave the row out (counted)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Encoder:
+    """Encodes rows for `datasets.map(batched=True, with_indices=True)`; picklable for worker processes."""
+
+    tokenizer: Any
+    format: Format
+    train_on: TrainOn
+    seq_len: int
+    overlong: Overlong
+
+    def encode(self, row: dict) -> tuple[list[int], list[int]]:
+        """(token ids, trained flags) of one row, before any cut to seq_len."""
+        if self.format is Format.TEXT:
+            ids, trained = self._with_eos(self.tokenizer(row["text"])["input_ids"]), None
+        elif self.format is Format.PROMPT_COMPLETION and isinstance(row["prompt"], str):
+            ids, trained = self._prompt_completion(row["prompt"], row["completion"])
+        elif self.format is Format.PROMPT_COMPLETION:
+            ids, trained = chat_tokens(self.tokenizer, list(row["prompt"]) + list(row["completion"]))
+        else:
+            ids, trained = chat_tokens(self.tokenizer, messages_of(row))
+        if trained is None or self.train_on is TrainOn.ALL:
+            trained = [1] * len(ids)
+        return one_bos(ids, trained, self.tokenizer.bos_token_id)
+
+    def _with_eos(self, ids: list[int]) -> list[int]:
+        eos = self.tokenizer.eos_token_id
+        return ids + [eos] if eos is not None and (not ids or ids[-1] != eos) else ids
+
+    def _prompt_completion(self, prompt: str, completion: str) -> tuple[list[int], list[int]]:
+        ids = self._with_eos(self.tokenizer(prompt + completion)["input_ids"])
+        start = len(self.tokenizer(prompt)["input_ids"])
+        return ids, [0] * start + [1] * (len(ids) - start)
+
+    def __call__(self, rows: dict[str, list], indices: list[int]) -> dict[str, list]:
+        out: dict[str, list] = {"input_ids": [], "trained": [], "row": [], "truncated": [], "kept": [], "n_trained": []}
+        for k, index in enumerate(indices):
+            ids, trained = self.encode({name: column[k] for name, column in rows.items()})
+            pieces, truncated, kept = [(ids, trained)], False, True
+            if len(ids) > self.seq_len:
+                if self.format is Format.TEXT:
+                    pieces = [
+                        (ids[s : s + self.seq_len], trained[s : s + self.seq_len])
+                        for s in range(0, len(ids), self.seq_len)
+                    ]
+                    pieces = [p for p in pieces if len(p[0]) > 1]
+                elif self.overlong is Overlong.TRUNCATE:
+                    pieces, truncated = [(ids[: self.seq_len], trained[: self.seq_len])], True
+                else:
+                    pieces, kept = [([], [])], False
+            for piece_ids, piece_trained in pieces:
+                out["input_ids"].append(piece_ids)
+                out["trained"].append(piece_trained)
+                out["row"].append(index)
+                out["truncated"].append(truncated)
+                out["kept"].append(kept)
+                out["n_trained"].append(sum(piece_trained[1:]))
+        return out
+
+
+def one_bos(ids: list[int], trained: list[int], bos: int | None) -> tuple[list[int], list[int]]:
+    """Collapse a doubled leading BOS (template + tokenizer both adding one) into one."""
+    start = 0
+    while bos is not None and start + 1 < len(ids) and ids[start] == bos and ids[start + 1] == bos:
+        start += 1
+    return ids[start:], trained[start:]
+
+
+def chat_tokens(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
+    """The conversation's tokens and assistant mask, by the template's generation marks or by prefixes."""
+    if has_generation_marks(tokenizer):
+        out = tokenizer.apply_chat_template(
+            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
+        return list(out["input_ids"]), [int(m) for m in out["assistant_masks"]]
+    return _chat_by_prefixes(tokenizer, messages)
+
+
+def _chat_by_prefixes(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
+    """Without generation marks: assistant turn i is the text that rendering messages[: i + 1] adds to
+    rendering messages[:i] with the generation prompt; tokens starting inside it are trained."""
+
+    def render(upto: int, prompt: bool) -> str:
+        return tokenizer.apply_chat_template(messages[:upto], tokenize=False, add_generation_prompt=prompt)
+
+    text = render(len(messages), False)
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before, through = render(i, True), render(i + 1, False)
+        if not (text.startswith(before) and text.startswith(through) and through.startswith(before)):
+            raise ValueError(
+                "the chat template renders a conversation's prefix differently from the whole (it is not "
+                "prefix-stable), so the assistant turns cannot be found; add {% generation %} marks to it "
+                "or use --data.train_on all"
+            )
+        spans.append((len(before), len(through)))
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    trained = [int(any(a <= start < b for a, b in spans)) for start, _ in encoded["offset_mapping"]]
+    return list(encoded["input_ids"]), trained

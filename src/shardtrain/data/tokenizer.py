@@ -1,0 +1,64 @@
+"""The tokenizer a run trains with: transformers' `AutoTokenizer` from a folder, checked against the model.
+
+With `--model.pretrained DIR` the tokenizer is DIR's own (`--data.tokenizer PATH` overrides); the
+byte tokenizer stays the built-in model's default only. A tokenizer with more ids than the model has
+embedding rows would index past the table, so it is refused, naming both sizes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+
+from .deps import require
+
+_GENERATION_MARK = re.compile(r"{%-?\s*generation\s*-?%}")
+
+
+def load_tokenizer(path: str, *, key: str):
+    """`AutoTokenizer.from_pretrained(path)` (local only); ValueError naming `key` and the fix."""
+    transformers = require("transformers", why=f"{key}={path!r}")
+    folder = Path(path).expanduser()
+    if not folder.exists():
+        raise ValueError(f"{key}={path!r} does not exist; pass a folder holding tokenizer.json / tokenizer_config.json")
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except Exception as exc:  # noqa: BLE001 - transformers raises many types; report them in one line
+        raise ValueError(
+            f"{key}={path!r} holds no tokenizer transformers can load ({type(exc).__name__}: "
+            f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}); pass --data.tokenizer FOLDER"
+        ) from exc
+    if not tokenizer.is_fast:
+        raise ValueError(
+            f"{key}={path!r} is a slow (Python) tokenizer; assistant masks need a fast one (a tokenizer.json)"
+        )
+    return tokenizer
+
+
+def check_vocab(tokenizer, *, embedding_rows: int, where: str) -> None:
+    """A tokenizer whose ids reach past the model's embedding table is refused, naming both sizes."""
+    if len(tokenizer) > embedding_rows:
+        raise ValueError(
+            f"the tokenizer of {where} has {len(tokenizer)} tokens but the model's embedding has "
+            f"{embedding_rows} rows; use the model's own tokenizer (or resize the model's embedding to "
+            f"at least {len(tokenizer)})"
+        )
+
+
+def has_generation_marks(tokenizer) -> bool:
+    """Whether the chat template marks the assistant's tokens with `{% generation %}` ... `{% endgeneration %}`."""
+    template = tokenizer.chat_template
+    return isinstance(template, str) and bool(_GENERATION_MARK.search(template))
+
+
+def tokenizer_key(tokenizer) -> str:
+    """A digest of everything in the tokenizer that changes the tokens: its model, normaliser, pre- and
+    post-processor, special tokens and chat template (the cache key of the tokenized data)."""
+    parts = [
+        tokenizer.backend_tokenizer.to_str(),
+        tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else json.dumps(tokenizer.chat_template),
+        json.dumps({name: getattr(tokenizer, name) for name in ("bos_token_id", "eos_token_id", "pad_token_id")}),
+    ]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]

@@ -1,0 +1,162 @@
+"""What a run trains on: the byte corpus of the built-in model, or the user's rows through the model's tokenizer.
+
+    no tokenizer (built-in model, plain text)     train/data.py: UTF-8 bytes, contiguous windows
+    a tokenizer (model.pretrained's own, or       shardtrain.data: rows read by datasets, tokenized,
+    data.tokenizer)                               loss-masked and packed into windows
+
+A pretrained folder without tokenizer files keeps the byte corpus for plain text, with a notice; rows
+(a .jsonl, .parquet, ... or a saved dataset) always need a tokenizer. Checks run on every rank before
+any communication; the tokenizing runs once per node (local rank 0 first, the others read its cache).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from ..data.batches import WindowBatches
+from ..data.sources import is_structured
+from .data import ByteTokenizer, TokenBatches, build_cache, corpus_files
+from .sections import Config
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataPlan:
+    """The checked choice of data, made on every rank before any communication."""
+
+    tokenizer: Any  # a transformers tokenizer, or None for the byte corpus
+    corpus: tuple[Path, list[Path]] | None  # the byte corpus's (root, files)
+    notice: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainData:
+    train: TokenBatches | WindowBatches
+    held_out: TokenBatches | WindowBatches
+    tokenizer: Any
+    packed: bool  # windows hold several documents: the forward needs their position_ids
+    stats: Any = None  # shardtrain.data.DataStats of the rows' path
+    prompts: list[dict] | None = None
+
+
+def embedding_rows(module: nn.Module) -> int | None:
+    """Rows of the model's input embedding (None for a model without one)."""
+    get = getattr(module, "get_input_embeddings", None)
+    embedding = get() if callable(get) else next((m for m in module.modules() if isinstance(m, nn.Embedding)), None)
+    return None if embedding is None else embedding.num_embeddings
+
+
+def plan_data(cfg: Config, module: nn.Module, *, progress: bool = False) -> DataPlan:
+    """The tokenizer and data source of the run; ValueError with the fix. `progress`: show reading bars."""
+    data, pretrained = cfg.data, cfg.model.pretrained
+    structured = is_structured(data.path)
+    notice = None
+    path, key = (data.tokenizer, "data.tokenizer") if data.tokenizer else (pretrained, "model.pretrained")
+    if key == "model.pretrained" and path is not None and not any((Path(path) / f).exists() for f in TOKENIZER_FILES):
+        if structured:
+            raise ValueError(
+                f"model.pretrained={path!r} holds no tokenizer ({', '.join(TOKENIZER_FILES)}) to read "
+                f"data.path={data.path!r} with; pass --data.tokenizer FOLDER (the model's tokenizer)"
+            )
+        notice = (
+            f"model.pretrained {path} holds no tokenizer: training on UTF-8 bytes (ids 0-255); pass "
+            "--data.tokenizer FOLDER to fine-tune on the model's own tokens"
+        )
+        path = None
+    rows = embedding_rows(module)
+    if path is None:
+        if structured:
+            raise ValueError(
+                f"data.path={data.path!r} holds rows, which need a tokenizer; the byte tokenizer reads only "
+                "plain text: pass --data.tokenizer FOLDER (a Hugging Face tokenizer) or --model.pretrained DIR"
+            )
+        if rows is not None and rows < ByteTokenizer.vocab_size:
+            raise ValueError(
+                f"the byte tokenizer has {ByteTokenizer.vocab_size} tokens but the model's embedding has {rows} "
+                f"rows; give the model a vocabulary of at least 256 (e.g. --model.kwargs.vocab_size 256)"
+            )
+        return DataPlan(tokenizer=None, corpus=corpus_files(data.path, data.pattern), notice=notice)
+    from ..data.tokenizer import check_vocab, load_tokenizer
+
+    tokenizer = load_tokenizer(path, key=key)
+    if rows is not None:
+        check_vocab(tokenizer, embedding_rows=rows, where=f"{key}={path!r}")
+    if data.path is None:
+        raise ValueError(
+            f"a tokenizer ({key}={path!r}) trains on your data: pass --data.path (a .jsonl, .parquet, ... "
+            "file, a folder of them, or plain text)"
+        )
+    from ..data.pipeline import read_source
+
+    read_source(data_spec(cfg), tokenizer=tokenizer, cache_dir=data.cache_dir, progress=progress)
+    return DataPlan(tokenizer=tokenizer, corpus=None, notice=notice)
+
+
+def data_spec(cfg: Config):
+    """The data section as shardtrain.data's DataSpec."""
+    from ..data.pipeline import DataSpec
+
+    d = cfg.data
+    return DataSpec(
+        path=d.path,
+        eval_path=d.eval_path,
+        seq_len=d.seq_len,
+        format=d.format,
+        train_on=d.train_on,
+        packing=d.packing,
+        overlong=d.overlong,
+        val_fraction=d.val_fraction,
+        seed=cfg.train.seed,
+        pattern=d.pattern,
+    )
+
+
+def build_data(cfg: Config, engine, plan: DataPlan, *, micro_batch: int) -> TrainData:
+    """Tokenize (or read from the cache) and batch the run's data on this rank."""
+    order = dict(global_batch=micro_batch, rank=engine.rank, world_size=engine.world_size, seed=cfg.train.seed)
+    progress = cfg.run.progress and engine.local_rank == 0
+    if plan.tokenizer is None:
+        root, files = plan.corpus
+        with engine.rank_zero_first(local=True):
+            cache = build_cache(
+                root=root,
+                files=files,
+                val_fraction=cfg.data.val_fraction,
+                cache_dir=cfg.data.cache_dir,
+                tokenizer=ByteTokenizer(),
+                progress=progress,
+            )
+        return TrainData(
+            train=TokenBatches(cache.train, seq_len=cfg.data.seq_len, shuffle=True, **order),
+            held_out=TokenBatches(cache.held_out, seq_len=cfg.data.seq_len, shuffle=False, **order),
+            tokenizer=None,
+            packed=False,
+        )
+    from ..data.pipeline import prepare
+
+    d = cfg.data
+    with engine.rank_zero_first(local=True):
+        prepared = prepare(
+            data_spec(cfg),
+            tokenizer=plan.tokenizer,
+            cache_dir=d.cache_dir,
+            num_proc=d.num_proc,
+            progress=progress,
+            prompts=cfg.eval.samples,
+        )
+    tok = plan.tokenizer
+    pad = next(t for t in (tok.pad_token_id, tok.eos_token_id, 0) if t is not None)
+    windows = dict(seq_len=d.seq_len, pad_id=pad, **order)
+    return TrainData(
+        train=WindowBatches(prepared.train, shuffle=True, **windows),
+        held_out=WindowBatches(prepared.held_out, shuffle=False, **windows),
+        tokenizer=tok,
+        packed=d.packing,
+        stats=prepared.stats,
+        prompts=prepared.prompts,
+    )

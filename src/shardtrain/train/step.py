@@ -1,0 +1,154 @@
+"""One run's step, evaluation and checkpoint logic, on every rank.
+
+The loss of a step is the cross-entropy summed over every trained token of the step (all its
+micro-batches, all ranks) divided by the number of those tokens, as if the whole global batch were one:
+rows of unequal length weigh by their tokens, whatever the accumulation or the world size. Each rank
+counts its micro-batches' trained tokens and one all-reduce per step sums them (the byte corpus trains
+every token, so its count is known and skips it); micro-batch m then backpropagates
+`sum_loss(m) * world / count`, the engine's gradient average over the ranks restoring the global mean.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..data.pack import IGNORE
+from ..engine import Engine
+from .ema import WeightEMA
+from .finetune import checkpoint_params
+from .finite import NonFiniteGuard
+from .inputs import TrainData
+from .packed import forward_logits
+from .samples import greedy_samples
+from .sections import Config
+from .state import check_data_position, data_position
+
+Batch = dict[str, torch.Tensor]
+
+
+def loss_sum(model: nn.Module, batch: Batch, *, packed: bool, vocab_size: int) -> torch.Tensor:
+    """Summed next-token cross-entropy (in fp32) over the batch's trained labels (labels are already shifted).
+    Packed windows go through train/packed.py's forward, which keeps their documents apart."""
+    logits = forward_logits(model, batch["input_ids"], position_ids=batch["position_ids"] if packed else None)
+    if logits.size(-1) < vocab_size:
+        raise ValueError(
+            f"the model predicts {logits.size(-1)} classes but the tokenizer has {vocab_size} tokens; "
+            f"give the model a vocabulary of at least {vocab_size} (e.g. --model.kwargs.vocab_size {vocab_size})"
+        )
+    return F.cross_entropy(
+        logits.flatten(0, 1).float(), batch["labels"].flatten(), ignore_index=IGNORE, reduction="sum"
+    )
+
+
+@dataclass(kw_only=True)
+class Job:
+    """The objects of one run, shared by the step, evaluation and checkpoint helpers."""
+
+    cfg: Config
+    engine: Engine
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    data: TrainData
+    vocab_size: int
+    ema: WeightEMA | None
+    guard: NonFiniteGuard
+    load_s: float = 0.0  # host seconds spent reading batches since the last log record (the loop resets it)
+
+    def to_device(self, batch: Batch) -> Batch:
+        """The batch on the device; on CUDA through pinned memory, so the copy does not wait for the
+        device to finish the previous step (a copy from pageable memory would)."""
+        if self.engine.device.type != "cuda":
+            return batch
+        return {k: t.pin_memory().to(self.engine.device, non_blocking=True) for k, t in batch.items()}
+
+    def trained_tokens(self, batches: list[Batch]) -> torch.Tensor:
+        """Trained tokens of the whole global step: known for the byte corpus, else one all-reduce."""
+        if self.data.train.all_trained:
+            per_rank = sum(b["labels"].numel() for b in batches)
+            return torch.tensor(float(per_rank * self.engine.world_size), device=self.engine.device)
+        mine = sum((b["labels"] != IGNORE).sum() for b in batches).float()
+        return self.engine.all_reduce(mine, op="sum").clamp(min=1)
+
+    def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+        """One optimizer step; returns (this rank's share of the step's mean loss per trained token, gradient
+        norm before clipping, whether the step was skipped for a non-finite loss or norm)."""
+        accum = self.cfg.train.grad_accum
+        start = time.perf_counter()
+        batches = [self.to_device(self.data.train.batch(step * accum + micro)) for micro in range(accum)]
+        self.load_s += time.perf_counter() - start
+        scale = self.engine.world_size / self.trained_tokens(batches)
+        total = torch.zeros((), device=self.engine.device)
+        for micro, batch in enumerate(batches):
+            with self.engine.no_backward_sync(self.model, enabled=micro < accum - 1):
+                loss = loss_sum(self.model, batch, packed=self.data.packed, vocab_size=self.vocab_size) * scale
+                self.engine.backward(loss)
+            total += loss.detach()
+        norm = None
+        if self.cfg.optim.grad_clip > 0:
+            norm = self.engine.clip_gradients(self.model, self.optimizer, max_norm=self.cfg.optim.grad_clip)
+        skipped = self.guard.skips(step + 1, total, norm)
+        if not skipped:
+            self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.ema is not None and not skipped:
+            self.ema.update()
+        return total, norm, skipped
+
+    @torch.no_grad()
+    def held_out_loss(self) -> float:
+        """Mean cross-entropy per trained held-out token, over every rank's evaluation batches."""
+        self.model.eval()
+        sums = torch.zeros(2, device=self.engine.device)
+        for index in range(self.cfg.train.eval_batches):
+            batch = self.to_device(self.data.held_out.batch(index))
+            sums[0] += loss_sum(self.model, batch, packed=self.data.packed, vocab_size=self.vocab_size)
+            sums[1] += (batch["labels"] != IGNORE).sum()
+        self.model.train()
+        sums = self.engine.all_reduce(sums, op="sum")
+        return (sums[0] / sums[1].clamp(min=1)).item()
+
+    def evaluate(self, step: int, elapsed: float) -> dict:
+        record = {"kind": "eval", "step": step, "eval_loss": self.held_out_loss(), "elapsed_s": round(elapsed, 3)}
+        if self.ema is not None:
+            with self.ema.swapped_in():
+                record["eval_loss_ema"] = self.held_out_loss()
+        return record
+
+    def samples(self, step: int) -> list[dict]:
+        """eval.samples: the held-out prompts decoded greedily (every rank runs the same forwards)."""
+        if not self.data.prompts:
+            return []
+        rows = greedy_samples(
+            self.model,
+            self.data.prompts,
+            tokenizer=self.data.tokenizer,
+            max_new_tokens=self.cfg.eval.max_new_tokens,
+            device=self.engine.device,
+        )
+        return [{"step": step, **row} for row in rows]
+
+    def checkpoint_state(self) -> dict:
+        state = {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler}
+        if self.engine.grad_scaler is not None:
+            state["grad_scaler"] = self.engine.grad_scaler
+        if self.ema is not None:
+            state["ema"] = self.ema
+        return state
+
+    def save(self, run_dir: Path, step: int) -> None:
+        state = self.checkpoint_state()
+        state["data"] = data_position(step=step, batch_size=self.cfg.train.batch_size)
+        self.engine.save(str(run_dir / "checkpoints" / f"step_{step:06d}"), state, params=checkpoint_params(self.cfg))
+
+    def resume(self, path: str) -> int:
+        """Load the checkpoint at `path` into the job; return the step to continue from."""
+        rest = self.engine.load(path, self.checkpoint_state(), params=checkpoint_params(self.cfg))
+        return check_data_position(rest["data"], batch_size=self.cfg.train.batch_size)

@@ -21,7 +21,9 @@ class SkippingLlama(Llama):
         super().__init__(llama_config("tiny", n_layers=4))
         self.skip = skip
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, *, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if position_ids is not None:
+            raise ValueError("SkippingLlama runs unpacked rows only; pass position_ids=None")
         x = self.embed(tokens)
         for i, layer in enumerate(self.layers):
             if i not in self.skip:

@@ -264,5 +264,6 @@ class Llama(nn.Module):
     def loss(
         self, tokens: torch.Tensor, targets: torch.Tensor, *, position_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
-        logits = self(tokens, position_ids=position_ids)
+        # unpacked rows call forward(tokens) alone, so subclasses with the one-argument forward keep working
+        logits = self(tokens) if position_ids is None else self(tokens, position_ids=position_ids)
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())

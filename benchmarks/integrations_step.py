@@ -20,12 +20,16 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # this checkout's shardtrain
 
 BATCH = 2
 # The built-in 1.5B's shape; --smoke: a tiny one, to check the script on the CPU (Gloo, fp32 timings).

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from shardtrain.train.packed import check_packing_supported, forward_logits
+from shardtrain.train.packed import check_packing_supported, forward_logits, use_block_sparse_attention
 from tests.models_llama.packing import (
     LENGTHS,
     VOCAB,
@@ -41,6 +41,21 @@ def test_each_packed_document_matches_the_document_alone(models, impl):
     loss = packed_loss(forward_logits(models[impl], ids, position_ids=positions), ids, positions)
     ref = alone_loss(models[impl], [d for row in docs for d in row])
     torch.testing.assert_close(loss, ref, rtol=0, atol=TOL)
+
+
+def test_packed_training_on_cuda_switches_sdpa_to_flex_attention():
+    """On CUDA a model at sdpa attends with flex_attention for packed rows; on the CPU, or at another
+    implementation, nothing changes. (torch.device("cuda") is a name: no GPU is needed.)"""
+    model = tiny_hf_llama("sdpa")
+    assert use_block_sparse_attention(model, device=torch.device("cpu")) is None
+    assert model.config._attn_implementation == "sdpa"
+    notice = use_block_sparse_attention(model, device=torch.device("cuda"))
+    assert "flex_attention" in notice and "--model.kwargs.attn_implementation sdpa" in notice
+    assert model.config._attn_implementation == "flex_attention"
+    check_packing_supported(model)
+    eager = tiny_hf_llama("eager")
+    assert use_block_sparse_attention(eager, device=torch.device("cuda")) is None
+    assert eager.config._attn_implementation == "eager"
 
 
 @pytest.mark.slow

@@ -134,7 +134,10 @@ def trainer_sharding(args: Any, model: nn.Module) -> TrainerSharding:
             continue
         raise ValueError(f"fsdp_config[{key!r}]={value!r} is not supported by ShardtrainTrainer; remove it")
     wrap = _wrap(model, config)
-    checkpointing = _flag(config.get("activation_checkpointing", False)) or bool(args.activation_checkpointing)
+    # TrainingArguments.activation_checkpointing is newer than 5.17 (which has only fsdp_config's key).
+    checkpointing = _flag(config.get("activation_checkpointing", False)) or bool(
+        getattr(args, "activation_checkpointing", False)
+    )
     if checkpointing and not isinstance(wrap, set):
         raise ValueError(
             "activation checkpointing needs the layer classes: set fsdp_config['transformer_layer_cls_to_wrap'] "

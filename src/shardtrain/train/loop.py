@@ -95,8 +95,12 @@ def _prepare(cfg: Config, engine: Engine) -> tuple[BuiltModel, int, DataPlan]:
     if plan.notice and engine.rank == 0:
         print(f"note: {plan.notice}", flush=True)
     if plan.tokenizer is not None and cfg.data.packing:
-        from .packed import check_packing_supported
+        from .packed import check_packing_supported, use_block_sparse_attention
 
+        if "attn_implementation" not in cfg.model.kwargs:
+            notice = use_block_sparse_attention(built.module, device=engine.device)
+            if notice and engine.rank == 0:
+                print(f"note: {notice}", flush=True)
         check_packing_supported(built.module)
     return built, micro_batch, plan
 

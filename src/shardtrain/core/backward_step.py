@@ -1,0 +1,182 @@
+"""When host-stepped units may step during backward, and the proof at `step()` that doing so was exact.
+
+`st.CPUOffload(step_in_backward=True)` is the loop's promise that `optimizer.step()` follows each
+synchronising backward with nothing global in between: no clipping, no loss scaling, no skipped step,
+the hyperparameters already set for it, accumulation under `st.no_sync`. Then a unit's gradients are
+final once its reduction landed, and `HostSteps` steps it right away, beside the rest of backward
+(docs/design.md, Note [Overlapped host step]).
+
+`BackwardSteps` keeps that promise honest in two ways:
+
+- It watches the loop at every `step()` and stops stepping in backward for good (one warning) once the
+  loop shows anything global: `st.clip_grad_norm_`, gradients changed in place between backward and
+  `step()` (torch's clipping, `GradScaler.unscale_`), a GradScaler's scale handed to a fused step, or
+  several synchronising backwards per `step()`. The first `step()` always runs after backward (it
+  creates the state), so a loop that clips or scales from the start never steps a unit early.
+- What it cannot see coming raises one clear error naming what changed: at `step()`, hyperparameters
+  other than those the units stepped with, gradients changed in place since, a different set of
+  gradients, a GradScaler or a closure; a `step()` that never came (a skipped non-finite step,
+  accumulation without `st.no_sync`) at the next forward, backward or `zero_grad()`; clipping that
+  fires (or a non-finite norm) at `st.clip_grad_norm_`.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .sharded_param import local_of
+
+if TYPE_CHECKING:
+    from .unit import ShardUnit
+
+OPT_OUT = "st.CPUOffload(step_in_backward=False)"
+
+
+@dataclass(frozen=True, kw_only=True)
+class SteppedEarly:
+    """What one unit stepped with during backward, checked against what `step()` is given."""
+
+    unit: ShardUnit
+    params: frozenset[int]  # ids of the parameters stepped
+    grads: tuple[tuple[torch.Tensor, int], ...]  # each `.grad` it read and its rows' version then
+
+
+class BackwardSteps:
+    """The loop's observed shape and the units stepped during the current backward (module docstring)."""
+
+    def __init__(self, *, enabled: bool) -> None:
+        self.enabled = enabled
+        self.reason: str | None = None  # what global the loop does (None: nothing seen)
+        self.optimizer: weakref.ref[torch.optim.Optimizer] | None = None  # the one that steps the units
+        self.stepped: dict[int, SteppedEarly] = {}  # unit index -> its early step, until step() confirms it
+        self.groups: list[dict[str, Any]] | None = None  # the hyperparameters the units stepped with
+        self._synced = 0  # synchronising backwards since the last step()
+        self._versions: list[tuple[torch.Tensor, int]] = []  # flat gradients' versions when backward ended
+
+    def optimizer_now(self) -> torch.optim.Optimizer | None:
+        """The optimizer to step units with during this backward, or None when the loop does not allow it."""
+        if not self.enabled or self.reason is not None or self.optimizer is None:
+            return None
+        return self.optimizer()
+
+    # ------------------------------------------------------------------ the loop's shape
+    def note(self, reason: str) -> None:
+        """The loop does something global: units step after backward from now on (exact); say so once."""
+        if self.reason is None and self.enabled:
+            warnings.warn(
+                f"shardtrain: step_in_backward=True, but {reason}: the host-stepped units step after "
+                f"backward instead (exact; set {OPT_OUT} to silence this)",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        self.reason = self.reason or reason
+
+    def backward_ended(self, units: list[ShardUnit]) -> None:
+        """A synchronising backward ended: count it and remember its gradients' versions."""
+        self._synced += 1
+        self._versions = [
+            (buf.grad, buf.grad._version) for unit in units for buf in unit.buffers if buf.grad is not None
+        ]
+
+    def observe(self, *, amp: dict[str, torch.Tensor]) -> None:
+        """At `step()`: note what the loop did since backward, then start counting backwards afresh."""
+        if amp:
+            self.note("a GradScaler hands step() its loss scale")
+        elif self._synced > 1:
+            self.note(f"{self._synced} synchronising backwards came before step() (accumulate under st.no_sync)")
+        elif any(grad._version != version for grad, version in self._versions):
+            self.note("the gradients were changed in place between backward and step() (clipping, unscaling)")
+        self._synced, self._versions = 0, []
+
+    # ------------------------------------------------------------------ the proof
+    def record(self, unit: ShardUnit, pairs: list[tuple[torch.nn.Parameter, torch.Tensor]]) -> None:
+        self.stepped[unit.index] = SteppedEarly(
+            unit=unit,
+            params=frozenset(id(p) for p, _ in pairs),
+            grads=tuple((grad, local_of(grad)._version) for _, grad in pairs),
+        )
+
+    def confirm(
+        self,
+        *,
+        mine: list[torch.nn.Parameter],
+        unit_of: dict[int, ShardUnit],
+        groups: list[dict[str, Any]],
+        amp: dict[str, torch.Tensor],
+        unsplittable: str | None,
+    ) -> set[int]:
+        """`step()` came: raise unless it would have stepped the early units exactly as they were stepped;
+        return their indices (the step must not step them again)."""
+        what = unsplittable and f"step() cannot step per unit ({unsplittable})"
+        what = what or (amp and "a GradScaler handed step() its loss scale")
+        what = what or _changed_hyperparameter(self.groups or [], groups)
+        given: dict[int, set[int]] = {}
+        for p in mine:
+            given.setdefault(unit_of[id(p)].index, set()).add(id(p))
+        for index, early in self.stepped.items():
+            if what:
+                break
+            if given.get(index, set()) != early.params:
+                what = f"step() was given other gradients of unit {early.unit.label!r} than it stepped with"
+            elif any(local_of(grad)._version != version for grad, version in early.grads):
+                what = (
+                    f"the gradients of unit {early.unit.label!r} were changed in place after it stepped "
+                    "(clipping, GradScaler.unscale_)"
+                )
+            elif any(p.grad is not grad for p, (grad, _) in zip(_params(early, mine), early.grads)):
+                what = f"the .grad of unit {early.unit.label!r} was replaced after it stepped"
+        if what:
+            self._fail(what)
+        confirmed = set(self.stepped)
+        self.stepped, self.groups = {}, None
+        return confirmed
+
+    def check_stepped(self, what: str) -> None:
+        """Raise if units stepped during backward and `what` comes before the `step()` that confirms them."""
+        if self.stepped:
+            self._fail(f"{what} came before optimizer.step() (a skipped step, or accumulation without st.no_sync)")
+
+    def allow_clipping(self, coef: torch.Tensor, total: torch.Tensor, max_norm: float) -> bool:
+        """`st.clip_grad_norm_` is about to scale the gradients by `coef`: note that the loop clips; raise if
+        units already stepped and the clipping changes anything; return whether to scale at all."""
+        self.note("the loop clips gradients (st.clip_grad_norm_)")
+        if not self.stepped:
+            return True
+        if not bool(torch.isfinite(total)) or float(coef) != 1.0:
+            self._fail(f"st.clip_grad_norm_ found the norm {float(total)} (max_norm {max_norm}) after they stepped")
+        return False  # scaling by 1 changes no value the early steps read
+
+    def _fail(self, what: str) -> None:
+        labels = sorted(early.unit.label for early in self.stepped.values())
+        self.stepped = {}
+        raise RuntimeError(
+            f"shardtrain: units {labels} already stepped during backward (st.CPUOffload(step_in_backward=True)), "
+            f"but {what}; the step is no longer exact: set {OPT_OUT} for this loop"
+        )
+
+
+def _params(early: SteppedEarly, mine: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+    """The parameters of `early`, in the order its gradients were recorded."""
+    by_id = {id(p): p for p in mine if id(p) in early.params}
+    return [p for p in early.unit.params if id(p) in by_id]
+
+
+def _changed_hyperparameter(before: list[dict[str, Any]], now: list[dict[str, Any]]) -> str | None:
+    """Which hyperparameter of which param group differs between the early steps and `step()`."""
+    if len(before) != len(now):
+        return f"the optimizer has {len(now)} param groups, not the {len(before)} the units stepped with"
+    for j, (old, new) in enumerate(zip(before, now)):
+        for key in sorted(old.keys() | new.keys()):
+            a, b = old.get(key), new.get(key)
+            same = torch.equal(a, b) if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) else a == b
+            if not same:
+                return (
+                    f"param group {j}'s {key!r} is {b!r} at step(), not the {a!r} the units stepped with "
+                    "(set hyperparameters before backward, e.g. scheduler.step() right after optimizer.step())"
+                )
+    return None

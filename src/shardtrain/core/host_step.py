@@ -33,6 +33,7 @@ from __future__ import annotations
 import copy
 import enum
 import heapq
+import itertools
 import os
 import threading
 import warnings
@@ -108,7 +109,8 @@ class HostSteps:
         self._unit_of = {id(p): unit for unit in units for p in unit.params}
         self._indices = {unit.index for unit in units}
         self._pending: dict[int, Future] = {}  # unit.index -> its step on the worker
-        self._queue: list[tuple[int, int, _UnitStep, Future]] = []  # (forward position, index, ...): a heap
+        self._queue: list[tuple[int, int, _UnitStep, Future]] = []  # (forward position, submission, ...): a heap
+        self._submitted = itertools.count()
         self._lock = threading.Lock()
         self._position: dict[int, int] = {}  # unit.index -> its place in the next forward
         self._landing: list[tuple[ShardUnit, tuple[torch.cuda.Event, ...]]] = []  # reduced, not yet stepped
@@ -249,7 +251,7 @@ class HostSteps:
         """Queue `task`; the worker runs, of the queued steps, the one the next forward needs first."""
         future: Future = Future()
         with self._lock:
-            heapq.heappush(self._queue, (self._forward_position(task.unit), task.unit.index, task, future))
+            heapq.heappush(self._queue, (self._forward_position(task.unit), next(self._submitted), task, future))
         self._pending[task.unit.index] = future
         self._worker.submit(self._run_most_urgent)
 

@@ -119,7 +119,7 @@ def train_step(run: Run, batch, step: int) -> float:
     norm = st.clip_grad_norm_(run.model, MAX_NORM).item() if run.clip else 0.0
     if math.isfinite(norm):
         if run.steps is not None and run.in_backward and not run.clip and step not in FIRST_STEPS:
-            assert len(run.steps.early.stepped) == len(runtime_of(run.model, settle=False).units), step
+            assert len(run.steps.early.stepped) == len(run.steps.units), step
         run.optimizer.step()
         if run.steps is not None and step > 0:
             assert run.steps.pending(), f"step {step}: nothing deferred"

@@ -37,8 +37,10 @@ def test_in_backward_step_that_cannot_be_exact_raises(pools, case, message):
 @pytest.mark.slow
 @pytest.mark.parametrize("optim", ["adamw_fused", "adam_foreach", "sgd"])
 def test_overlapped_after_backward(pools, tmp_path, optim):
-    """step_in_backward off: every step after backward, gradients accumulated into .grad (no no_sync)."""
-    assert pools(2).run(overlapped_equals_sequential, str(tmp_path), optim, 5, optim == "adamw_fused")[0] > 0
+    """step_in_backward off: every step after backward, gradients accumulated into .grad (no no_sync),
+    clipping that fires on some steps, an inf step the guard skips; fused AdamW also resumes."""
+    fused = optim == "adamw_fused"
+    assert pools(2).run(overlapped_equals_sequential, str(tmp_path), optim, 7 if fused else 5, fused)[0] > 0
 
 
 @pytest.mark.parametrize(

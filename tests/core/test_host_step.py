@@ -25,7 +25,7 @@ def test_overlapped_step_is_bitwise_the_sequential_step(pools, tmp_path, clip):
     ("case", "message"),
     [
         ("clip", "st.clip_grad_norm_ found the norm"),
-        ("skip", "zero_grad() came before optimizer.step() (a skipped step"),
+        ("skip", "zero_grad() came before the optimizer.step() that they belong to (a skipped step"),
         ("lr", "param group 0's 'lr' is"),
     ],
 )

@@ -139,7 +139,10 @@ class BackwardSteps:
     def check_stepped(self, what: str) -> None:
         """Raise if units stepped during backward and `what` comes before the `step()` that confirms them."""
         if self.stepped:
-            self._fail(f"{what} came before optimizer.step() (a skipped step, or accumulation without st.no_sync)")
+            self._fail(
+                f"{what} came before the optimizer.step() that they belong to (a skipped step, or "
+                "accumulation without st.no_sync)"
+            )
 
     def allow_clipping(self, coef: torch.Tensor, total: torch.Tensor, max_norm: float) -> bool:
         """`st.clip_grad_norm_` is about to scale the gradients by `coef`: note that the loop clips; raise if

@@ -199,6 +199,8 @@ class HostSteps:
         mine = [p for g in optimizer.param_groups for p in g["params"] if id(p) in self._unit_of and p.grad is not None]
         owner = self.early.optimizer() if self.early.optimizer is not None else None
         early = self.early.stepped if optimizer is owner else {}
+        if self.early.stepped and not early and any(self._unit_of[id(p)].index in self.early.stepped for p in mine):
+            self.early.check_stepped(f"another optimizer's step() ({type(optimizer).__name__})")
         if not mine and not early:
             return
         groups, amp = _hyperparameters(optimizer), _amp(optimizer)
@@ -297,9 +299,14 @@ class HostSteps:
         self._adopted.add(optimizer)
         flush = _weak_flush(self)
         optimizer.register_state_dict_pre_hook(lambda opt: flush())
-        optimizer.register_load_state_dict_pre_hook(lambda opt, state: flush())
-        zero_grad = optimizer.zero_grad
         early = self.early
+
+        def before_load(opt, state) -> None:
+            early.check_stepped("optimizer.load_state_dict()")
+            flush()
+
+        optimizer.register_load_state_dict_pre_hook(before_load)
+        zero_grad = optimizer.zero_grad
 
         def zero_grad_flushing(set_to_none: bool = True) -> None:
             early.check_stepped("zero_grad()")

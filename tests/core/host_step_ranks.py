@@ -244,8 +244,8 @@ def falls_back_once(optim: str) -> list[str]:
 
 def in_backward_error(case: str) -> str:
     """Units step during backward, then the loop does what step_in_backward cannot make exact: clipping
-    that fires, a step the guard skips after an infinite loss, the learning rate changed between
-    backward and step(). Returns the error this raises (one micro-batch a step)."""
+    that fires (shardtrain's or torch's), a step the guard skips after an infinite loss, the learning
+    rate changed between backward and step(). Returns the error this raises (one micro-batch a step)."""
     world = dist.get_world_size()
     batches = [tuple(t.to(device()) for t in b) for b in make_batches("llama", steps=3, global_batch=world * PER)]
     run = build(overlapped=True, optim="adamw_fused", in_backward=True, clip=False)
@@ -260,6 +260,8 @@ def in_backward_error(case: str) -> str:
                 assert run.steps.early.stepped, "nothing stepped during backward"
                 if case == "clip":
                     st.clip_grad_norm_(run.model, 1e-6)
+                elif case == "torch_clip":
+                    torch.nn.utils.clip_grad_norm_(run.model.parameters(), 1e-6)
                 elif case == "lr":
                     run.scheduler.step()  # before optimizer.step(): the units stepped with the old rate
             if torch.isfinite(loss):
@@ -270,3 +272,24 @@ def in_backward_error(case: str) -> str:
     finally:
         runtime_of(run.model)  # the worker finishes before the next test reuses the ranks
     raise AssertionError(f"{case}: no error")
+
+
+def in_backward_falls_back(case: str) -> list[str]:
+    """A loop that shows something global at its first step(): two synchronising backwards a step
+    (accumulation without st.no_sync), or torch's clipping between backward and step(). No unit steps
+    during backward; the warnings."""
+    world = dist.get_world_size()
+    batches = [tuple(t.to(device()) for t in b) for b in make_batches("llama", steps=3, global_batch=world * 2 * PER)]
+    run = build(overlapped=True, optim="adamw_fused", in_backward=True, clip=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for batch in batches:
+            for m in range(2 if case == "accumulate" else 1):
+                lm_loss(run.model, _chunk(batch, dist.get_rank(), 2, m, PER)).backward()
+            if case == "torch_clip":  # foreach ops on the DTensor gradients: no version changes
+                torch.nn.utils.clip_grad_norm_(run.model.parameters(), 1e-3)
+            run.optimizer.step()
+            run.optimizer.zero_grad()
+    runtime_of(run.model)
+    assert run.stepped == [2 * len(run.steps.units), 0], run.stepped
+    return [str(w.message) for w in caught if "step_in_backward" in str(w.message)]

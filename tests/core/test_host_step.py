@@ -8,7 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.core.host_step_ranks import falls_back_once, in_backward_error, overlapped_equals_sequential
+from tests.core.host_step_ranks import (
+    falls_back_once,
+    in_backward_error,
+    in_backward_falls_back,
+    overlapped_equals_sequential,
+)
 
 
 @pytest.mark.parametrize("clip", [False, True], ids=["steps_in_backward", "clipping_falls_back"])
@@ -24,7 +29,20 @@ def test_overlapped_step_is_bitwise_the_sequential_step(pools, tmp_path, clip):
 @pytest.mark.parametrize(
     ("case", "message"),
     [
+        ("accumulate", "2 synchronising backwards came before step() (accumulate under st.no_sync)"),
+        ("torch_clip", "the gradients were changed in place between backward and step()"),
+    ],
+)
+def test_in_backward_step_falls_back_for_what_the_loop_shows(pools, case, message):
+    for messages in pools(2).run(in_backward_falls_back, case):
+        assert len(messages) == 1 and message in messages[0], messages
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
         ("clip", "st.clip_grad_norm_ found the norm"),
+        ("torch_clip", "the gradients were changed in place after they stepped"),
         ("skip", "zero_grad() came before the optimizer.step() that they belong to (a skipped step"),
         ("lr", "param group 0's 'lr' is"),
     ],

@@ -10,8 +10,8 @@ final once its reduction landed, and `HostSteps` steps it right away, beside the
 
 - It watches the loop at every `step()` and stops stepping in backward for good (one warning) once the
   loop shows anything global: `st.clip_grad_norm_`, gradients changed in place between backward and
-  `step()` (torch's clipping, `GradScaler.unscale_`), a GradScaler's scale handed to a fused step, or
-  several synchronising backwards per `step()`. The first `step()` always runs after backward (it
+  `step()` (torch's clipping, `GradScaler.unscale_`: versions and sampled bits of the flat gradients),
+  a GradScaler's scale handed to a fused step, or several synchronising backwards per `step()`. The first `step()` always runs after backward (it
   creates the state), so a loop that clips or scales from the start never steps a unit early.
 - What it cannot see coming raises one clear error naming what changed: at `step()`, hyperparameters
   other than those the units stepped with, gradients changed in place since, a different set of
@@ -43,7 +43,7 @@ class SteppedEarly:
 
     unit: ShardUnit
     params: frozenset[int]  # ids of the parameters stepped
-    grads: tuple[tuple[torch.Tensor, int], ...]  # each `.grad` it read and its rows' version then
+    grads: tuple[tuple[torch.Tensor, tuple[int, int]], ...]  # each `.grad` it read; its and its rows' versions
 
 
 class BackwardSteps:
@@ -56,7 +56,8 @@ class BackwardSteps:
         self.stepped: dict[int, SteppedEarly] = {}  # unit index -> its early step, until step() confirms it
         self.groups: list[dict[str, Any]] | None = None  # the hyperparameters the units stepped with
         self._synced = 0  # synchronising backwards since the last step()
-        self._versions: list[tuple[torch.Tensor, int]] = []  # flat gradients' versions when backward ended
+        # each flat gradient when backward ended: (it, its version, a sample of its bits)
+        self._then: list[tuple[torch.Tensor, int, torch.Tensor]] = []
 
     def optimizer_now(self) -> torch.optim.Optimizer | None:
         """The optimizer to step units with during this backward, or None when the loop does not allow it."""
@@ -77,59 +78,75 @@ class BackwardSteps:
         self.reason = self.reason or reason
 
     def backward_ended(self, units: list[ShardUnit]) -> None:
-        """A synchronising backward ended: count it and remember its gradients' versions."""
+        """A synchronising backward ended and its gradients are on the host: count it, and remember each
+        flat gradient's version and a sample of its bits."""
         self._synced += 1
-        self._versions = [
-            (buf.grad, buf.grad._version) for unit in units for buf in unit.buffers if buf.grad is not None
+        self._then = [
+            (buf.grad, buf.grad._version, _sample(buf.grad))
+            for unit in units
+            for buf in unit.buffers
+            if buf.grad is not None
         ]
 
-    def observe(self, *, amp: dict[str, torch.Tensor]) -> None:
-        """At `step()`: note what the loop did since backward, then start counting backwards afresh."""
-        if amp:
-            self.note("a GradScaler hands step() its loss scale")
-        elif self._synced > 1:
-            self.note(f"{self._synced} synchronising backwards came before step() (accumulate under st.no_sync)")
-        elif any(grad._version != version for grad, version in self._versions):
-            self.note("the gradients were changed in place between backward and step() (clipping, unscaling)")
-        self._synced, self._versions = 0, []
+    def _changed_since_backward(self) -> bool:
+        """Whether a flat gradient changed since backward ended.
+
+        Note: versions catch in-place ops on the flat gradients and per-tensor ops on the DTensor
+        `.grad`s, but torch's foreach ops on DTensors (`clip_grad_norm_`, `GradScaler.unscale_`) bump
+        no version (torch 2.13); a global scaling changes every nonzero element, so a sample of each
+        flat gradient is compared bit for bit too.
+        """
+        return any(
+            grad._version != version or not torch.equal(_sample(grad), bits) for grad, version, bits in self._then
+        )
 
     # ------------------------------------------------------------------ the proof
     def record(self, unit: ShardUnit, pairs: list[tuple[torch.nn.Parameter, torch.Tensor]]) -> None:
         self.stepped[unit.index] = SteppedEarly(
             unit=unit,
             params=frozenset(id(p) for p, _ in pairs),
-            grads=tuple((grad, local_of(grad)._version) for _, grad in pairs),
+            grads=tuple((grad, (grad._version, local_of(grad)._version)) for _, grad in pairs),
         )
 
-    def confirm(
+    def at_step(
         self,
         *,
+        early: bool,
         mine: list[torch.nn.Parameter],
         unit_of: dict[int, ShardUnit],
         groups: list[dict[str, Any]],
         amp: dict[str, torch.Tensor],
         unsplittable: str | None,
     ) -> set[int]:
-        """`step()` came: raise unless it would have stepped the early units exactly as they were stepped;
-        return their indices (the step must not step them again)."""
+        """`step()` came. Without units stepped early (`early`), note what the loop shows; with them,
+        raise unless the step would have stepped them exactly as they were stepped. Returns the units
+        already stepped (the step must not step them again)."""
+        changed = self._changed_since_backward()
+        synced, self._synced, self._then = self._synced, 0, []
+        if not early:
+            if amp:
+                self.note("a GradScaler hands step() its loss scale")
+            elif synced > 1:
+                self.note(f"{synced} synchronising backwards came before step() (accumulate under st.no_sync)")
+            elif changed:
+                self.note("the gradients were changed in place between backward and step() (clipping, unscaling)")
+            return set()
         what = unsplittable and f"step() cannot step per unit ({unsplittable})"
         what = what or (amp and "a GradScaler handed step() its loss scale")
         what = what or _changed_hyperparameter(self.groups or [], groups)
+        what = what or (changed and "the gradients were changed in place after they stepped (clipping, unscaling)")
         given: dict[int, set[int]] = {}
         for p in mine:
             given.setdefault(unit_of[id(p)].index, set()).add(id(p))
-        for index, early in self.stepped.items():
+        for index, stepped in self.stepped.items():
             if what:
                 break
-            if given.get(index, set()) != early.params:
-                what = f"step() was given other gradients of unit {early.unit.label!r} than it stepped with"
-            elif any(local_of(grad)._version != version for grad, version in early.grads):
-                what = (
-                    f"the gradients of unit {early.unit.label!r} were changed in place after it stepped "
-                    "(clipping, GradScaler.unscale_)"
-                )
-            elif any(p.grad is not grad for p, (grad, _) in zip(_params(early, mine), early.grads)):
-                what = f"the .grad of unit {early.unit.label!r} was replaced after it stepped"
+            if given.get(index, set()) != stepped.params:
+                what = f"step() was given other gradients of unit {stepped.unit.label!r} than it stepped with"
+            elif any((grad._version, local_of(grad)._version) != versions for grad, versions in stepped.grads):
+                what = f"the gradients of unit {stepped.unit.label!r} were changed in place after it stepped"
+            elif any(p.grad is not grad for p, (grad, _) in zip(_params(stepped, mine), stepped.grads)):
+                what = f"the .grad of unit {stepped.unit.label!r} was replaced after it stepped"
         if what:
             self._fail(what)
         confirmed = set(self.stepped)
@@ -161,6 +178,16 @@ class BackwardSteps:
             f"shardtrain: units {labels} already stepped during backward (st.CPUOffload(step_in_backward=True)), "
             f"but {what}; the step is no longer exact: set {OPT_OUT} for this loop"
         )
+
+
+SAMPLES = 16  # elements sampled from each flat gradient
+
+
+def _sample(grad: torch.Tensor) -> torch.Tensor:
+    """SAMPLES elements of `grad` at evenly spaced places, as raw bits."""
+    flat = grad.detach().reshape(-1)
+    step = max(1, flat.numel() // SAMPLES)
+    return flat[::step][:SAMPLES].clone().view(torch.uint8)
 
 
 def _params(early: SteppedEarly, mine: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:

@@ -204,12 +204,9 @@ class HostSteps:
         if not mine and not early:
             return
         groups, amp = _hyperparameters(optimizer), _amp(optimizer)
-        self.early.observe(amp=amp)
         reason = _unsplittable(optimizer, args, kwargs)
-        confirmed = (
-            self.early.confirm(mine=mine, unit_of=self._unit_of, groups=groups, amp=amp, unsplittable=reason)
-            if early
-            else set()
+        confirmed = self.early.at_step(
+            early=bool(early), mine=mine, unit_of=self._unit_of, groups=groups, amp=amp, unsplittable=reason
         )
         self.wait_for([u for u in self.pending() if u.index not in confirmed])
         if reason is not None:

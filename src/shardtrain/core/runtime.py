@@ -230,10 +230,10 @@ class Runtime:
         self._check(self._deferred_entry() + [(Collective.END_OF_BACKWARD, -1)])
         self._issue_deferred()
         self._finish_reduces()
-        if self.host_steps is not None and self.sync_gradients:
-            self.host_steps.backward_ended()
         if self.comm.cuda and any(u.behaviour.offload for u in self.units):
             torch.cuda.current_stream().synchronize()  # the host optimizer reads the offloaded gradients
+        if self.host_steps is not None and self.sync_gradients:
+            self.host_steps.backward_ended()
         if self.sync_gradients:
             used = self._agree_on_used()
             for unit, mask in zip(self.units, used):

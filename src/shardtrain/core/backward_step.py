@@ -10,9 +10,10 @@ final once its reduction landed, and `HostSteps` steps it right away, beside the
 
 - It watches the loop at every `step()` and stops stepping in backward for good (one warning) once the
   loop shows anything global: `st.clip_grad_norm_`, gradients changed in place between backward and
-  `step()` (torch's clipping, `GradScaler.unscale_`: versions and sampled bits of the flat gradients),
-  a GradScaler's scale handed to a fused step, or several synchronising backwards per `step()`. The first `step()` always runs after backward (it
-  creates the state), so a loop that clips or scales from the start never steps a unit early.
+  `step()` (torch's clipping, `GradScaler.unscale_`: versions and sampled bits of the flat
+  gradients), a GradScaler's scale handed to a fused step, or several synchronising backwards per
+  `step()`. The first `step()` always runs after backward (it creates the state), so a loop that
+  clips or scales from the start never steps a unit early.
 - What it cannot see coming raises one clear error naming what changed: at `step()`, hyperparameters
   other than those the units stepped with, gradients changed in place since, a different set of
   gradients, a GradScaler or a closure; a `step()` that never came (a skipped non-finite step,

@@ -35,8 +35,9 @@ import torch
 import torch.distributed as dist
 
 import shardtrain as st
-from shardtrain.core.host_step import ENV, THREADS_ENV, HostSteps
+from shardtrain.core.host_step import ENV, HostSteps
 from shardtrain.core.shard import runtime_of
+from shardtrain.core.step_queue import THREADS_ENV
 from shardtrain.models.llama import SHARD_UNITS, Block, Llama, llama_config
 
 

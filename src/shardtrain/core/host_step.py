@@ -32,14 +32,11 @@ from __future__ import annotations
 
 import copy
 import enum
-import heapq
-import itertools
 import os
-import threading
 import warnings
 import weakref
 from collections import defaultdict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +46,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from .backward_step import BackwardSteps
 from .sharded_param import local_of
+from .step_queue import StepQueue
 
 if TYPE_CHECKING:
     from .runtime import Runtime
@@ -57,7 +55,6 @@ if TYPE_CHECKING:
 # Optimizers whose update of an element reads that element's parameter, gradient and state only.
 SPLITTABLE = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)
 ENV = "SHARDTRAIN_HOST_STEP"
-THREADS_ENV = "SHARDTRAIN_HOST_STEP_THREADS"  # the worker's intra-op threads (default: the process's)
 
 
 class StepMode(enum.Enum):
@@ -109,21 +106,12 @@ class HostSteps:
         self._unit_of = {id(p): unit for unit in units for p in unit.params}
         self._indices = {unit.index for unit in units}
         self._pending: dict[int, Future] = {}  # unit.index -> its step on the worker
-        self._queue: list[tuple[int, int, _UnitStep, Future]] = []  # (forward position, submission, ...): a heap
-        self._submitted = itertools.count()
-        self._lock = threading.Lock()
+        self._queue = StepQueue(device=runtime.comm.device)
         self._position: dict[int, int] = {}  # unit.index -> its place in the next forward
         self._landing: list[tuple[ShardUnit, tuple[torch.cuda.Event, ...]]] = []  # reduced, not yet stepped
         self._held: _Held | None = None
         self._adopted: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._warned: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
-        self._worker = ThreadPoolExecutor(
-            max_workers=1,
-            thread_name_prefix="shardtrain-host-step",
-            initializer=_init_worker,
-            initargs=(worker_threads(), runtime.comm.device),
-        )
-        weakref.finalize(self, self._worker.shutdown, wait=True)
 
     # ------------------------------------------------------------------ waiting
     def pending(self) -> list[ShardUnit]:
@@ -248,21 +236,9 @@ class HostSteps:
     # ------------------------------------------------------------------ the worker
     def _submit(self, task: _UnitStep) -> None:
         """Queue `task`; the worker runs, of the queued steps, the one the next forward needs first."""
-        future: Future = Future()
-        with self._lock:
-            heapq.heappush(self._queue, (self._forward_position(task.unit), next(self._submitted), task, future))
+        # Note: `self._step_unit` is looked up when the step runs (the benchmark and tests wrap it).
+        future = self._queue.submit(self._forward_position(task.unit), lambda: self._step_unit(task))
         self._pending[task.unit.index] = future
-        self._worker.submit(self._run_most_urgent)
-
-    def _run_most_urgent(self) -> None:
-        with self._lock:
-            *_, task, future = heapq.heappop(self._queue)
-        try:
-            self._step_unit(task)
-        except BaseException as error:  # noqa: BLE001 - handed to whoever waits for this unit
-            future.set_exception(error)
-        else:
-            future.set_result(None)
 
     def _forward_position(self, unit: ShardUnit) -> int:
         """Where the next forward needs `unit` (units it may not run come last)."""
@@ -314,17 +290,6 @@ class HostSteps:
         optimizer.zero_grad = zero_grad_flushing
 
 
-def worker_threads() -> int:
-    """The worker's intra-op threads: SHARDTRAIN_HOST_STEP_THREADS, else this process's (which `st.shard`
-    set to CPUOffload.host_threads())."""
-    value = os.environ.get(THREADS_ENV)
-    if value is None:
-        return torch.get_num_threads()
-    if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"{THREADS_ENV}={value!r}: give a positive number of threads")
-    return int(value)
-
-
 def _events(*streams: torch.cuda.Stream) -> tuple[torch.cuda.Event, ...]:
     events = []
     for stream in streams:
@@ -346,15 +311,6 @@ def _amp(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
         for name in ("grad_scale", "found_inf")
         if isinstance(getattr(optimizer, name, None), torch.Tensor)
     }
-
-
-def _init_worker(threads: int, device: torch.device) -> None:
-    """Note: intra-op threads and the current CUDA device are per thread; the worker takes the thread
-    count st.shard chose for the host and this rank's device (the optimizer's capture check queries the
-    current device's stream, which would otherwise open a context on GPU 0 from every rank)."""
-    torch.set_num_threads(threads)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
 
 
 def _unit_step(

@@ -5,13 +5,20 @@ with or without CPU offload. Run under torchrun on GPUs; prints one JSON line fr
     torchrun --nproc_per_node=2 benchmarks/offload_step.py --size 18b --batch 1 --ac --offload 0.5
     torchrun --nproc_per_node=1 benchmarks/offload_step.py --size 1.5b --batch 2 --offload --split \
         --host-step sequential
+    torchrun --nproc_per_node=1 benchmarks/offload_step.py --size 1.5b --batch 2 --offload --split \
+        --host-step backward
     torchrun --nproc_per_node=1 benchmarks/offload_step.py --size 1.5b --batch 2 --offload --engine fsdp2
 
 `benchmarks/offload_suite.py` runs the one-GPU comparison of issue 28 (one process per row).
 
+`--host-step`: `sequential` (inside `step()`), `overlapped` (each unit during the next forward) or
+`backward` (st.CPUOffload(step_in_backward=True): each unit during backward once its gradients
+landed, else during the next forward; the loop has no clipping, so every unit can).
+
 The breakdown (shardtrain with offload): `host_step_ms` the host optimizer step per step (inside
-`step()` when sequential; summed over the worker's unit steps when overlapped), `waits_ms` the time
-the forward's hooks waited for a unit's deferred step (host step not hidden behind the GPU),
+`step()` when sequential; summed over the worker's unit steps when overlapped), `in_backward_ms` the
+part of it stepped during backward (unit steps that began before `loss.backward()` returned),
+`waits_ms` the time the forward's hooks waited for a unit's deferred step (host step not hidden behind the GPU),
 `fwd_ms` / `bwd_ms` / `step_call_ms` the host time until forward, backward and `step()` returned,
 `h2d_gb` / `d2h_gb` the bytes crossing PCIe per step and `copy_ms` their time at the bandwidth
 measured here with pinned buffers (`h2d_gbs`, `d2h_gbs`).
@@ -30,6 +37,7 @@ import torch.distributed as dist
 import shardtrain as st
 from shardtrain.core.host_step import ENV, HostSteps
 from shardtrain.core.shard import runtime_of
+from shardtrain.core.step_queue import THREADS_ENV
 from shardtrain.models.llama import SHARD_UNITS, Block, Llama, llama_config
 
 
@@ -51,7 +59,13 @@ def parse_args() -> argparse.Namespace:
         "of the parameters (st.CPUOffload(fraction=...))",
     )
     p.add_argument("--split", action="store_true", help="the embedding and the head as units of their own")
-    p.add_argument("--host-step", choices=["overlapped", "sequential"], default="overlapped", help=f"sets {ENV}")
+    p.add_argument(
+        "--host-step",
+        choices=["overlapped", "sequential", "backward"],
+        default="overlapped",
+        help=f"sets {ENV}; backward: overlapped and CPUOffload(step_in_backward=True)",
+    )
+    p.add_argument("--host-threads", type=int, default=None, help=f"the host step's threads (sets {THREADS_ENV})")
     p.add_argument("--engine", choices=["shardtrain", "fsdp2"], default="shardtrain", help="fsdp2: CPUOffloadPolicy")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=3)
@@ -77,14 +91,17 @@ class HostStepTimes:
     """Seconds spent in the worker's unit steps and in the hooks' waits for them, and unit steps done."""
 
     def __init__(self) -> None:
-        self.step_s = self.wait_s = 0.0
+        self.step_s = self.wait_s = self.in_backward_s = 0.0
         self.unit_steps = 0
+        self.backward_running = False  # set by the loop around loss.backward()
         step_unit, wait_for = HostSteps._step_unit, HostSteps.wait_for
 
         def timed_step(steps, task) -> None:
+            during_backward = self.backward_running
             start = time.perf_counter()
             step_unit(steps, task)
             self.step_s += time.perf_counter() - start
+            self.in_backward_s += (time.perf_counter() - start) if during_backward else 0.0
             self.unit_steps += 1
 
         def timed_wait(steps, units) -> None:
@@ -112,7 +129,14 @@ def pinned_bandwidth(nbytes: int = 2**30) -> tuple[float, float]:
 
 
 def build_shardtrain(args: argparse.Namespace) -> torch.nn.Module:
-    os.environ[ENV] = args.host_step
+    os.environ[ENV] = "sequential" if args.host_step == "sequential" else "overlapped"
+    if args.host_threads is not None:
+        os.environ[THREADS_ENV] = str(args.host_threads)
+    offload = (
+        False
+        if args.offload is None
+        else st.CPUOffload(fraction=args.offload, step_in_backward=args.host_step == "backward")
+    )
     with torch.device("meta"):
         model = Llama(llama_config(args.size))
     return st.shard(
@@ -121,7 +145,7 @@ def build_shardtrain(args: argparse.Namespace) -> torch.nn.Module:
         wrap=SHARD_UNITS if args.split else {Block},
         mixed_precision="bf16",
         activation_checkpointing={Block} if args.ac else None,
-        cpu_offload=False if args.offload is None else st.CPUOffload(fraction=args.offload),
+        cpu_offload=offload,
     )
 
 
@@ -184,13 +208,15 @@ def main() -> None:
         tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), device="cuda", generator=gen)
         if step == args.warmup:
             torch.cuda.reset_peak_memory_stats()
-            times.step_s = times.wait_s = 0.0
+            times.step_s = times.wait_s = times.in_backward_s = 0.0
             times.unit_steps = 0
         torch.cuda.synchronize()
         start = time.perf_counter()
         loss = model.loss(tokens[:, :-1], tokens[:, 1:])
         forward = time.perf_counter()
+        times.backward_running = True
         loss.backward()
+        times.backward_running = False
         backward = time.perf_counter()
         opt.step()
         step_calls.append(time.perf_counter() - backward)
@@ -204,10 +230,13 @@ def main() -> None:
     if args.engine == "shardtrain":
         runtime = runtime_of(model)  # completes the last step's deferred host steps
         units = len(runtime.host_steps.units) if runtime.host_steps is not None else 0
-        host_step_s = times.step_s / (times.unit_steps / units) if times.unit_steps else sequential_step_s
+        per_step = times.unit_steps / units if times.unit_steps else 0
+        host_step_s = times.step_s / per_step if per_step else sequential_step_s
+        in_backward_s = times.in_backward_s / per_step if per_step else 0.0
         h2d, d2h = copy_bytes(model) if args.offload is not None else (0, 0)
+        offloaded = [u for u in runtime.units if u.behaviour.offload]
     else:
-        host_step_s, h2d, d2h = sequential_step_s, 0, 0
+        host_step_s, in_backward_s, h2d, d2h, offloaded = sequential_step_s, 0.0, 0, 0, []
     if dist.get_rank() == 0:
         print(
             json.dumps(
@@ -226,13 +255,17 @@ def main() -> None:
                     "bwd_ms": bwd_s * 1000,
                     "step_call_ms": sequential_step_s * 1000,
                     "host_step_ms": host_step_s * 1000,
+                    "in_backward_ms": in_backward_s * 1000,
                     "waits_ms": waits_s * 1000,
+                    "offloaded_units": len(offloaded),
+                    "offloaded_params": sum(p.numel() for u in offloaded for p in u.params),
                     "h2d_gb": h2d / 1e9,
                     "d2h_gb": d2h / 1e9,
                     "copy_ms": (h2d / h2d_gbs + d2h / d2h_gbs) / 1e6,
                     "h2d_gbs": h2d_gbs,
                     "d2h_gbs": d2h_gbs,
                     "threads": torch.get_num_threads(),
+                    "host_step_threads": int(os.environ.get(THREADS_ENV, torch.get_num_threads())),
                     "peak_alloc_gib": torch.cuda.max_memory_allocated() / 2**30,
                     "host_rss_gib_rank0": rss.peak / 2**30,
                     "host_used_gib_machine": rss.machine_peak / 2**30,

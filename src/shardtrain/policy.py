@@ -105,8 +105,15 @@ class CPUOffload:
     # Host threads for the optimizer step on the offloaded shards (torch's intra-op threads). None: this
     # process's share of the machine's cores; torchrun otherwise leaves every process one thread.
     threads: int | None = None
+    # Step each offloaded unit on the host during backward, as soon as its gradients are final. The
+    # loop promises to call optimizer.step() right after each synchronising backward, with nothing
+    # global in between (no clipping, loss scaling or skipped steps; accumulation under st.no_sync);
+    # step() verifies it (docs/design.md, Note [Overlapped host step]).
+    step_in_backward: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.step_in_backward, bool):
+            raise TypeError(f"CPUOffload(step_in_backward={self.step_in_backward!r}): give True or False")
         if (
             isinstance(self.fraction, bool)
             or not isinstance(self.fraction, (int, float))

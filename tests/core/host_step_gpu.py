@@ -1,5 +1,6 @@
 """The overlapped host step on CUDA with the units offloaded (the real path: `st.shard` defers their
-steps), bitwise against SHARDTRAIN_HOST_STEP=sequential. Run by test_host_step.py on a GPU machine:
+steps, during backward with CPUOffload(step_in_backward=True)), bitwise against
+SHARDTRAIN_HOST_STEP=sequential. Run by test_host_step.py on a GPU machine:
 
     torchrun --nproc_per_node=1 tests/core/host_step_gpu.py DIRECTORY
 """
@@ -12,7 +13,11 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from tests.core.host_step_ranks import falls_back_once, overlapped_equals_sequential  # noqa: E402
+from tests.core.host_step_ranks import (  # noqa: E402
+    falls_back_once,
+    in_backward_error,
+    overlapped_equals_sequential,
+)
 
 
 def main() -> None:
@@ -21,6 +26,10 @@ def main() -> None:
     torch.use_deterministic_algorithms(True)  # both runs must add in the same order on the GPU
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     overlapped_equals_sequential(sys.argv[1], "adamw_fused", 10, True)
+    for clip in (False, True):  # CPUOffload(step_in_backward=True): early, or falling back for clipping
+        overlapped_equals_sequential(sys.argv[1], "adamw_fused", 10, True, True, clip)
+    for case in ("clip", "skip", "lr"):  # torch_clip: the CPU tests (torch clipping host DTensors)
+        assert "step_in_backward=False" in in_backward_error(case), case
     messages = falls_back_once("adagrad")
     assert len(messages) == 1 and "Adagrad" in messages[0], messages
     dist.barrier()

@@ -17,14 +17,31 @@ def test_issue_28_one_gpu_figures():
     assert 1.2 < t.speedup < 1.4
 
 
+def test_in_backward_at_1_5b_is_bounded_by_the_gpu_phases_plus_one_unit_step():
+    """30 units (28 blocks, the embedding and the head): the host step (0.283 s) fits beside the GPU's
+    forward and backward phases (0.110 + 0.225 s); one unit's step stays exposed. A slower host
+    bounds the step instead, starting a unit's share of the backward late."""
+    t = offload_step_time(resident_step_s=0.166, offloaded_params=1_532_037_120, checkpointed=False, units=30)
+    backward = max(t.backward_s, t.h2d_backward_s + t.d2h_s)
+    phases = max(t.forward_s, t.h2d_forward_s) + backward
+    assert t.in_backward_s == pytest.approx(phases + t.host_step_s / 30)
+    assert t.overlapped_s / t.in_backward_s > 1.4
+    slow_host = offload_step_time(
+        resident_step_s=0.166, offloaded_params=1_532_037_120, checkpointed=False, units=30, host_s_per_param=1e-9
+    )
+    assert slow_host.in_backward_s == pytest.approx(slow_host.host_step_s + backward / 30)  # host-bound
+
+
 def test_nothing_offloaded_is_the_resident_step_and_overlap_never_loses():
     t = offload_step_time(resident_step_s=1.0, offloaded_params=0, checkpointed=True)
-    assert t.sequential_s == t.overlapped_s == pytest.approx(1.0)
+    assert t.sequential_s == t.overlapped_s == t.in_backward_s == pytest.approx(1.0)
     for params in (10**8, 10**9, 10**10):
         for ckpt in (False, True):
-            t = offload_step_time(resident_step_s=1.0, offloaded_params=params, checkpointed=ckpt)
-            assert t.overlapped_s <= t.sequential_s
-            assert t.sequential_s - t.overlapped_s <= t.sequential_host_step_s * (1 + 1e-9)
+            for units in (1, 4, 40):
+                t = offload_step_time(resident_step_s=1.0, offloaded_params=params, checkpointed=ckpt, units=units)
+                assert t.in_backward_s <= t.sequential_s
+                assert t.overlapped_s <= t.sequential_s
+                assert t.sequential_s - t.overlapped_s <= t.sequential_host_step_s * (1 + 1e-9)
 
 
 @pytest.mark.parametrize(
@@ -33,6 +50,7 @@ def test_nothing_offloaded_is_the_resident_step_and_overlap_never_loses():
         (dict(resident_step_s=0.0), "resident_step_s=0.0 must be a positive number"),
         (dict(offloaded_params=-1), "offloaded_params=-1 must be a count"),
         (dict(stored_bytes=3), "stored_bytes=3: use 4"),
+        (dict(units=0), "units=0 must be the number of offloaded units"),
     ],
 )
 def test_bad_input_names_the_value(kwargs, message):

@@ -61,6 +61,11 @@ class Pending:
     keep: list[torch.Tensor] = field(default_factory=list)
     then: Callable[[], None] | None = None
 
+    @property
+    def waited(self) -> bool:
+        """Whether `wait()` ran (or there was nothing to wait for): on CPU the result is in place."""
+        return not self.works and self.event is None and self.then is None
+
     def wait(self) -> None:
         for work in self.works:
             work.wait()

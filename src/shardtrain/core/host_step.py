@@ -16,6 +16,10 @@ in place. AdamW, Adam and SGD update each element from that element alone, so st
 bitwise the single step. Everything global (clipping's norm, the non-finite verdict, a loss scale)
 is already decided when `step()` is called. Plain tensors also spare the host step DTensor's dispatch.
 
+With `st.CPUOffload(step_in_backward=True)` a unit may step earlier still: during backward, once its
+reduction landed (core/backward_step.py says when that is allowed and how `step()` proves it exact).
+The worker always takes, of the units ready to step, the one the next forward needs first.
+
 Other optimizers, a closure, or `differentiable=True` step in sequence as before, with one warning
 per optimizer; the first step (state not yet created) runs in sequence silently. Pending steps are
 completed ("flushed") before anything reads or replaces what they write: the next `step()`, the
@@ -32,7 +36,7 @@ import os
 import warnings
 import weakref
 from collections import defaultdict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -40,7 +44,9 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from .backward_step import BackwardSteps
 from .sharded_param import local_of
+from .step_queue import StepQueue
 
 if TYPE_CHECKING:
     from .runtime import Runtime
@@ -71,6 +77,8 @@ class _UnitStep:
     unit: ShardUnit
     view: torch.optim.Optimizer
     grads: list[tuple[torch.Tensor, torch.Tensor]]  # (local parameter alias, local gradient)
+    ready: tuple[torch.cuda.Event, ...] = ()  # the gradients' copies to the host have landed (in backward)
+    in_backward: bool = False
 
 
 @dataclass(kw_only=True)
@@ -81,6 +89,7 @@ class _Held:
     grads: list[tuple[nn.Parameter, torch.Tensor]]
     groups: list[dict[str, Any]]  # each param group's hyperparameters at the call
     amp: dict[str, torch.Tensor]  # grad_scale / found_inf a GradScaler handed a fused optimizer
+    early: set[int]  # units already stepped during backward, confirmed exact
 
 
 _LIVE: weakref.WeakSet[HostSteps] = weakref.WeakSet()
@@ -90,21 +99,19 @@ _hooks_installed = False
 class HostSteps:
     """The deferred per-unit optimizer steps of one sharded model's host-stepped `units`."""
 
-    def __init__(self, *, runtime: Runtime, units: list[ShardUnit]) -> None:
+    def __init__(self, *, runtime: Runtime, units: list[ShardUnit], in_backward: bool = False) -> None:
         self.runtime = runtime
         self.units = units
+        self.early = BackwardSteps(enabled=in_backward)
         self._unit_of = {id(p): unit for unit in units for p in unit.params}
+        self._indices = {unit.index for unit in units}
         self._pending: dict[int, Future] = {}  # unit.index -> its step on the worker
+        self._queue = StepQueue(device=runtime.comm.device)
+        self._position: dict[int, int] = {}  # unit.index -> its place in the next forward
+        self._landing: list[tuple[ShardUnit, tuple[torch.cuda.Event, ...]]] = []  # reduced, not yet stepped
         self._held: _Held | None = None
         self._adopted: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._warned: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
-        self._worker = ThreadPoolExecutor(
-            max_workers=1,
-            thread_name_prefix="shardtrain-host-step",
-            initializer=_init_worker,
-            initargs=(torch.get_num_threads(), runtime.comm.device),
-        )
-        weakref.finalize(self, self._worker.shutdown, wait=True)
 
     # ------------------------------------------------------------------ waiting
     def pending(self) -> list[ShardUnit]:
@@ -122,6 +129,55 @@ class HostSteps:
         """Complete every pending step."""
         self.wait_for(self.pending())
 
+    def begin_pass(self, what: str) -> None:
+        """A forward or backward begins: units stepped in the last backward must have been confirmed."""
+        self.early.check_stepped(what)
+
+    # ------------------------------------------------------------------ during backward
+    def reduced(self, unit: ShardUnit) -> None:
+        """The runtime issued `unit`'s gradient reductions in a synchronising backward."""
+        if unit.index in self._indices and self.early.optimizer_now() is not None:
+            comm = self.runtime.comm
+            # Note: recorded right behind the reduction and its copy to the host, on the streams they run
+            # on; the worker waits for these, not for the compute stream (the host runs ahead of it).
+            self._landing.append((unit, _events(comm.reduce_stream, comm.average_stream) if comm.cuda else ()))
+        self._step_landed()
+
+    def backward_ended(self) -> None:
+        """Every reduction of a synchronising backward was waited on."""
+        self._step_landed()
+        self._landing = []
+        self.early.backward_ended(self.units)
+
+    def _step_landed(self) -> None:
+        """Queue the early step of each landing unit whose reductions the host has waited on."""
+        optimizer = self.early.optimizer_now()
+        waiting = []
+        for unit, ready in self._landing:
+            if not unit.reduces_waited():
+                waiting.append((unit, ready))
+            elif optimizer is not None:
+                self._step_early(unit, optimizer, ready)
+        self._landing = waiting
+
+    def _step_early(self, unit: ShardUnit, optimizer: torch.optim.Optimizer, ready: tuple) -> None:
+        """Queue `unit`'s step now, if every parameter `step()` would step has its final gradient here."""
+        group_of = {id(p): j for j, g in enumerate(optimizer.param_groups) for p in g["params"]}
+        pairs = []
+        for p, grad, used in zip(unit.params, unit.reduced_grads(), unit.used):
+            if not p.requires_grad or id(p) not in group_of:
+                continue
+            if not used or grad is None or not optimizer.state.get(p):
+                return  # unused here (another rank decides), or no state yet: it steps after backward
+            pairs.append((p, grad))
+        if not pairs:
+            return
+        if self.early.groups is None:
+            self.early.groups = _hyperparameters(optimizer)
+        self.early.record(unit, pairs)
+        task = _unit_step(unit, optimizer, pairs, group_of, groups=self.early.groups, amp={})
+        self._submit(_UnitStep(unit=unit, view=task.view, grads=task.grads, ready=ready, in_backward=True))
+
     # ------------------------------------------------------------------ the user's step()
     def before_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         if self._held is not None:  # the previous step() raised before its post-hook: give the gradients back
@@ -129,10 +185,18 @@ class HostSteps:
                 p.grad = grad
             self._held = None
         mine = [p for g in optimizer.param_groups for p in g["params"] if id(p) in self._unit_of and p.grad is not None]
-        if not mine:
+        owner = self.early.optimizer() if self.early.optimizer is not None else None
+        early = self.early.stepped if optimizer is owner else {}
+        if self.early.stepped and not early and any(self._unit_of[id(p)].index in self.early.stepped for p in mine):
+            self.early.check_stepped(f"another optimizer's step() ({type(optimizer).__name__})")
+        if not mine and not early:
             return
-        self.flush()
+        groups, amp = _hyperparameters(optimizer), _amp(optimizer)
         reason = _unsplittable(optimizer, args, kwargs)
+        confirmed = self.early.at_step(
+            early=bool(early), mine=mine, unit_of=self._unit_of, groups=groups, amp=amp, unsplittable=reason
+        )
+        self.wait_for([u for u in self.pending() if u.index not in confirmed])
         if reason is not None:
             if optimizer not in self._warned:
                 self._warned.add(optimizer)
@@ -144,19 +208,12 @@ class HostSteps:
                     stacklevel=4,
                 )
             return
+        self._adopt(optimizer)
+        self.early.optimizer = weakref.ref(optimizer)
         if any(not optimizer.state.get(p) for p in mine):
             return  # the first step creates the state: the user's step does it, in sequence
-        self._adopt(optimizer)
-        self._held = _Held(
-            optimizer=optimizer,
-            grads=[(p, p.grad) for p in mine],
-            groups=[{k: _frozen(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
-            amp={
-                name: getattr(optimizer, name).clone()
-                for name in ("grad_scale", "found_inf")
-                if isinstance(getattr(optimizer, name, None), torch.Tensor)
-            },
-        )
+        grads = [(p, p.grad) for p in mine]
+        self._held = _Held(optimizer=optimizer, grads=grads, groups=groups, amp=amp, early=confirmed)
         for p in mine:
             p.grad = None  # the user's step() skips parameters without a gradient
 
@@ -171,18 +228,32 @@ class HostSteps:
         per_unit: dict[int, list[tuple[nn.Parameter, torch.Tensor]]] = defaultdict(list)
         for p, grad in held.grads:
             per_unit[self._unit_of[id(p)].index].append((p, grad))
-        for unit in self._step_order():
-            if unit.index in per_unit:
-                task = _unit_step(unit, optimizer, per_unit[unit.index], group_of, held)
-                self._pending[unit.index] = self._worker.submit(self._step_unit, task)
+        for unit in self.units:
+            if unit.index in per_unit and unit.index not in held.early:
+                pairs = per_unit[unit.index]
+                self._submit(_unit_step(unit, optimizer, pairs, group_of, groups=held.groups, amp=held.amp))
 
-    def _step_order(self) -> list[ShardUnit]:
-        """The units in the order the next forward needs them; those it may not run last."""
-        first = [u for u in self.runtime.forward_order() if u in self.units]
-        return first + [u for u in self.units if u not in first]
+    # ------------------------------------------------------------------ the worker
+    def _submit(self, task: _UnitStep) -> None:
+        """Queue `task`; the worker runs, of the queued steps, the one the next forward needs first."""
+        # Note: `self._step_unit` is looked up when the step runs (the benchmark and tests wrap it).
+        future = self._queue.submit(self._forward_position(task.unit), lambda: self._step_unit(task))
+        self._pending[task.unit.index] = future
+
+    def _forward_position(self, unit: ShardUnit) -> int:
+        """Where the next forward needs `unit` (units it may not run come last)."""
+        if not self._position:
+            order = [u.index for u in self.runtime.forward_order()]
+            if not order:
+                return len(self.units) + unit.index
+            self._position = {index: i for i, index in enumerate(order)}
+        return self._position.get(unit.index, len(self.units) + unit.index)
 
     def _step_unit(self, task: _UnitStep) -> None:
-        """On the worker: step one unit's local rows with the user's optimizer code."""
+        """On the worker: step one unit's local rows with the user's optimizer code (the one place every
+        unit step goes through, early or after `step()`)."""
+        for event in task.ready:
+            event.synchronize()
         for alias, grad in task.grads:
             alias.grad = grad
         try:
@@ -201,10 +272,17 @@ class HostSteps:
         self._adopted.add(optimizer)
         flush = _weak_flush(self)
         optimizer.register_state_dict_pre_hook(lambda opt: flush())
-        optimizer.register_load_state_dict_pre_hook(lambda opt, state: flush())
+        early = self.early
+
+        def before_load(opt, state) -> None:
+            early.check_stepped("optimizer.load_state_dict()")
+            flush()
+
+        optimizer.register_load_state_dict_pre_hook(before_load)
         zero_grad = optimizer.zero_grad
 
         def zero_grad_flushing(set_to_none: bool = True) -> None:
+            early.check_stepped("zero_grad()")
             if not set_to_none:
                 flush()  # zeroing in place would zero the gradients a pending step reads
             zero_grad(set_to_none=set_to_none)
@@ -212,13 +290,27 @@ class HostSteps:
         optimizer.zero_grad = zero_grad_flushing
 
 
-def _init_worker(threads: int, device: torch.device) -> None:
-    """Note: intra-op threads and the current CUDA device are per thread; the worker takes the thread
-    count st.shard chose for the host and this rank's device (the optimizer's capture check queries the
-    current device's stream, which would otherwise open a context on GPU 0 from every rank)."""
-    torch.set_num_threads(threads)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+def _events(*streams: torch.cuda.Stream) -> tuple[torch.cuda.Event, ...]:
+    events = []
+    for stream in streams:
+        event = torch.cuda.Event()
+        event.record(stream)
+        events.append(event)
+    return tuple(events)
+
+
+def _hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each param group's hyperparameters as they are now."""
+    return [{k: _frozen(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+
+def _amp(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """The grad_scale / found_inf a GradScaler handed a fused optimizer for this step, if any."""
+    return {
+        name: getattr(optimizer, name).clone()
+        for name in ("grad_scale", "found_inf")
+        if isinstance(getattr(optimizer, name, None), torch.Tensor)
+    }
 
 
 def _unit_step(
@@ -226,23 +318,25 @@ def _unit_step(
     optimizer: torch.optim.Optimizer,
     grads: list[tuple[nn.Parameter, torch.Tensor]],
     group_of: dict[int, int],
-    held: _Held,
+    *,
+    groups: list[dict[str, Any]],
+    amp: dict[str, torch.Tensor],
 ) -> _UnitStep:
     """The optimizer view stepping `unit`: its local rows per group, the state's local rows."""
     view = copy.copy(optimizer)  # same class and defaults; hooks and groups replaced below
     view.state = defaultdict(dict)
-    groups: dict[int, dict[str, Any]] = {}
+    per_group: dict[int, dict[str, Any]] = {}
     pairs = []
     for p, grad in grads:
         alias = local_of(p).detach()  # shares the rows; its .grad is the worker's alone
         j = group_of[id(p)]
-        groups.setdefault(j, dict(held.groups[j], params=[]))["params"].append(alias)
+        per_group.setdefault(j, dict(groups[j], params=[]))["params"].append(alias)
         view.state[alias] = {
             k: local_of(v) if isinstance(v, torch.Tensor) else v for k, v in optimizer.state[p].items()
         }
         pairs.append((alias, local_of(grad)))
-    view.param_groups = [groups[j] for j in sorted(groups)]
-    for name, value in held.amp.items():
+    view.param_groups = [per_group[j] for j in sorted(per_group)]
+    for name, value in amp.items():
         setattr(view, name, value)
     return _UnitStep(unit=unit, view=view, grads=pairs)
 
@@ -284,11 +378,14 @@ def _post_step(optimizer, args, kwargs) -> None:  # noqa: ARG001 - the hook's si
         steps.after_step(optimizer)
 
 
-def overlap_host_steps(model: nn.Module, runtime: Runtime, units: list[ShardUnit]) -> HostSteps:
+def overlap_host_steps(
+    model: nn.Module, runtime: Runtime, units: list[ShardUnit], *, in_backward: bool = False
+) -> HostSteps:
     """Defer and overlap the optimizer step of `units` of the sharded `model` (`st.shard` does this for
-    the offloaded units; on a CPU device, where nothing is offloaded, the tests do it for any unit)."""
+    the offloaded units; on a CPU device, where nothing is offloaded, the tests do it for any unit);
+    `in_backward`: step them during backward where the loop allows it (CPUOffload.step_in_backward)."""
     global _hooks_installed
-    steps = HostSteps(runtime=runtime, units=units)
+    steps = HostSteps(runtime=runtime, units=units, in_backward=in_backward)
     runtime.host_steps = steps
     _LIVE.add(steps)
     if not _hooks_installed:

@@ -103,6 +103,8 @@ class Runtime:
     def _begin_iteration(self) -> None:
         """The first unit of a new forward runs: free gradients the user cleared since the last step."""
         self.state = TrainingState.FORWARD
+        if self.host_steps is not None:
+            self.host_steps.begin_pass("the next forward")
         if self.order is not None:
             self.order.iteration += 1
         for u in self.units:
@@ -163,6 +165,8 @@ class Runtime:
     def _pre_backward(self, unit: ShardUnit) -> None:
         if self.state is not TrainingState.BACKWARD:
             self.state = TrainingState.BACKWARD
+            if self.host_steps is not None:
+                self.host_steps.begin_pass("another backward")
             self.settle()  # a unit the forward skipped steps now, before gradients land again
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
         ahead = self._next_backward.get(unit.index, []) if self._order_recorded else []
@@ -190,6 +194,8 @@ class Runtime:
             unit, flats = self._deferred
             self._deferred = None
             unit.issue_reduce(flats)
+            if self.host_steps is not None:
+                self.host_steps.reduced(unit)  # may step it during the rest of backward
 
     # ------------------------------------------------------------------ order of collectives
     def _check(self, entries: list[tuple[Collective, int]]) -> None:
@@ -226,6 +232,8 @@ class Runtime:
         self._finish_reduces()
         if self.comm.cuda and any(u.behaviour.offload for u in self.units):
             torch.cuda.current_stream().synchronize()  # the host optimizer reads the offloaded gradients
+        if self.host_steps is not None and self.sync_gradients:
+            self.host_steps.backward_ended()
         if self.sync_gradients:
             used = self._agree_on_used()
             for unit, mask in zip(self.units, used):

@@ -137,7 +137,7 @@ def shard_module(
     setattr(model, RUNTIME_ATTR, runtime)
     offloaded_units = [u for u in runtime.units if u.behaviour.offload]
     if offloaded_units and StepMode.from_env() is StepMode.OVERLAPPED:
-        overlap_host_steps(model, runtime, offloaded_units)
+        overlap_host_steps(model, runtime, offloaded_units, in_backward=offload_policy.step_in_backward)
     return model
 
 

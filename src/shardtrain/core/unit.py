@@ -163,6 +163,14 @@ class ShardUnit(ABC):
             pending.wait()
         self._pending_reduces = []
 
+    def reduces_waited(self) -> bool:
+        """Whether every reduction issued for this unit was waited on (on CPU: its gradients are in place)."""
+        return all(pending.waited for pending in self._pending_reduces)
+
+    def reduced_grads(self) -> list[torch.Tensor | None]:
+        """Per parameter, the sharded gradient `publish_grads` points `.grad` at when the parameter is used."""
+        return list(self._grads)
+
     def owns_grads(self) -> bool:
         """Whether every published `.grad` is still the view of a flat sharded gradient."""
         return all(self.params[i].grad is self._grads[i] for i, s in enumerate(self.layout.params) if s.requires_grad)

@@ -9,10 +9,17 @@ parameters, and PCIe each way. What runs beside what:
                  + host step over DTensors
     overlapped   max(forward, H2D of the forward's gathers, host step)
                  + max(backward, H2D of the backward's re-gathers + D2H of the gradients)
+    in backward  max(forward phase + backward phase + host step / units,
+                     host step + backward phase / units)
 
 Overlapped, the host step of unit k runs during the next forward just before unit k is needed, so the
 forward takes as long as the slowest of the three; the backward cannot hide it (clipping's norm, the
-non-finite verdict and the last micro-batch are only known at its end). In backward the host-to-device
+non-finite verdict and the last micro-batch are only known at its end). In backward
+(CPUOffload(step_in_backward=True), a loop with nothing global between backward and step()), each
+unit steps once its gradients landed: the host starts a unit's share of the backward phase after it
+begins and runs on through the next forward, so the step is bounded by the GPU's phases or by the host
+step, whichever is longer; the first unit of the next forward gets its gradients last and its step is
+always exposed (one unit's share, the units assumed equal). In backward the host-to-device
 re-gathers and the device-to-host gradient copies share the link (measured 47.7 GB/s each way at once
 on an H200 host, about the one-way rate): they are counted one after the other, at the one-way rate.
 
@@ -47,6 +54,7 @@ class OffloadTime:
     d2h_s: float  # the offloaded gradients back to the host
     sequential_s: float
     overlapped_s: float
+    in_backward_s: float  # units stepped during backward where their gradients are final
 
     @property
     def speedup(self) -> float:
@@ -62,8 +70,10 @@ def offload_step_time(
     stored_bytes: int = 4,
     pcie_bytes_per_s: float = PCIE_BYTES_PER_S,
     host_s_per_param: float = HOST_ADAMW_S_PER_PARAM,
+    units: int = 1,
 ) -> OffloadTime:
-    """The offloaded step's phases from the resident step's time (GPU work alone) and the offload."""
+    """The offloaded step's phases from the resident step's time (GPU work alone) and the offload over
+    `units` offloaded units (the in-backward step's granularity; 1 is the pessimistic bound)."""
     for name, value in (
         ("resident_step_s", resident_step_s),
         ("pcie_bytes_per_s", pcie_bytes_per_s),
@@ -73,6 +83,8 @@ def offload_step_time(
             raise ValueError(f"offload_step_time: {name}={value!r} must be a positive number")
     if isinstance(offloaded_params, bool) or not isinstance(offloaded_params, int) or offloaded_params < 0:
         raise ValueError(f"offload_step_time: offloaded_params={offloaded_params!r} must be a count (0 or more)")
+    if isinstance(units, bool) or not isinstance(units, int) or units < 1:
+        raise ValueError(f"offload_step_time: units={units!r} must be the number of offloaded units (1 or more)")
     if stored_bytes not in (2, 4):
         raise ValueError(f"offload_step_time: stored_bytes={stored_bytes!r}: use 4 (fp32 masters) or 2")
     # forward : backward = 1 : 2 of the FLOPs, 1 : 3 with every block's forward recomputed
@@ -82,6 +94,8 @@ def offload_step_time(
     h2d_backward = shard_s if reshard_after_forward else 0.0
     host = offloaded_params * host_s_per_param
     backward_phase = max(backward, h2d_backward + shard_s)  # the re-gathers, then the gradients (d2h)
+    forward_phase = max(forward, shard_s)
+    in_backward = max(forward_phase + backward_phase + host / units, host + backward_phase / units)
     return OffloadTime(
         forward_s=forward,
         backward_s=backward,
@@ -90,6 +104,7 @@ def offload_step_time(
         h2d_forward_s=shard_s,
         h2d_backward_s=h2d_backward,
         d2h_s=shard_s,
-        sequential_s=max(forward, shard_s) + backward_phase + host * DTENSOR_FACTOR,
-        overlapped_s=max(forward, shard_s, host) + backward_phase,
+        sequential_s=forward_phase + backward_phase + host * DTENSOR_FACTOR,
+        overlapped_s=max(forward_phase, host) + backward_phase,
+        in_backward_s=in_backward if offloaded_params else forward + backward,
     )

@@ -1,0 +1,39 @@
+"""core/step_queue.py: the host step's worker runs, of the queued steps, the most urgent first."""
+
+import threading
+
+import pytest
+import torch
+
+from shardtrain.core.step_queue import THREADS_ENV, StepQueue, worker_threads
+
+
+def test_runs_the_lowest_priority_first_then_by_arrival():
+    """While the worker is busy, steps arrive in backward order (last unit first); it then runs them in
+    the next forward's order, and a step's error reaches its future only."""
+    queue = StepQueue(device=torch.device("cpu"))
+    release, ran = threading.Event(), []
+    first = queue.submit(0, release.wait)
+    futures = [queue.submit(p, lambda p=p: ran.append(p)) for p in (5, 3, 4, 1, 3)]
+    failing = queue.submit(2, lambda: 1 / 0)
+    release.set()
+    first.result(timeout=10)
+    for future in futures:
+        future.result(timeout=10)
+    assert ran == [1, 3, 3, 4, 5]
+    with pytest.raises(ZeroDivisionError):
+        failing.result(timeout=10)
+
+
+def test_worker_threads_from_the_environment(monkeypatch):
+    monkeypatch.delenv(THREADS_ENV, raising=False)
+    assert worker_threads() == torch.get_num_threads()
+    monkeypatch.setenv(THREADS_ENV, "3")
+    assert worker_threads() == 3
+    monkeypatch.setenv(THREADS_ENV, "0")
+    with pytest.raises(ValueError, match="SHARDTRAIN_HOST_STEP_THREADS='0': give a positive number of threads"):
+        worker_threads()
+    monkeypatch.setenv(THREADS_ENV, "2")
+    seen = []
+    StepQueue(device=torch.device("cpu")).submit(0, lambda: seen.append(torch.get_num_threads())).result(timeout=10)
+    assert seen == [2]

@@ -6,14 +6,14 @@ Rows (bf16 compute, fp32 masters, fused AdamW, seq 4096): 1.5B batch 2 resident;
 the host step in sequence, overlapped with the next forward, and in backward (each unit steps once
 its gradients landed, `st.CPUOffload(step_in_backward=True)`), also under shard_grad_op (the bf16
 parameters kept from forward to backward: no second host-to-device copy, planning/offload_time.py
-says why it matters), and in backward with one host thread fewer for the step (the main thread keeps
-a core); torch FSDP2 with CPUOffloadPolicy; 14.5B (`14b`) batch 2, every block checkpointed, half
+says why it matters), and in backward with every core for the step (the default leaves the main thread
+one); torch FSDP2 with CPUOffloadPolicy; 14.5B (`14b`) batch 2, every block checkpointed, half
 offloaded, in backward, overlapped and in sequence. Prints each row's JSON line, a table with the
 breakdown (offload_step.py's docstring) and the ratios issue 28 asks for, each beside the estimate of
 planning/offload_time.py. A row that fails or runs out of time is reported and the next one runs.
 
     python benchmarks/offload_suite.py --only "resident" "offload sequential" "offload in backward" \
-        "offload in backward shard_grad_op" "offload in backward 15 threads" "fsdp2 CPUOffloadPolicy"
+        "offload in backward shard_grad_op" "offload in backward 16 threads" "fsdp2 CPUOffloadPolicy"
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ ROWS = {
     "offload in backward": "--size 1.5b --batch 2 --split --offload --host-step backward",
     "offload in backward shard_grad_op": "--size 1.5b --batch 2 --split --offload --host-step backward "
     "--strategy shard_grad_op",
-    "offload in backward 15 threads": "--size 1.5b --batch 2 --split --offload --host-step backward --host-threads 15",
+    "offload in backward 16 threads": "--size 1.5b --batch 2 --split --offload --host-step backward --host-threads 16",
     "fsdp2 CPUOffloadPolicy": "--size 1.5b --batch 2 --offload --engine fsdp2",
     "14b half in backward": "--size 14b --batch 2 --ac --split --offload 0.5 --host-step backward",
     "14b half overlapped": "--size 14b --batch 2 --ac --split --offload 0.5",
@@ -81,7 +81,7 @@ def run_row(name: str, argv: list[str], *, budget_s: float, port: int) -> dict |
 
 
 MODES = ("offload overlapped", "offload overlapped shard_grad_op", "offload in backward",
-         "offload in backward shard_grad_op", "offload in backward 15 threads")  # fmt: skip
+         "offload in backward shard_grad_op", "offload in backward 16 threads")  # fmt: skip
 
 
 def ratios(rows: dict[str, dict]) -> list[str]:

@@ -27,7 +27,14 @@ def test_runs_the_lowest_priority_first_then_by_arrival():
 
 def test_worker_threads_from_the_environment(monkeypatch):
     monkeypatch.delenv(THREADS_ENV, raising=False)
-    assert worker_threads() == torch.get_num_threads()
+    threads = torch.get_num_threads()
+    try:  # the default leaves the main thread one core
+        torch.set_num_threads(4)
+        assert worker_threads() == 3
+        torch.set_num_threads(1)
+        assert worker_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
     monkeypatch.setenv(THREADS_ENV, "3")
     assert worker_threads() == 3
     monkeypatch.setenv(THREADS_ENV, "0")

@@ -18,7 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-THREADS_ENV = "SHARDTRAIN_HOST_STEP_THREADS"  # the worker's intra-op threads (default: the process's)
+THREADS_ENV = "SHARDTRAIN_HOST_STEP_THREADS"  # the worker's intra-op threads (default: one fewer than the process's)
 
 
 class StepQueue:
@@ -57,11 +57,13 @@ class StepQueue:
 
 
 def worker_threads() -> int:
-    """The worker's intra-op threads: SHARDTRAIN_HOST_STEP_THREADS, else this process's (which `st.shard`
-    set to CPUOffload.host_threads())."""
+    """The worker's intra-op threads: SHARDTRAIN_HOST_STEP_THREADS, else one fewer than this process's
+    (which `st.shard` set to CPUOffload.host_threads()), so the main thread keeps a core to launch the
+    GPU's work and copies beside the step (on one H200 host, 1.5B fully offloaded, stepping in backward:
+    15 of 16 cores gave 14,669 tokens/s against 13,524 with all 16; BENCHMARKS.md)."""
     value = os.environ.get(THREADS_ENV)
     if value is None:
-        return torch.get_num_threads()
+        return max(1, torch.get_num_threads() - 1)
     if not value.isdigit() or int(value) < 1:
         raise ValueError(f"{THREADS_ENV}={value!r}: give a positive number of threads")
     return int(value)

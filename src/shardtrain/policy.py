@@ -105,8 +105,13 @@ class CPUOffload:
     # Host threads for the optimizer step on the offloaded shards (torch's intra-op threads). None: this
     # process's share of the machine's cores; torchrun otherwise leaves every process one thread.
     threads: int | None = None
+    # The disk tier (core/disk_state.py): a directory for per-rank files holding the offloaded units'
+    # optimizer state, streamed through `disk_buffer_bytes` of host buffers (None: 4 units' worth).
+    disk_dir: str | None = None
+    disk_buffer_bytes: int | None = None
 
     def __post_init__(self) -> None:
+        _check_disk_tier(self)
         if (
             isinstance(self.fraction, bool)
             or not isinstance(self.fraction, (int, float))
@@ -139,6 +144,20 @@ class CPUOffload:
             chosen.append(offloaded < target)
             offloaded += size if chosen[-1] else 0
         return chosen
+
+
+def _check_disk_tier(policy: CPUOffload) -> None:
+    if policy.disk_dir is not None and (
+        not isinstance(policy.disk_dir, (str, os.PathLike)) or not os.path.isdir(policy.disk_dir)
+    ):
+        raise ValueError(f"CPUOffload(disk_dir={policy.disk_dir!r}): give an existing directory on a local disk")
+    size = policy.disk_buffer_bytes
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+        raise ValueError(f"CPUOffload(disk_buffer_bytes={size!r}): give a positive number of bytes, or None")
+    if size is not None and policy.disk_dir is None:
+        raise ValueError(f"CPUOffload(disk_buffer_bytes={size!r}) without disk_dir: name the directory for the state")
+    if policy.disk_dir is not None and not policy.optimizer:
+        raise ValueError("CPUOffload(disk_dir=..., optimizer=False): the disk tier holds offloaded optimizer state")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -43,6 +43,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from .sharded_param import local_of
 
 if TYPE_CHECKING:
+    from .disk_state import DiskState
     from .runtime import Runtime
     from .unit import ShardUnit
 
@@ -98,6 +99,7 @@ class HostSteps:
         self._held: _Held | None = None
         self._adopted: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._warned: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self.store: DiskState | None = None  # the disk tier (core/disk_state.py): state streamed from files
         self._worker = ThreadPoolExecutor(
             max_workers=1,
             thread_name_prefix="shardtrain-host-step",
@@ -171,10 +173,15 @@ class HostSteps:
         per_unit: dict[int, list[tuple[nn.Parameter, torch.Tensor]]] = defaultdict(list)
         for p, grad in held.grads:
             per_unit[self._unit_of[id(p)].index].append((p, grad))
-        for unit in self._step_order():
-            if unit.index in per_unit:
-                task = _unit_step(unit, optimizer, per_unit[unit.index], group_of, held)
-                self._pending[unit.index] = self._worker.submit(self._step_unit, task)
+        tasks = [
+            _unit_step(unit, optimizer, per_unit[unit.index], group_of, held)
+            for unit in self._step_order()
+            if unit.index in per_unit
+        ]
+        if self.store is not None:  # the disk tier: state to the files, reads of the first units issued
+            self.store.begin(optimizer, _weak_flush(self), [(task.unit, task.view) for task in tasks])
+        for task in tasks:
+            self._pending[task.unit.index] = self._worker.submit(self._step_unit, task)
 
     def _step_order(self) -> list[ShardUnit]:
         """The units in the order the next forward needs them; those it may not run last."""
@@ -183,6 +190,8 @@ class HostSteps:
 
     def _step_unit(self, task: _UnitStep) -> None:
         """On the worker: step one unit's local rows with the user's optimizer code."""
+        if self.store is not None:
+            self.store.fetch(task.unit)  # the disk tier: wait for the unit's state, read into a buffer
         for alias, grad in task.grads:
             alias.grad = grad
         try:
@@ -193,6 +202,8 @@ class HostSteps:
         finally:
             for alias, _ in task.grads:
                 alias.grad = None
+            if self.store is not None:
+                self.store.release(task.unit)  # the disk tier: write the buffer back behind the next steps
 
     def _adopt(self, optimizer: torch.optim.Optimizer) -> None:
         """Flush before the optimizer's state is read or replaced, or its gradients zeroed in place."""

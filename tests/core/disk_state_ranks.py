@@ -1,0 +1,268 @@
+"""Rank-side code of the disk tier tests (core/disk_state.py): optimizer state in per-rank files,
+streamed through the deferred per-unit host step, against the same step with the state in host memory.
+
+On a CPU device nothing is offloaded, so the runs hand every unit to `overlap_host_steps` (as
+tests/core/host_step_ranks.py does) and attach the disk tier to it as `st.shard` does for offloaded
+units.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import shardtrain as st
+from shardtrain.core import aio
+from shardtrain.core.disk_state import DiskState, attach_disk_state, on_disk
+from shardtrain.core.host_step import overlap_host_steps
+from shardtrain.core.shard import runtime_of
+from shardtrain.core.sharded_param import local_of
+from shardtrain.models.llama import Block
+from tests.core.host_step_ranks import CHECKPOINT_STEP, MICRO, PER, Run, final_state, make_optimizer, train_step
+from tests.models import make_batches, tiny_llama
+
+STEPS = 10
+
+
+def build(directory: str | None, *, buffer_bytes: int | None = None, direct: bool = True) -> Run:
+    """The tiny Llama, every unit host-stepped; its AdamW state in files under `directory` (None: in
+    host memory). `direct=False` makes the probe report no O_DIRECT (as tmpfs before Linux 6.6 does)."""
+    torch.manual_seed(0)
+    model = tiny_llama()
+    st.shard(model, strategy="full_shard", wrap={Block})
+    optimizer = make_optimizer(model, "adamw_fused")
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.8**s)
+    runtime = runtime_of(model)
+    steps = overlap_host_steps(model, runtime, runtime.units)
+    if directory is not None:
+        probe = aio.direct_supported
+        if not direct:
+            import shardtrain.core.disk_state as disk_state
+
+            disk_state.direct_supported = lambda d: False
+        try:
+            policy = st.CPUOffload(disk_dir=directory, disk_buffer_bytes=buffer_bytes)
+            store = attach_disk_state(steps, policy, rank=dist.get_rank())
+        finally:
+            import shardtrain.core.disk_state as disk_state
+
+            disk_state.direct_supported = probe
+        assert store.direct == direct, f"{directory}: O_DIRECT {store.direct}, expected {direct}"
+    return Run(model=model, optimizer=optimizer, scheduler=scheduler, steps=steps, stepped=[0])
+
+
+def batches(steps: int) -> list:
+    return make_batches("llama", steps=steps, global_batch=dist.get_world_size() * MICRO * PER)
+
+
+def store_of(run: Run) -> DiskState:
+    assert run.steps is not None and run.steps.store is not None
+    return run.steps.store
+
+
+def expected_file_bytes(run: Run) -> int:
+    """Each unit's AdamW moments (two fp32 tensors per parameter, 64-byte aligned), the unit's region
+    rounded up to 4096 bytes."""
+    total = 0
+    for unit in runtime_of(run.model).units:
+        end = 0
+        for p in unit.params:
+            for _ in ("exp_avg", "exp_avg_sq"):
+                end = -(-end // 64) * 64 + local_of(p).numel() * 4
+        total += aio.align_up(end)
+    return total
+
+
+def check_on_disk(run: Run) -> int:
+    """Every moment is in the file (empty storage); the file has the expected size. The file's bytes."""
+    runtime_of(run.model)  # completes the pending steps
+    store = store_of(run)
+    store.drain()
+    for p, state in run.optimizer.state.items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert on_disk(local_of(state[key])), f"{key} of a {tuple(p.shape)} parameter is in host memory"
+        assert not on_disk(state["step"]), "the step count stays in host memory"
+    size = os.path.getsize(store.file.path)
+    assert store.file_bytes() == size == expected_file_bytes(run), (store.file_bytes(), size, expected_file_bytes(run))
+    return size
+
+
+def resume(run: Run, directory: str | None, checkpoint: str, **kw) -> Run:
+    state = {"model": run.model, "optimizer": run.optimizer, "scheduler": run.scheduler}
+    st.save_checkpoint(checkpoint, state)  # reads the state back from the files
+    fresh = build(directory, **kw)
+    st.load_checkpoint(checkpoint, {"model": fresh.model, "optimizer": fresh.optimizer, "scheduler": fresh.scheduler})
+    return fresh
+
+
+def train(run: Run, data: list, first: int = 0, *, resume_to=None) -> tuple[Run, list[float]]:
+    norms = []
+    for step, batch in enumerate(data[first:], start=first):
+        norms.append(train_step(run, batch, step))
+        if resume_to is not None and step == CHECKPOINT_STEP:
+            run = resume_to(run)
+    return run, norms
+
+
+def final(run: Run) -> list[tuple[str, torch.Tensor]]:
+    run.optimizer.state_dict()  # reads the disk tier's state back into host memory
+    return final_state(run)
+
+
+def same_norms(a: list[float], b: list[float]) -> bool:
+    return len(a) == len(b) and all(x == y or (math.isnan(x) and math.isnan(y)) for x, y in zip(a, b))
+
+
+def assert_same(got: list, want: list, what: str) -> None:
+    assert [n for n, _ in got] == [n for n, _ in want], what
+    for (name, a), (_, b) in zip(got, want):
+        assert torch.equal(a, b), f"{what}: {name} differs: max |diff| {(a.float() - b.float()).abs().max()}"
+
+
+def disk_equals_memory(real_disk: str, buffered_dir: str) -> dict:
+    """10 steps with accumulation, clipping, a skipped step and a checkpoint resume: the state in host
+    memory, on a real disk with O_DIRECT (default pool), and buffered with a one-unit pool; bitwise."""
+    rank = dist.get_rank()
+    data = batches(STEPS)
+    results, sizes = {}, {}
+    variants = {
+        "memory": (None, {}),
+        "direct": (f"{real_disk}/state", {}),
+        "buffered": (f"{buffered_dir}/state-{rank}", {"direct": False}),
+    }
+    for name, (directory, kw) in variants.items():
+        if directory is not None:
+            os.makedirs(directory, exist_ok=True)
+            if name == "buffered":
+                largest = max(
+                    aio.align_up(sum(-(-local_of(p).numel() * 4 // 64) * 64 * 2 for p in u.params))
+                    for u in runtime_of(build(None).model).units
+                )
+                kw = dict(kw, buffer_bytes=largest)  # one slot: read, step, write in turn
+        run = build(directory, **kw)
+        checkpoint = f"{real_disk}/ckpt-{name}"
+        run, norms = train(run, data, resume_to=lambda r, d=directory, c=checkpoint, k=kw: resume(r, d, c, **k))
+        if directory is not None:
+            sizes[name] = check_on_disk(run)
+            assert store_of(run).slot_count() == (1 if name == "buffered" else 4)
+        results[name] = (norms, final(run))
+    for name in ("direct", "buffered"):
+        assert same_norms(results[name][0], results["memory"][0]), f"{name}: norms {results[name][0]}"
+        assert_same(results[name][1], results["memory"][1], name)
+    return sizes
+
+
+# ------------------------------------------------------------------------------------ crash and resume
+def crash(rank: int, world: int, port: int, directory: str, when: str) -> None:
+    """A 2-process job (not the pool): train on the disk tier, checkpoint after step CHECKPOINT_STEP,
+    then be killed: rank 1 SIGKILLs itself between two steps, or inside a state write (half written)."""
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    run = build(f"{directory}/state")
+    data = batches(STEPS)
+    kill_step = CHECKPOINT_STEP + 2
+    for step, batch in enumerate(data[: kill_step + 1]):
+        if step == kill_step and rank == 1 and when == "write":
+            transfer = aio._transfer
+
+            def half_then_die(fd, piece, offset, write):
+                if write:
+                    transfer(fd, piece[: len(piece) // 2 // aio.ALIGN * aio.ALIGN], offset, write)
+                    Path(f"{directory}/killed").touch()
+                    os.kill(os.getpid(), signal.SIGKILL)
+                transfer(fd, piece, offset, write)
+
+            aio._transfer = half_then_die
+        train_step(run, batch, step)
+        if step == CHECKPOINT_STEP:
+            state = {"model": run.model, "optimizer": run.optimizer, "scheduler": run.scheduler}
+            st.save_checkpoint(f"{directory}/ckpt", state)
+    runtime_of(run.model)  # the last step's unit steps (and their writes) run
+    store_of(run).drain()
+    if rank == 1:
+        Path(f"{directory}/killed").touch()
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(600)  # rank 0 waits to be killed by the test
+
+
+def resume_after_kill(directory: str) -> int:
+    """Resume from the checkpoint on the directory the killed job used; equal the uninterrupted run."""
+    data = batches(STEPS)
+    reference, want_norms = train(build(None), data)
+    want = final(reference)
+    stale = sorted(Path(f"{directory}/state").glob(f"*-rank{dist.get_rank()}-*.state"))
+    run = build(f"{directory}/state")
+    assert not [p for p in stale if p.exists()], f"the killed run's files were not removed: {stale}"
+    st.load_checkpoint(
+        f"{directory}/ckpt", {"model": run.model, "optimizer": run.optimizer, "scheduler": run.scheduler}
+    )
+    run, norms = train(run, data, first=CHECKPOINT_STEP + 1)
+    check_on_disk(run)
+    assert same_norms(norms, want_norms[CHECKPOINT_STEP + 1 :]), f"norms after the resume: {norms} vs {want_norms}"
+    assert_same(final(run), want, "after the resume")
+    return len(stale)
+
+
+# ------------------------------------------------------------------------------------ memory
+class Wide(nn.Module):
+    """8 square linear layers: units of equal size, so the pool holds a small share of the state."""
+
+    def __init__(self, width: int, layers: int = 8) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width, bias=False) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def _rss_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise AssertionError(f"{field} missing from /proc/self/status")
+
+
+def peak_rss(directory: str, width: int) -> dict:
+    """Train with two units' state in the pool and the rest on disk; the peak resident set over the
+    steady steps stays within 10% of the resident set (pool included) before them."""
+    torch.manual_seed(dist.get_rank())
+    model = Wide(width)
+    st.shard(model, strategy="full_shard", wrap={nn.Linear})
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    runtime = runtime_of(model)
+    steps = overlap_host_steps(model, runtime, runtime.units)
+    unit_state = 2 * 4 * width * width // dist.get_world_size()
+    pool = 2 * aio.align_up(unit_state)
+    store = attach_disk_state(steps, st.CPUOffload(disk_dir=directory, disk_buffer_bytes=pool), rank=dist.get_rank())
+    x = torch.randn(4, width)
+
+    def step() -> None:
+        model(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    for _ in range(3):  # the first creates the state in host memory; the second moves it to the file
+        step()
+    runtime_of(model)
+    store.drain()
+    resident = _rss_kib("VmRSS") * 1024
+    Path("/proc/self/clear_refs").write_text("5")  # resets the peak (VmHWM) to the current resident set
+    for _ in range(4):
+        step()
+    runtime_of(model)
+    store.drain()
+    peak = _rss_kib("VmHWM") * 1024
+    on_file = store.file_bytes()
+    assert store.pool_bytes() == pool and on_file >= 4 * pool, (on_file, pool)
+    assert peak <= 1.1 * resident, f"peak RSS {peak} exceeds the resident set {resident} (pool {pool}) by over 10%"
+    return {"resident": resident, "peak": peak, "pool": pool, "on_disk": on_file}

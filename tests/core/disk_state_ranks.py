@@ -8,6 +8,7 @@ units.
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import signal
@@ -42,6 +43,7 @@ def build(directory: str | None, *, buffer_bytes: int | None = None, direct: boo
     runtime = runtime_of(model)
     steps = overlap_host_steps(model, runtime, runtime.units)
     if directory is not None:
+        os.makedirs(directory, exist_ok=True)
         probe = aio.direct_supported
         if not direct:
             import shardtrain.core.disk_state as disk_state
@@ -266,3 +268,51 @@ def peak_rss(directory: str, width: int) -> dict:
     assert store.pool_bytes() == pool and on_file >= 4 * pool, (on_file, pool)
     assert peak <= 1.1 * resident, f"peak RSS {peak} exceeds the resident set {resident} (pool {pool}) by over 10%"
     return {"resident": resident, "peak": peak, "pool": pool, "on_disk": on_file}
+
+
+# ------------------------------------------------------------------------------------ a full disk
+def full_disk(directory: str) -> str:
+    """The space check before the first write, then ENOSPC from a write: one line each."""
+    import shutil
+    from collections import namedtuple
+
+    import shardtrain.core.disk_state as disk_state
+
+    data = batches(3)
+    usage = namedtuple("usage", "total used free")
+    real = shutil.disk_usage
+    disk_state.shutil.disk_usage = lambda d: usage(1 << 30, (1 << 30) - 4096, 4096)
+    try:
+        os.makedirs(f"{directory}/full-{dist.get_rank()}")
+        run = build(f"{directory}/full-{dist.get_rank()}")
+        train_step(run, data[0], 0)  # the first step creates the state in host memory
+        try:
+            train_step(run, data[1], 1)
+            raise AssertionError("the space check did not stop the step")
+        except disk_state.DiskFullError as e:
+            first = str(e)
+    finally:
+        disk_state.shutil.disk_usage = real
+    run = build(f"{directory}/full-{dist.get_rank()}")
+    for step in range(2):
+        train_step(run, data[step], step)
+    transfer = aio._transfer
+
+    def no_space(fd, piece, offset, write):
+        if write:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        transfer(fd, piece, offset, write)
+
+    aio._transfer = no_space
+    try:
+        try:
+            train_step(run, data[2], 2)
+            runtime_of(run.model)
+            store_of(run).drain()
+            raise AssertionError("ENOSPC from a write was not reported")
+        except disk_state.DiskFullError as e:
+            second = str(e)
+    finally:
+        aio._transfer = transfer
+    assert "needs" in first and "needs" in second, (first, second)
+    return first

@@ -3,14 +3,18 @@ host-memory offload; O_DIRECT and buffered I/O; crash safety; bounded memory; a 
 
 import errno
 import os
+import signal
+import socket
 import tempfile
+import time
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 
 import shardtrain as st
 from shardtrain.core import aio
-from tests.core.disk_state_ranks import disk_equals_memory
+from tests.core.disk_state_ranks import crash, disk_equals_memory, full_disk, peak_rss, resume_after_kill
 
 
 def _buffered_dir(tmp_path):
@@ -67,3 +71,49 @@ def test_bad_options_say_what_to_do(tmp_path):
         st.CPUOffload(disk_dir=str(tmp_path), disk_buffer_bytes=0)
     with pytest.raises(ValueError, match=r"without disk_dir"):
         st.CPUOffload(disk_buffer_bytes=1 << 20)
+
+
+@pytest.mark.slow
+def test_peak_memory_is_the_pool_not_the_state(pools, tmp_path):
+    """The state on disk is 4 times the pool; the resident set does not grow by more than 10% while
+    the steps stream it (in host memory the state would add 4 pools)."""
+    for r in pools(2).run(peak_rss, str(tmp_path), 768):
+        assert r["on_disk"] >= 4 * r["pool"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("when", ["between_steps", "write"])
+def test_killed_rank_resumes_to_the_uninterrupted_numbers(pools, tmp_path, when):
+    """Rank 1 is SIGKILLed between two steps or half way through a state write; the resume from the
+    last checkpoint reads nothing the killed job left, removes its files and equals the uninterrupted run."""
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=crash, args=(r, 2, port, str(tmp_path), when), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + 120
+    try:
+        while procs[1].is_alive():
+            assert time.monotonic() < deadline, "rank 1 was never killed"
+            time.sleep(0.1)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
+            p.join(timeout=30)
+    assert procs[1].exitcode == -signal.SIGKILL and (tmp_path / "killed").exists()
+    left = pools(2).run(resume_after_kill, str(tmp_path))
+    assert left == [1, 1], f"state files the killed job left, per rank: {left}"
+
+
+def test_full_disk_is_one_line(pools, tmp_path):
+    """Too little free space stops the first disk step with the directory and the bytes; so does
+    ENOSPC from a write (a disk filled by someone else after the check)."""
+    for message in pools(2).run(full_disk, str(tmp_path)):
+        assert str(tmp_path) in message and "bytes free" in message and "\n" not in message, message

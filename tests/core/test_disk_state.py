@@ -117,3 +117,15 @@ def test_full_disk_is_one_line(pools, tmp_path):
     ENOSPC from a write (a disk filled by someone else after the check)."""
     for message in pools(2).run(full_disk, str(tmp_path)):
         assert str(tmp_path) in message and "bytes free" in message and "\n" not in message, message
+
+
+def test_cli_offload_dir(tmp_path):
+    """`shardtrain train --engine.offload_dir DIR` asks the Engine for the disk tier; without CPU offload
+    it is one line saying what to add."""
+    from shardtrain.cli.train import engine_options
+    from shardtrain.train.config import ConfigError, load_config
+
+    cfg = load_config(None, ["--engine.cpu_offload", "true", "--engine.offload_dir", str(tmp_path)])
+    assert engine_options(cfg)["cpu_offload"] == st.CPUOffload(disk_dir=str(tmp_path))
+    with pytest.raises(ConfigError, match=r"engine.offload_dir=.*--engine.cpu_offload true"):
+        load_config(None, ["--engine.offload_dir", str(tmp_path)])

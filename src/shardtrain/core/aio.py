@@ -73,24 +73,25 @@ class Request:
         self._done = threading.Event()
         self._callbacks: list[Callable[[Request], None]] = []
         self._lock = threading.Lock()
-        if pieces == 0:
+        self._finished = pieces == 0  # every piece done (callbacks run before `wait()` returns)
+        if self._finished:
             self._done.set()
 
     def _piece_done(self, error: BaseException | None) -> None:
         with self._lock:
             self._error = self._error or error
             self._left -= 1
-            finished = self._left == 0
-            callbacks = list(self._callbacks) if finished else []
-        if finished:
-            self._done.set()
+            self._finished = self._left == 0
+            callbacks = list(self._callbacks) if self._finished else []
+        if self._finished:
             for callback in callbacks:
                 callback(self)
+            self._done.set()
 
     def add_done_callback(self, callback: Callable[[Request], None]) -> None:
         """Call `callback(self)` once every piece is done (at once if they already are)."""
         with self._lock:
-            if not self._done.is_set():
+            if not self._finished:
                 self._callbacks.append(callback)
                 return
         callback(self)

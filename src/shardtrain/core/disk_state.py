@@ -37,8 +37,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
-from .aio import AsyncFile, Request, align_up, aligned_empty, direct_supported
+from .aio import ALIGN, AsyncFile, Request, align_up, aligned_empty, direct_supported
 from .host_step import ENV
 from .sharded_param import local_of
 
@@ -96,6 +97,36 @@ def _evict(tensor: torch.Tensor) -> None:
     tensor.untyped_storage().resize_(0)
 
 
+def _elementwise(value: Any, param: torch.Tensor) -> bool:
+    """Whether an optimizer state entry goes to the files: a tensor shaped like the parameter's rows."""
+    if not isinstance(value, torch.Tensor):
+        return False
+    t = local_of(value)
+    return t.numel() > 0 and t.shape == local_of(param).shape and t.is_contiguous()
+
+
+def _empty_like(param: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The user's state entry for `rows` of `param` whose values are in the files: the parameter's
+    kind of tensor (a DTensor of the same placement for a sharded parameter) with an empty storage."""
+    shell = torch.empty(rows.shape, dtype=rows.dtype)
+    _evict(shell)
+    if isinstance(param, DTensor):
+        return DTensor.from_local(
+            shell, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+        )
+    return shell
+
+
+def _aliases(unit: ShardUnit, view: Any, optimizer: torch.optim.Optimizer) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(the user's parameter, the view's alias of its rows) for the unit's parameters the view steps:
+    the view holds, group by group, the unit's parameters with a gradient in the optimizer's order."""
+    mine = {id(p) for p in unit.params}
+    params = [p for g in optimizer.param_groups for p in g["params"] if id(p) in mine and p.grad is not None]
+    aliases = [a for g in view.param_groups for a in g["params"]]
+    assert len(params) == len(aliases), f"unit {unit.name}: {len(params)} parameters, {len(aliases)} in its step"
+    return list(zip(params, aliases))
+
+
 def _restore(tensor: torch.Tensor, values: torch.Tensor) -> None:
     tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
     tensor.copy_(values)
@@ -123,6 +154,7 @@ class DiskState:
         self._writes: list[Request] = []
         self._views: dict[int, list[tuple[dict, str, torch.Tensor]]] = {}  # unit -> (view entries, key, slot view)
         self._held: dict[int, torch.Tensor] = {}  # unit -> its slot while it steps
+        self._fresh: dict[int, tuple[Any, list]] = {}  # unit -> (view, [(parameter, alias)]) on its first step
         self._ready = threading.Condition()
 
     # ------------------------------------------------------------------ sizes
@@ -143,17 +175,29 @@ class DiskState:
         self._bind(optimizer, flush)
         self.drain()
         entries = {unit.index: self._entries(optimizer, unit) for unit, _ in tasks}
+        fresh = {  # the state is not created yet
+            unit.index
+            for unit, _ in tasks
+            if unit.index not in self._regions and not any(optimizer.state.get(p) for p in unit.params)
+        }
         stale = [
             index
             for index, ents in entries.items()
-            if index not in self._regions
-            or [(p.key, p.numel, p.dtype) for p in self._regions[index].pieces]
-            != [(k, t.numel(), t.dtype) for k, t in ents]
-            or any(not on_disk(t) for _, t in ents)
+            if index not in fresh
+            and (
+                index not in self._regions
+                or [(p.key, p.numel, p.dtype) for p in self._regions[index].pieces]
+                != [(k, t.numel(), t.dtype) for k, t in ents]
+                or any(not on_disk(t) for _, t in ents)
+            )
         ]
         if stale:
             self._write_resident(optimizer, {i: entries[i] for i in stale})
+        self._size_pool()
         for unit, view in tasks:
+            if unit.index in fresh:  # no state yet: the unit's step creates it, release() writes it
+                self._fresh[unit.index] = (view, _aliases(unit, view, optimizer))
+                continue
             region = self._regions[unit.index]
             by_tensor = {id(t): piece for (_, t), piece in zip(entries[unit.index], region.pieces)}
             swaps = []
@@ -173,9 +217,8 @@ class DiskState:
         for p in unit.params:
             state = optimizer.state.get(p, {})
             for key in sorted(state):
-                t = local_of(state[key]) if isinstance(state[key], torch.Tensor) else None
-                if t is not None and t.numel() > 0 and t.shape == local_of(p).shape and t.is_contiguous():
-                    out.append(((id(p), key), t))
+                if _elementwise(state[key], p):
+                    out.append(((id(p), key), local_of(state[key])))
         return out
 
     def _write_resident(self, optimizer: torch.optim.Optimizer, stale: dict[int, list]) -> None:
@@ -191,7 +234,7 @@ class DiskState:
             regions[index] = _Region(offset=offset, nbytes=nbytes, pieces=pieces)
         self._reserve(end)
         self._regions.update(regions)
-        self._size_pool(max(r.nbytes for r in self._regions.values()))
+        self._size_pool()
         slot = self._slots[0]
         for index, ents in stale.items():
             region = self._regions[index]
@@ -222,7 +265,9 @@ class DiskState:
             f"({self._end + need} in all for this rank): free space or point CPUOffload(disk_dir=...) elsewhere"
         )
 
-    def _size_pool(self, slot_bytes: int) -> None:
+    def _size_pool(self) -> None:
+        """Slots as large as the largest region, as many as the budget holds (the pool is idle)."""
+        slot_bytes = max([ALIGN, *(r.nbytes for r in self._regions.values())])
         if self._slots and self._slots[0].numel() >= slot_bytes:
             return
         budget = self.buffer_bytes if self.buffer_bytes is not None else DEFAULT_SLOTS * slot_bytes
@@ -251,6 +296,8 @@ class DiskState:
 
     def fetch(self, unit: ShardUnit) -> None:
         """On the step worker, before `unit` steps: wait for its read; its view now steps the slot."""
+        if unit.index in self._fresh:
+            return
         with self._ready:
             while unit.index not in self._reads:
                 self._ready.wait()
@@ -263,12 +310,39 @@ class DiskState:
 
     def release(self, unit: ShardUnit) -> None:
         """On the step worker, after `unit` stepped: write its slot back; the slot frees when written."""
+        if unit.index in self._fresh:
+            self._write_created(unit.index, *self._fresh.pop(unit.index))
+            return
         slot = self._held.pop(unit.index)
         region = self._regions[unit.index]
         request = self.file.write(region.offset, slot[: region.nbytes])
         with self._ready:
             self._writes.append(request)
         request.add_done_callback(lambda r: self._slot_done(slot))
+
+    def _write_created(self, index: int, view: Any, aliases: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """A unit's first step created its state in the view: write it to a new region (waiting, so at
+        most one unit's new state is in host memory) and give the user's optimizer empty-storage entries."""
+        optimizer = self._optimizer()
+        entries = [
+            ((id(p), key), view.state[alias][key])
+            for p, alias in aliases
+            for key in sorted(view.state.get(alias, {}))
+            if _elementwise(view.state[alias][key], alias)
+        ]
+        pieces, nbytes = _layout(entries)
+        region = _Region(offset=self._end, nbytes=nbytes, pieces=pieces)
+        self._reserve(self._end + nbytes)
+        buffer = aligned_empty(nbytes)
+        for (_, tensor), piece in zip(entries, pieces):
+            region.piece_view(buffer, piece, tensor.shape).copy_(tensor)
+        self._check(self.file.write(region.offset, buffer))
+        self._regions[index] = region
+        for p, alias in aliases:
+            optimizer.state[p] = {
+                key: _empty_like(p, value) if _elementwise(value, alias) else value
+                for key, value in view.state.get(alias, {}).items()
+            }
 
     # ------------------------------------------------------------------ completion (main thread)
     def drain(self) -> None:
@@ -305,6 +379,7 @@ class DiskState:
             targets = [(t, piece) for t, piece in targets if t is not None and on_disk(t)]
             if not targets:
                 continue
+            self._size_pool()
             slot = self._slots[0]
             self._check(self.file.read(region.offset, slot[: region.nbytes]))
             for tensor, piece in targets:

@@ -77,7 +77,7 @@ def test_bad_options_say_what_to_do(tmp_path):
 def test_peak_memory_is_the_pool_not_the_state(pools, tmp_path):
     """The state on disk is 4 times the pool; the resident set does not grow by more than 10% while
     the steps stream it (in host memory the state would add 4 pools)."""
-    for r in pools(2).run(peak_rss, str(tmp_path), 768):
+    for r in pools(2).run(peak_rss, str(tmp_path), 1024, 32):
         assert r["on_disk"] >= 4 * r["pool"]
 
 

@@ -97,6 +97,24 @@ def _evict(tensor: torch.Tensor) -> None:
     tensor.untyped_storage().resize_(0)
 
 
+def _predicted_bytes(optimizer: torch.optim.Optimizer, unit: ShardUnit) -> int:
+    """The region the unit's state will take once created: AdamW and Adam keep 2 tensors per parameter
+    (3 with amsgrad), SGD 1 with momentum; others are not stepped per unit."""
+    groups = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    end = 0
+    for p in unit.params:
+        group = groups.get(id(p))
+        if group is None:
+            continue
+        if isinstance(optimizer, torch.optim.SGD):
+            count = 1 if group.get("momentum", 0) else 0
+        else:
+            count = 3 if group.get("amsgrad") else 2
+        for _ in range(count if local_of(p).numel() else 0):
+            end = -(-end // PIECE_ALIGN) * PIECE_ALIGN + local_of(p).numel() * p.element_size()
+    return align_up(end)
+
+
 def _elementwise(value: Any, param: torch.Tensor) -> bool:
     """Whether an optimizer state entry goes to the files: a tensor shaped like the parameter's rows."""
     if not isinstance(value, torch.Tensor):
@@ -180,6 +198,8 @@ class DiskState:
             for unit, _ in tasks
             if unit.index not in self._regions and not any(optimizer.state.get(p) for p in unit.params)
         }
+        if fresh:  # before any state exists: is there room for what the first step will create?
+            self._check_space(self._end + sum(_predicted_bytes(optimizer, u) for u, _ in tasks if u.index in fresh))
         stale = [
             index
             for index, ents in entries.items()
@@ -244,13 +264,16 @@ class DiskState:
             for _, tensor in ents:
                 _evict(tensor)
 
+    def _check_space(self, end: int) -> None:
+        need, free = end - self._end, shutil.disk_usage(self.directory).free
+        if free < need:
+            raise DiskFullError(errno.ENOSPC, self._full_message(need, free))
+
     def _reserve(self, end: int) -> None:
         if end <= self._end:
             return
-        need = end - self._end
-        free = shutil.disk_usage(self.directory).free
-        if free < need:
-            raise DiskFullError(errno.ENOSPC, self._full_message(need, free))
+        self._check_space(end)
+        need, free = end - self._end, shutil.disk_usage(self.directory).free
         try:
             self.file.reserve(end)
         except OSError as e:

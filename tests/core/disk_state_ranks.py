@@ -21,7 +21,8 @@ from torch import nn
 
 import shardtrain as st
 from shardtrain.core import aio
-from shardtrain.core.disk_state import DiskState, attach_disk_state, on_disk
+from shardtrain.core.disk_layout import on_disk
+from shardtrain.core.disk_state import DiskState, attach_disk_state
 from shardtrain.core.host_step import overlap_host_steps
 from shardtrain.core.shard import runtime_of
 from shardtrain.core.sharded_param import local_of

@@ -109,7 +109,9 @@ def test_killed_rank_resumes_to_the_uninterrupted_numbers(pools, tmp_path, when)
             p.join(timeout=30)
     assert procs[1].exitcode == -signal.SIGKILL and (tmp_path / "killed").exists()
     left = pools(2).run(resume_after_kill, str(tmp_path))
-    assert left == [1, 1], f"state files the killed job left, per rank: {left}"
+    # rank 1 was SIGKILLed (its file stays until the resume removes it); rank 0 may have exited on the
+    # broken connection first, removing its own file
+    assert left[1] == 1 and left[0] in (0, 1), f"state files the killed job left, per rank: {left}"
 
 
 def test_full_disk_is_one_line(pools, tmp_path):

@@ -33,13 +33,22 @@ import socket
 import threading
 import weakref
 from collections import deque
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
-from .aio import ALIGN, AsyncFile, Request, align_up, aligned_empty, direct_supported
+from .aio import ALIGN, AsyncFile, Request, aligned_empty, direct_supported
+from .disk_layout import (
+    Region,
+    aliases,
+    elementwise,
+    empty_like,
+    evict,
+    layout,
+    on_disk,
+    predicted_bytes,
+    restore,
+)
 from .host_step import ENV
 from .sharded_param import local_of
 
@@ -48,106 +57,11 @@ if TYPE_CHECKING:
     from .host_step import HostSteps
     from .unit import ShardUnit
 
-PIECE_ALIGN = 64  # each state tensor starts on a cache line inside its unit's region
 DEFAULT_SLOTS = 4  # pool size when no budget is given: one unit stepping, one writing, two read ahead
 
 
 class DiskFullError(OSError):
     """The disk tier's directory lacks the space its state files need."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class _Piece:
-    key: tuple[int, str]  # (id of the user's parameter, state key)
-    start: int  # byte offset inside the region
-    numel: int
-    dtype: torch.dtype
-
-
-@dataclass(frozen=True, kw_only=True)
-class _Region:
-    offset: int  # in the file, ALIGN-aligned
-    nbytes: int  # ALIGN-aligned
-    pieces: tuple[_Piece, ...]
-
-    def piece_view(self, slot: torch.Tensor, piece: _Piece, shape: torch.Size) -> torch.Tensor:
-        size = piece.numel * piece.dtype.itemsize
-        return slot[piece.start : piece.start + size].view(piece.dtype).view(shape)
-
-
-def _layout(entries: list[tuple[tuple[int, str], torch.Tensor]]) -> tuple[tuple[_Piece, ...], int]:
-    pieces, end = [], 0
-    for key, tensor in entries:
-        end = -(-end // PIECE_ALIGN) * PIECE_ALIGN
-        pieces.append(_Piece(key=key, start=end, numel=tensor.numel(), dtype=tensor.dtype))
-        end += tensor.numel() * tensor.element_size()
-    return tuple(pieces), align_up(end)
-
-
-def on_disk(tensor: torch.Tensor) -> bool:
-    """Whether a state tensor's values are in the files (its storage is empty)."""
-    return tensor.numel() > 0 and tensor.untyped_storage().nbytes() == 0
-
-
-def _evict(tensor: torch.Tensor) -> None:
-    """Give the tensor a storage of its own and empty it (the old one may be shared with the caller's
-    state dict, which must keep its values)."""
-    holder = torch.empty(tensor.shape, dtype=tensor.dtype)  # never touched: no pages are committed
-    tensor.set_(holder)
-    tensor.untyped_storage().resize_(0)
-
-
-def _predicted_bytes(optimizer: torch.optim.Optimizer, unit: ShardUnit) -> int:
-    """The region the unit's state will take once created: AdamW and Adam keep 2 tensors per parameter
-    (3 with amsgrad), SGD 1 with momentum; others are not stepped per unit."""
-    groups = {id(p): g for g in optimizer.param_groups for p in g["params"]}
-    end = 0
-    for p in unit.params:
-        group = groups.get(id(p))
-        if group is None:
-            continue
-        if isinstance(optimizer, torch.optim.SGD):
-            count = 1 if group.get("momentum", 0) else 0
-        else:
-            count = 3 if group.get("amsgrad") else 2
-        for _ in range(count if local_of(p).numel() else 0):
-            end = -(-end // PIECE_ALIGN) * PIECE_ALIGN + local_of(p).numel() * p.element_size()
-    return align_up(end)
-
-
-def _elementwise(value: Any, param: torch.Tensor) -> bool:
-    """Whether an optimizer state entry goes to the files: a tensor shaped like the parameter's rows."""
-    if not isinstance(value, torch.Tensor):
-        return False
-    t = local_of(value)
-    return t.numel() > 0 and t.shape == local_of(param).shape and t.is_contiguous()
-
-
-def _empty_like(param: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """The user's state entry for `rows` of `param` whose values are in the files: the parameter's
-    kind of tensor (a DTensor of the same placement for a sharded parameter) with an empty storage."""
-    shell = torch.empty(rows.shape, dtype=rows.dtype)
-    _evict(shell)
-    if isinstance(param, DTensor):
-        return DTensor.from_local(
-            shell, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
-        )
-    return shell
-
-
-def _aliases(unit: ShardUnit, view: Any, optimizer: torch.optim.Optimizer) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(the user's parameter, the view's alias of its rows) for the unit's parameters the view steps:
-    the view holds, group by group, the unit's parameters with a gradient in the optimizer's order."""
-    mine = {id(p) for p in unit.params}
-    params = [p for g in optimizer.param_groups for p in g["params"] if id(p) in mine and p.grad is not None]
-    aliases = [a for g in view.param_groups for a in g["params"]]
-    assert len(params) == len(aliases), f"unit {unit.name}: {len(params)} parameters, {len(aliases)} in its step"
-    return list(zip(params, aliases))
-
-
-def _restore(tensor: torch.Tensor, values: torch.Tensor) -> None:
-    tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
-    tensor.copy_(values)
 
 
 class DiskState:
@@ -163,7 +77,7 @@ class DiskState:
         self.file = AsyncFile(path, direct=self.direct, threads=threads)
         weakref.finalize(self, _close, self.file)
         self._optimizer: weakref.ref | None = None
-        self._regions: dict[int, _Region] = {}  # unit index -> its region
+        self._regions: dict[int, Region] = {}  # unit index -> its region
         self._end = 0  # bytes of the file given to regions
         self._slots: list[torch.Tensor] = []
         self._free: list[torch.Tensor] = []
@@ -199,7 +113,7 @@ class DiskState:
             if unit.index not in self._regions and not any(optimizer.state.get(p) for p in unit.params)
         }
         if fresh:  # before any state exists: is there room for what the first step will create?
-            self._check_space(self._end + sum(_predicted_bytes(optimizer, u) for u, _ in tasks if u.index in fresh))
+            self._check_space(self._end + sum(predicted_bytes(optimizer, u) for u, _ in tasks if u.index in fresh))
         stale = [
             index
             for index, ents in entries.items()
@@ -216,7 +130,7 @@ class DiskState:
         self._size_pool()
         for unit, view in tasks:
             if unit.index in fresh:  # no state yet: the unit's step creates it, release() writes it
-                self._fresh[unit.index] = (view, _aliases(unit, view, optimizer))
+                self._fresh[unit.index] = (view, aliases(unit, view, optimizer))
                 continue
             region = self._regions[unit.index]
             by_tensor = {id(t): piece for (_, t), piece in zip(entries[unit.index], region.pieces)}
@@ -237,21 +151,21 @@ class DiskState:
         for p in unit.params:
             state = optimizer.state.get(p, {})
             for key in sorted(state):
-                if _elementwise(state[key], p):
+                if elementwise(state[key], p):
                     out.append(((id(p), key), local_of(state[key])))
         return out
 
     def _write_resident(self, optimizer: torch.optim.Optimizer, stale: dict[int, list]) -> None:
         """(Re)lay out the `stale` units' regions and write their state, then empty the tensors."""
         self.materialize(list(stale))  # entries still on disk under an old layout come back first
-        layouts = {index: _layout(ents) for index, ents in stale.items()}
+        layouts = {index: layout(ents) for index, ents in stale.items()}
         end = self._end
         regions = {}
         for index, (pieces, nbytes) in layouts.items():
             old = self._regions.get(index)
             offset = old.offset if old is not None and nbytes <= old.nbytes else end
             end += nbytes if offset == end else 0
-            regions[index] = _Region(offset=offset, nbytes=nbytes, pieces=pieces)
+            regions[index] = Region(offset=offset, nbytes=nbytes, pieces=pieces)
         self._reserve(end)
         self._regions.update(regions)
         self._size_pool()
@@ -262,7 +176,7 @@ class DiskState:
                 region.piece_view(slot, piece, tensor.shape).copy_(tensor)
             self._check(self.file.write(region.offset, slot[: region.nbytes]))
             for _, tensor in ents:
-                _evict(tensor)
+                evict(tensor)
 
     def _check_space(self, end: int) -> None:
         need, free = end - self._end, shutil.disk_usage(self.directory).free
@@ -343,27 +257,27 @@ class DiskState:
             self._writes.append(request)
         request.add_done_callback(lambda r: self._slot_done(slot))
 
-    def _write_created(self, index: int, view: Any, aliases: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def _write_created(self, index: int, view: Any, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """A unit's first step created its state in the view: write it to a new region (waiting, so at
         most one unit's new state is in host memory) and give the user's optimizer empty-storage entries."""
         optimizer = self._optimizer()
         entries = [
             ((id(p), key), view.state[alias][key])
-            for p, alias in aliases
+            for p, alias in pairs
             for key in sorted(view.state.get(alias, {}))
-            if _elementwise(view.state[alias][key], alias)
+            if elementwise(view.state[alias][key], alias)
         ]
-        pieces, nbytes = _layout(entries)
-        region = _Region(offset=self._end, nbytes=nbytes, pieces=pieces)
+        pieces, nbytes = layout(entries)
+        region = Region(offset=self._end, nbytes=nbytes, pieces=pieces)
         self._reserve(self._end + nbytes)
         buffer = aligned_empty(nbytes)
         for (_, tensor), piece in zip(entries, pieces):
             region.piece_view(buffer, piece, tensor.shape).copy_(tensor)
         self._check(self.file.write(region.offset, buffer))
         self._regions[index] = region
-        for p, alias in aliases:
+        for p, alias in pairs:
             optimizer.state[p] = {
-                key: _empty_like(p, value) if _elementwise(value, alias) else value
+                key: empty_like(p, value) if elementwise(value, alias) else value
                 for key, value in view.state.get(alias, {}).items()
             }
 
@@ -406,7 +320,7 @@ class DiskState:
             slot = self._slots[0]
             self._check(self.file.read(region.offset, slot[: region.nbytes]))
             for tensor, piece in targets:
-                _restore(tensor, region.piece_view(slot, piece, tensor.shape))
+                restore(tensor, region.piece_view(slot, piece, tensor.shape))
 
     def _bind(self, optimizer: torch.optim.Optimizer, flush: Any) -> None:
         """The first step: read the state back before anything reads it outside the unit steps."""

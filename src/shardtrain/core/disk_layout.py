@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from .aio import align_up
 from .sharded_param import local_of
@@ -100,11 +101,13 @@ def empty_like(param: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     kind of tensor (a DTensor of the same placement for a sharded parameter) with an empty storage."""
     shell = torch.empty(rows.shape, dtype=rows.dtype)
     evict(shell)
-    if isinstance(param, DTensor):
-        return DTensor.from_local(
-            shell, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
-        )
-    return shell
+    if not isinstance(param, DTensor):
+        return shell
+    # Note: DTensor's constructor with the parameter's spec (what zeros_like(param) gives); from_local()
+    # would move the host rows of an offloaded unit to the mesh's device.
+    spec = param._spec
+    meta = TensorMeta(param.shape, param.stride(), rows.dtype)
+    return DTensor(shell, DTensorSpec(spec.mesh, spec.placements, tensor_meta=meta), requires_grad=False)
 
 
 def aliases(unit: ShardUnit, view: Any, optimizer: torch.optim.Optimizer) -> list[tuple[torch.Tensor, torch.Tensor]]:

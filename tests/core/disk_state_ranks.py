@@ -20,49 +20,60 @@ import torch.distributed as dist
 from torch import nn
 
 import shardtrain as st
-from shardtrain.core import aio
+from shardtrain.core import aio, disk_state
 from shardtrain.core.disk_layout import on_disk
 from shardtrain.core.disk_state import DiskState, attach_disk_state
 from shardtrain.core.host_step import overlap_host_steps
 from shardtrain.core.shard import runtime_of
 from shardtrain.core.sharded_param import local_of
 from shardtrain.models.llama import Block
-from tests.core.host_step_ranks import CHECKPOINT_STEP, MICRO, PER, Run, final_state, make_optimizer, train_step
+from tests.core.host_step_ranks import (
+    CHECKPOINT_STEP,
+    MICRO,
+    PER,
+    Run,
+    device,
+    final_state,
+    make_optimizer,
+    train_step,
+)
 from tests.models import make_batches, tiny_llama
 
 STEPS = 10
 
 
 def build(directory: str | None, *, buffer_bytes: int | None = None, direct: bool = True) -> Run:
-    """The tiny Llama, every unit host-stepped; its AdamW state in files under `directory` (None: in
-    host memory). `direct=False` makes the probe report no O_DIRECT (as tmpfs before Linux 6.6 does)."""
+    """The tiny Llama with its AdamW state in files under `directory` (None: in host memory). On CUDA
+    `st.shard` offloads every unit and attaches the disk tier; on the CPU every unit is host-stepped
+    and the tier attached here. `direct=False` makes the probe report no O_DIRECT (as tmpfs before
+    Linux 6.6 does)."""
     torch.manual_seed(0)
-    model = tiny_llama()
-    st.shard(model, strategy="full_shard", wrap={Block})
-    optimizer = make_optimizer(model, "adamw_fused")
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.8**s)
-    runtime = runtime_of(model)
-    steps = overlap_host_steps(model, runtime, runtime.units)
+    model = tiny_llama().to(device())
+    cuda = device().type == "cuda"
+    policy = None
     if directory is not None:
         os.makedirs(directory, exist_ok=True)
-        probe = aio.direct_supported
-        if not direct:
-            import shardtrain.core.disk_state as disk_state
-
-            disk_state.direct_supported = lambda d: False
-        try:
-            policy = st.CPUOffload(disk_dir=directory, disk_buffer_bytes=buffer_bytes)
-            store = attach_disk_state(steps, policy, rank=dist.get_rank())
-        finally:
-            import shardtrain.core.disk_state as disk_state
-
-            disk_state.direct_supported = probe
-        assert store.direct == direct, f"{directory}: O_DIRECT {store.direct}, expected {direct}"
+        policy = st.CPUOffload(disk_dir=directory, disk_buffer_bytes=buffer_bytes)
+    real_probe = disk_state.direct_supported
+    disk_state.direct_supported = real_probe if direct else lambda d: False
+    try:
+        st.shard(model, strategy="full_shard", wrap={Block}, cpu_offload=(policy or True) if cuda else False)
+        runtime = runtime_of(model)
+        steps = runtime.host_steps if cuda else overlap_host_steps(model, runtime, runtime.units)
+        if policy is not None and not cuda:
+            attach_disk_state(steps, policy, rank=dist.get_rank())
+    finally:
+        disk_state.direct_supported = real_probe
+    if policy is not None:
+        assert steps.store.direct == direct, f"{directory}: O_DIRECT {steps.store.direct}, expected {direct}"
+    optimizer = make_optimizer(model, "adamw_fused")
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.8**s)
     return Run(model=model, optimizer=optimizer, scheduler=scheduler, steps=steps, stepped=[0])
 
 
 def batches(steps: int) -> list:
-    return make_batches("llama", steps=steps, global_batch=dist.get_world_size() * MICRO * PER)
+    data = make_batches("llama", steps=steps, global_batch=dist.get_world_size() * MICRO * PER)
+    return [tuple(t.to(device()) for t in batch) for batch in data]
 
 
 def store_of(run: Run) -> DiskState:
@@ -129,37 +140,31 @@ def assert_same(got: list, want: list, what: str) -> None:
         assert torch.equal(a, b), f"{what}: {name} differs: max |diff| {(a.float() - b.float()).abs().max()}"
 
 
-def disk_equals_memory(real_disk: str, buffered_dir: str) -> dict:
-    """10 steps with accumulation, clipping, a skipped step and a checkpoint resume: the state in host
-    memory, on a real disk with O_DIRECT (default pool), and buffered with a one-unit pool; bitwise."""
-    rank = dist.get_rank()
+def disk_equals_memory(directory: str, disk: str) -> dict:
+    """10 steps with accumulation, clipping, a skipped step and a checkpoint resume, the state in host
+    memory and then on disk, bitwise. `disk`: "direct" (O_DIRECT, the default pool) or "buffered"
+    (buffered I/O, a pool of one unit: read, step and write in turn). The state file's bytes."""
     data = batches(STEPS)
-    results, sizes = {}, {}
-    variants = {
-        "memory": (None, {}),
-        "direct": (f"{real_disk}/state", {}),
-        "buffered": (f"{buffered_dir}/state-{rank}", {"direct": False}),
-    }
-    for name, (directory, kw) in variants.items():
-        if directory is not None:
-            os.makedirs(directory, exist_ok=True)
-            if name == "buffered":
-                largest = max(
-                    aio.align_up(sum(-(-local_of(p).numel() * 4 // 64) * 64 * 2 for p in u.params))
-                    for u in runtime_of(build(None).model).units
-                )
-                kw = dict(kw, buffer_bytes=largest)  # one slot: read, step, write in turn
-        run = build(directory, **kw)
-        checkpoint = f"{real_disk}/ckpt-{name}"
-        run, norms = train(run, data, resume_to=lambda r, d=directory, c=checkpoint, k=kw: resume(r, d, c, **k))
-        if directory is not None:
-            sizes[name] = check_on_disk(run)
-            assert store_of(run).slot_count() == (1 if name == "buffered" else 4)
+    kw = {}
+    state_dir = f"{directory}/state-{dist.get_rank()}"
+    if disk == "buffered":
+        largest = max(
+            aio.align_up(sum(-(-local_of(p).numel() * 4 // 64) * 64 * 2 for p in u.params))
+            for u in runtime_of(build(None).model).units
+        )
+        kw = {"direct": False, "buffer_bytes": largest}
+    results = {}
+    for name, where in (("memory", None), (disk, state_dir)):
+        run = build(where, **kw if where else {})
+        checkpoint = f"{directory}/ckpt-{name}"
+        run, norms = train(run, data, resume_to=lambda r, d=where, c=checkpoint: resume(r, d, c, **kw if d else {}))
+        if where is not None:
+            size = check_on_disk(run)
+            assert store_of(run).slot_count() == (1 if disk == "buffered" else 4)
         results[name] = (norms, final(run))
-    for name in ("direct", "buffered"):
-        assert same_norms(results[name][0], results["memory"][0]), f"{name}: norms {results[name][0]}"
-        assert_same(results[name][1], results["memory"][1], name)
-    return sizes
+    assert same_norms(results[disk][0], results["memory"][0]), f"{disk}: norms {results[disk][0]}"
+    assert_same(results[disk][1], results["memory"][1], disk)
+    return size
 
 
 # ------------------------------------------------------------------------------------ crash and resume
@@ -293,8 +298,6 @@ def full_disk(directory: str) -> str:
     """The space check before the first write, then ENOSPC from a write: one line each."""
     import shutil
     from collections import namedtuple
-
-    import shardtrain.core.disk_state as disk_state
 
     data = batches(3)
     usage = namedtuple("usage", "total used free")

@@ -3,10 +3,14 @@ host-memory offload; O_DIRECT and buffered I/O; crash safety; bounded memory; a 
 
 import errno
 import os
+import shutil
 import signal
 import socket
+import subprocess
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,21 +24,23 @@ from tests.core.disk_state_ranks import crash, disk_equals_memory, full_disk, pe
 def _buffered_dir(tmp_path):
     """tmpfs where there is one (the buffered path's usual home), else the test's directory."""
     if os.path.isdir("/dev/shm"):
-        d = tempfile.mkdtemp(prefix="shardtrain-test-", dir="/dev/shm")
-        return d
-    return str(tmp_path)
+        return tempfile.mkdtemp(prefix="shardtrain-test-", dir="/dev/shm")
+    return tempfile.mkdtemp(prefix="buffered-", dir=tmp_path)
 
 
 def test_disk_state_is_bitwise_host_memory(pools, tmp_path):
-    shm = _buffered_dir(tmp_path)
-    try:
-        sizes = pools(2).run(disk_equals_memory, str(tmp_path), shm)
-    finally:
-        if shm != str(tmp_path):
-            import shutil
+    """O_DIRECT on a real disk (tmp_path), the default pool of 4 units."""
+    assert all(size > 0 for size in pools(2).run(disk_equals_memory, str(tmp_path), "direct"))
 
-            shutil.rmtree(shm, ignore_errors=True)
-    assert all(s["direct"] > 0 for s in sizes)
+
+@pytest.mark.slow
+def test_buffered_one_slot_is_bitwise_host_memory(pools, tmp_path):
+    """Buffered I/O (tmpfs, the probe made to report no O_DIRECT) through a pool of one unit."""
+    buffered = _buffered_dir(tmp_path)
+    try:
+        assert all(size > 0 for size in pools(2).run(disk_equals_memory, buffered, "buffered"))
+    finally:
+        shutil.rmtree(buffered, ignore_errors=True)
 
 
 def test_async_file_round_trip_both_modes(tmp_path, monkeypatch):
@@ -131,3 +137,23 @@ def test_cli_offload_dir(tmp_path):
     assert engine_options(cfg)["cpu_offload"] == st.CPUOffload(disk_dir=str(tmp_path))
     with pytest.raises(ConfigError, match=r"engine.offload_dir=.*--engine.cpu_offload true"):
         load_config(None, ["--engine.offload_dir", str(tmp_path)])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_offloaded_units_on_cuda(tmp_path):
+    """The real path: `st.shard(cpu_offload=st.CPUOffload(disk_dir=...))` on a GPU, against host memory."""
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(root / "src"), os.environ.get("PYTHONPATH", "")]))
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "--master_port=29646"]
+    buffered = _buffered_dir(tmp_path)
+    out = subprocess.run(
+        [*command, str(root / "tests" / "core" / "disk_state_gpu.py"), str(tmp_path), buffered],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    shutil.rmtree(buffered, ignore_errors=True)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    assert "disk tier on CUDA: ok" in out.stdout

@@ -37,7 +37,8 @@ from tests.core.host_step_ranks import (
     make_optimizer,
     train_step,
 )
-from tests.models import make_batches, tiny_llama
+from tests.core.parity import _chunk
+from tests.models import lm_loss, make_batches, tiny_llama
 
 STEPS = 10
 
@@ -336,3 +337,30 @@ def full_disk(directory: str) -> str:
         aio._transfer = transfer
     assert "needs" in first and "needs" in second, (first, second)
     return first
+
+
+# ------------------------------------------------------------------------------------ the user's own step
+def closure_step_equals_memory(directory: str) -> int:
+    """A step with a closure is the user's own `step()` (in sequence, one warning): the disk tier reads
+    the state back for it and writes it again at the next deferred step; bitwise host memory."""
+    import warnings
+
+    data = batches(4)
+    results = {}
+    for where in (None, f"{directory}/closure-{dist.get_rank()}"):
+        run = build(where)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # the closure's fallback warning
+            for step, batch in enumerate(data):
+                loss = lm_loss(run.model, _chunk(batch, dist.get_rank(), MICRO, 0, PER))
+                loss.backward()
+                if step == 2:
+                    run.optimizer.step(lambda: loss)
+                else:
+                    run.optimizer.step()
+                run.optimizer.zero_grad()
+        if where is not None:
+            check_on_disk(run)
+        results[where is None] = final(run)
+    assert_same(results[False], results[True], "a closure step on the disk tier")
+    return len(results[True])

@@ -18,7 +18,14 @@ import torch.multiprocessing as mp
 
 import shardtrain as st
 from shardtrain.core import aio
-from tests.core.disk_state_ranks import crash, disk_equals_memory, full_disk, peak_rss, resume_after_kill
+from tests.core.disk_state_ranks import (
+    closure_step_equals_memory,
+    crash,
+    disk_equals_memory,
+    full_disk,
+    peak_rss,
+    resume_after_kill,
+)
 
 
 def _buffered_dir(tmp_path):
@@ -31,6 +38,10 @@ def _buffered_dir(tmp_path):
 def test_disk_state_is_bitwise_host_memory(pools, tmp_path):
     """O_DIRECT on a real disk (tmp_path), the default pool of 4 units."""
     assert all(size > 0 for size in pools(2).run(disk_equals_memory, str(tmp_path), "direct"))
+
+
+def test_closure_step_reads_the_state_back(pools, tmp_path):
+    assert pools(2).run(closure_step_equals_memory, str(tmp_path))[0] > 0
 
 
 @pytest.mark.slow

@@ -120,12 +120,10 @@ def build(args: argparse.Namespace, directory: str, cuda: bool) -> tuple[torch.n
     cfg = llama_config(args.size, n_layers=args.layers, max_seq_len=max(args.seq, 128))
     with torch.device("meta"):
         model = Llama(cfg)
-    largest = max(
-        sum(p.numel() for p in m.parameters())
-        for m in model.modules()
-        if isinstance(m, tuple(SHARD_UNITS)) or m is model
-    )
-    pool = args.pool_units * aio.align_up(2 * 4 * largest + 4096)
+    # the largest unit (the embedding or the head; the root keeps only the final norm), its AdamW
+    # moments in fp32 with each tensor's 64-byte alignment
+    largest = max(sum(p.numel() for p in m.parameters()) for m in model.modules() if isinstance(m, tuple(SHARD_UNITS)))
+    pool = args.pool_units * aio.align_up(2 * 4 * largest + 128 * 64)
     offload = st.CPUOffload(disk_dir=directory, disk_buffer_bytes=pool)
     if cuda:
         st.shard(
@@ -140,7 +138,7 @@ def build(args: argparse.Namespace, directory: str, cuda: bool) -> tuple[torch.n
         from shardtrain.core.disk_state import attach_disk_state
         from shardtrain.core.host_step import overlap_host_steps
 
-        st.shard(model, strategy="full_shard", wrap={Block})
+        st.shard(model, strategy="full_shard", wrap=SHARD_UNITS)
         runtime = runtime_of(model)
         attach_disk_state(overlap_host_steps(model, runtime, runtime.units), offload, rank=0)
     return model, pool

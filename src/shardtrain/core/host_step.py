@@ -146,9 +146,9 @@ class HostSteps:
                     stacklevel=4,
                 )
             return
+        # the disk tier's unit steps create the state per unit, straight into its files
         if any(not optimizer.state.get(p) for p in mine) and self.store is None:
             return  # the first step creates the state: the user's step does it, in sequence
-            # (the disk tier's unit steps create it per unit, straight into the files)
         self._adopt(optimizer)
         self._held = _Held(
             optimizer=optimizer,

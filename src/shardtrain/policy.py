@@ -111,7 +111,13 @@ class CPUOffload:
     # step() verifies it (docs/design.md, Note [Overlapped host step]).
     step_in_backward: bool = False
 
+    # The disk tier (core/disk_state.py): a directory for per-rank files holding the offloaded units'
+    # optimizer state, streamed through `disk_buffer_bytes` of host buffers (None: 4 units' worth).
+    disk_dir: str | None = None
+    disk_buffer_bytes: int | None = None
+
     def __post_init__(self) -> None:
+        _check_disk_tier(self)
         if not isinstance(self.step_in_backward, bool):
             raise TypeError(f"CPUOffload(step_in_backward={self.step_in_backward!r}): give True or False")
         if (
@@ -146,6 +152,25 @@ class CPUOffload:
             chosen.append(offloaded < target)
             offloaded += size if chosen[-1] else 0
         return chosen
+
+
+def _check_disk_tier(policy: CPUOffload) -> None:
+    if policy.disk_dir is not None and (
+        not isinstance(policy.disk_dir, (str, os.PathLike)) or not os.path.isdir(policy.disk_dir)
+    ):
+        raise ValueError(f"CPUOffload(disk_dir={policy.disk_dir!r}): give an existing directory on a local disk")
+    size = policy.disk_buffer_bytes
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+        raise ValueError(f"CPUOffload(disk_buffer_bytes={size!r}): give a positive number of bytes, or None")
+    if size is not None and policy.disk_dir is None:
+        raise ValueError(f"CPUOffload(disk_buffer_bytes={size!r}) without disk_dir: name the directory for the state")
+    if policy.disk_dir is not None and not policy.optimizer:
+        raise ValueError("CPUOffload(disk_dir=..., optimizer=False): the disk tier holds offloaded optimizer state")
+    if policy.disk_dir is not None and policy.step_in_backward:
+        raise ValueError(
+            "CPUOffload(disk_dir=..., step_in_backward=True): the disk tier streams each unit's state around the "
+            "steps that follow optimizer.step(), not during backward; drop step_in_backward or disk_dir"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)

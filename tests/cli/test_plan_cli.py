@@ -151,3 +151,16 @@ def test_plan_auto_of_a_lora_fine_tune(capsys, tmp_path):
     assert resolved.model.activation_checkpointing is False and choice.estimate.inputs.model.trainable_params == (
         2 * 8 * ((256 + 256) + (256 + 128))
     )
+
+
+def test_plan_counts_the_disk_tier(capsys, tmp_path):
+    """--engine.offload_dir: the estimate shows the optimizer state on disk, out of host memory."""
+    offload = ["--engine.cpu_offload", "true", "--device-memory", "140GiB"]
+    code, host_out, err = _plan([*EIGHT_B, *offload], capsys)
+    assert code == 0, err
+    code, disk_out, err = _plan([*EIGHT_B, *offload, "--engine.offload_dir", str(tmp_path)], capsys)
+    assert code == 0, err
+    host = {r[-2]: float(r[-1]) for r in _rows(host_out) if r[:2] == ["host", "memory"]}
+    disk = {r[-2]: float(r[-1]) for r in _rows(disk_out) if r[:2] in (["host", "memory"], ["disk", "(offloaded"])}
+    assert "disk (offloaded state)" in disk_out and "disk (offloaded state)" not in host_out
+    assert sum(disk.values()) == pytest.approx(sum(host.values()), abs=0.02)

@@ -340,3 +340,15 @@ def test_cli_errors(capsys):
     assert "no model" in capsys.readouterr().err
     assert _cli(["estimate", "--params", "7Q", "--gpus", "2"]) == 2
     assert "'7Q'" in capsys.readouterr().err
+
+
+def test_disk_tier_moves_the_optimizer_state_from_host_to_disk(tmp_path):
+    """CPUOffload(disk_dir=...): the offloaded AdamW state (8 bytes per parameter, per process) is in
+    the files; host memory keeps the shards and gradients; the device is unchanged."""
+    host = st.estimate_memory("8b", world_size=2, cpu_offload=True)
+    disk = st.estimate_memory("8b", world_size=2, cpu_offload=st.CPUOffload(disk_dir=str(tmp_path)))
+    assert host.disk == 0 and disk.disk == host.inputs.model.trainable_params * 8 // 2 == pytest.approx(
+        host.host / 2, rel=1e-3
+    )
+    assert disk.host + disk.disk == host.host and disk.total == host.total
+    assert "disk (offloaded state)" in str(disk) and "disk (offloaded state)" not in str(host)

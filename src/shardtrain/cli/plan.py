@@ -36,7 +36,7 @@ from ..planning.sizes import format_gib, parse_bytes
 from ..strategy import parse_strategy
 from ..train.config import load_config
 from ..train.planned_config import AUTO, PlannedSetup, build_on_meta, planned_setup, resolve_auto_config
-from .train import split_config_path
+from .train import cpu_offload_option, split_config_path
 
 
 def register(subparsers) -> None:
@@ -106,7 +106,7 @@ def report(args: argparse.Namespace) -> str:
         precision=setup.precision,
         shard_size=default_shard_size(setup.world_size) if strategy.is_hybrid else None,
         activation_checkpointing=setup.activation_checkpointing,
-        cpu_offload=setup.cpu_offload,
+        cpu_offload=cpu_offload_option(cfg),  # engine.cpu_offload, with the disk tier of engine.offload_dir
         micro_batch=setup.micro_batch,
         seq_len=setup.seq_len,
         device_memory=memory,

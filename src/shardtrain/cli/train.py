@@ -87,10 +87,19 @@ def engine_options(cfg: Config) -> dict[str, Any]:
         accelerator=cfg.engine.accelerator,
         strategy=cfg.engine.strategy,
         precision=cfg.engine.precision,
-        cpu_offload=cfg.engine.cpu_offload,
+        cpu_offload=cpu_offload_option(cfg),
         timeout=timedelta(seconds=cfg.engine.timeout),
         compile=cfg.train.compile,
     )
+
+
+def cpu_offload_option(cfg: Config) -> Any:
+    """engine.cpu_offload, with the disk tier's directory when engine.offload_dir names one."""
+    if cfg.engine.offload_dir is None or not cfg.engine.cpu_offload:  # (the automatic plan may offload nothing)
+        return cfg.engine.cpu_offload
+    from ..policy import CPUOffload
+
+    return CPUOffload(fraction=float(cfg.engine.cpu_offload), disk_dir=cfg.engine.offload_dir)
 
 
 def run(args: argparse.Namespace) -> int:

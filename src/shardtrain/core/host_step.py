@@ -49,6 +49,7 @@ from .sharded_param import local_of
 from .step_queue import StepQueue
 
 if TYPE_CHECKING:
+    from .disk_state import DiskState
     from .runtime import Runtime
     from .unit import ShardUnit
 
@@ -112,6 +113,7 @@ class HostSteps:
         self._held: _Held | None = None
         self._adopted: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._warned: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self.store: DiskState | None = None  # the disk tier (core/disk_state.py): state streamed from files
 
     # ------------------------------------------------------------------ waiting
     def pending(self) -> list[ShardUnit]:
@@ -210,7 +212,8 @@ class HostSteps:
             return
         self._adopt(optimizer)
         self.early.optimizer = weakref.ref(optimizer)
-        if any(not optimizer.state.get(p) for p in mine):
+        # the disk tier's unit steps create the state per unit, straight into its files
+        if any(not optimizer.state.get(p) for p in mine) and self.store is None:
             return  # the first step creates the state: the user's step does it, in sequence
         grads = [(p, p.grad) for p in mine]
         self._held = _Held(optimizer=optimizer, grads=grads, groups=groups, amp=amp, early=confirmed)
@@ -228,10 +231,15 @@ class HostSteps:
         per_unit: dict[int, list[tuple[nn.Parameter, torch.Tensor]]] = defaultdict(list)
         for p, grad in held.grads:
             per_unit[self._unit_of[id(p)].index].append((p, grad))
-        for unit in self.units:
-            if unit.index in per_unit and unit.index not in held.early:
-                pairs = per_unit[unit.index]
-                self._submit(_unit_step(unit, optimizer, pairs, group_of, groups=held.groups, amp=held.amp))
+        tasks = [
+            _unit_step(unit, optimizer, per_unit[unit.index], group_of, groups=held.groups, amp=held.amp)
+            for unit in sorted(self.units, key=self._forward_position)
+            if unit.index in per_unit and unit.index not in held.early
+        ]
+        if self.store is not None:  # the disk tier: state to the files, reads of the first units issued
+            self.store.begin(optimizer, _weak_flush(self), [(task.unit, task.view) for task in tasks])
+        for task in tasks:
+            self._submit(task)
 
     # ------------------------------------------------------------------ the worker
     def _submit(self, task: _UnitStep) -> None:
@@ -254,6 +262,8 @@ class HostSteps:
         unit step goes through, early or after `step()`)."""
         for event in task.ready:
             event.synchronize()
+        if self.store is not None:
+            self.store.fetch(task.unit)  # the disk tier: wait for the unit's state, read into a buffer
         for alias, grad in task.grads:
             alias.grad = grad
         try:
@@ -264,6 +274,8 @@ class HostSteps:
         finally:
             for alias, _ in task.grads:
                 alias.grad = None
+            if self.store is not None:
+                self.store.release(task.unit)  # the disk tier: write the buffer back behind the next steps
 
     def _adopt(self, optimizer: torch.optim.Optimizer) -> None:
         """Flush before the optimizer's state is read or replaced, or its gradients zeroed in place."""

@@ -13,6 +13,7 @@ from ..policy import CPUOffload, MixedPrecision, WrapPolicy
 from ..strategy import Strategy
 from . import replaced
 from .comm import UnitComm
+from .disk_state import attach_disk_state
 from .flat_buffers import FlatBuffers
 from .gathered import GatheredUnit
 from .host_step import StepMode, overlap_host_steps
@@ -138,6 +139,8 @@ def shard_module(
     offloaded_units = [u for u in runtime.units if u.behaviour.offload]
     if offloaded_units and StepMode.from_env() is StepMode.OVERLAPPED:
         overlap_host_steps(model, runtime, offloaded_units, in_backward=offload_policy.step_in_backward)
+    if offloaded_units and offload_policy.disk_dir is not None:
+        attach_disk_state(runtime.host_steps, offload_policy, rank=dist.get_rank() if dist.is_initialized() else 0)
     return model
 
 

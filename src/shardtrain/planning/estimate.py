@@ -76,7 +76,8 @@ MAX_MICRO_BATCH = 1 << 16
 class MemoryEstimate:
     """Bytes per device at the step's peak (`peak_phase`), itemised so that the items sum to `total`.
 
-    `host` is what CPU offload keeps in host memory, per process (times the processes of a node).
+    `host` is what CPU offload keeps in host memory, per process (times the processes of a node);
+    `disk` what its disk tier keeps in files, per process.
     """
 
     parameters: int  # fp32 master weights (the shard, or all of them when unsharded), frozen ones as stored
@@ -89,6 +90,7 @@ class MemoryEstimate:
     logits: int  # logits and cross-entropy tensors
     overhead: int
     host: int
+    disk: int = 0  # the offloaded optimizer state in the disk tier's files, per process (CPUOffload(disk_dir=))
     peak_phase: str
     phase_totals: tuple[tuple[str, int], ...]
     notes: tuple[str, ...]
@@ -257,6 +259,8 @@ def _estimate(inputs: EstimateInputs) -> MemoryEstimate:
         host += sum(moved)
         master, grads, optim = (b - off for b, off in zip((sharded, grads, optim), moved))
         params_alias = frozen_alias = False  # the offloaded shards live on the host: the device needs copies
+    disk = moved[2] if inputs.offload and inputs.offload.disk_dir is not None else 0
+    host -= disk  # the disk tier keeps the offloaded optimizer state in files (core/disk_state.py)
 
     copy, frozen_copy = (0 if params_alias else p), (0 if frozen_alias else p)
     grad_copy = 0 if grads_alias else p
@@ -345,6 +349,7 @@ def _estimate(inputs: EstimateInputs) -> MemoryEstimate:
         **phases[peak],
         overhead=OVERHEAD_BYTES,
         host=host,
+        disk=disk,
         peak_phase=peak,
         phase_totals=tuple((name, total + OVERHEAD_BYTES) for name, total in totals.items()),
         notes=notes,

@@ -30,6 +30,13 @@ steps in sequence and the overlapped step avoids (it steps the local rows). With
 offloaded is predicted at 0.666 s in sequence (measured 0.660 s). The GPU's share: forward a third of the resident step, backward the
 rest (half of it again when every block is checkpointed: the recomputed forward). The offloaded shards
 are copied in their stored dtype (the cast runs on the device).
+
+With the disk tier (Note [Disk tier]) the offloaded optimizer state is read and written once per step
+through the unit steps' pipeline; one device serves both directions, so the disk alone takes
+`disk_state_bytes` / read bandwidth + the same / write bandwidth, and the step takes the longer of
+that and the overlapped step above (read-ahead and write-behind run beside the GPU and the host
+AdamW). Defaults: the H200 host's virtual disk (issue 29): 8 threads of O_DIRECT `preadv` 1.33
+GB/s, O_DIRECT writes 1.43 GB/s.
 """
 
 from __future__ import annotations
@@ -39,6 +46,8 @@ from dataclasses import dataclass
 PCIE_BYTES_PER_S = 54.5e9
 HOST_ADAMW_S_PER_PARAM = 0.185e-9
 DTENSOR_FACTOR = 329 / 283  # the same fused AdamW over DTensors: their dispatch
+DISK_READ_BYTES_PER_S = 1.33e9
+DISK_WRITE_BYTES_PER_S = 1.43e9
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,6 +61,7 @@ class OffloadTime:
     h2d_forward_s: float  # copies of the offloaded shards for the forward
     h2d_backward_s: float  # their copies again for the backward (units resharded after forward)
     d2h_s: float  # the offloaded gradients back to the host
+    disk_s: float  # the disk tier: its state read and written once (0 without it)
     sequential_s: float
     overlapped_s: float
     in_backward_s: float  # units stepped during backward where their gradients are final
@@ -71,6 +81,9 @@ def offload_step_time(
     pcie_bytes_per_s: float = PCIE_BYTES_PER_S,
     host_s_per_param: float = HOST_ADAMW_S_PER_PARAM,
     units: int = 1,
+    disk_state_bytes: int = 0,
+    disk_read_bytes_per_s: float = DISK_READ_BYTES_PER_S,
+    disk_write_bytes_per_s: float = DISK_WRITE_BYTES_PER_S,
 ) -> OffloadTime:
     """The offloaded step's phases from the resident step's time (GPU work alone) and the offload over
     `units` offloaded units (the in-backward step's granularity; 1 is the pessimistic bound)."""
@@ -78,6 +91,8 @@ def offload_step_time(
         ("resident_step_s", resident_step_s),
         ("pcie_bytes_per_s", pcie_bytes_per_s),
         ("host_s_per_param", host_s_per_param),
+        ("disk_read_bytes_per_s", disk_read_bytes_per_s),
+        ("disk_write_bytes_per_s", disk_write_bytes_per_s),
     ):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise ValueError(f"offload_step_time: {name}={value!r} must be a positive number")
@@ -85,6 +100,8 @@ def offload_step_time(
         raise ValueError(f"offload_step_time: offloaded_params={offloaded_params!r} must be a count (0 or more)")
     if isinstance(units, bool) or not isinstance(units, int) or units < 1:
         raise ValueError(f"offload_step_time: units={units!r} must be the number of offloaded units (1 or more)")
+    if isinstance(disk_state_bytes, bool) or not isinstance(disk_state_bytes, int) or disk_state_bytes < 0:
+        raise ValueError(f"offload_step_time: disk_state_bytes={disk_state_bytes!r} must be a byte count (0 or more)")
     if stored_bytes not in (2, 4):
         raise ValueError(f"offload_step_time: stored_bytes={stored_bytes!r}: use 4 (fp32 masters) or 2")
     # forward : backward = 1 : 2 of the FLOPs, 1 : 3 with every block's forward recomputed
@@ -96,6 +113,7 @@ def offload_step_time(
     backward_phase = max(backward, h2d_backward + shard_s)  # the re-gathers, then the gradients (d2h)
     forward_phase = max(forward, shard_s)
     in_backward = max(forward_phase + backward_phase + host / units, host + backward_phase / units)
+    disk = disk_state_bytes / disk_read_bytes_per_s + disk_state_bytes / disk_write_bytes_per_s
     return OffloadTime(
         forward_s=forward,
         backward_s=backward,
@@ -104,7 +122,8 @@ def offload_step_time(
         h2d_forward_s=shard_s,
         h2d_backward_s=h2d_backward,
         d2h_s=shard_s,
-        sequential_s=forward_phase + backward_phase + host * DTENSOR_FACTOR,
-        overlapped_s=max(forward_phase, host) + backward_phase,
-        in_backward_s=in_backward if offloaded_params else forward + backward,
+        disk_s=disk,
+        sequential_s=forward_phase + backward_phase + host * DTENSOR_FACTOR + disk,
+        overlapped_s=max(max(forward_phase, host) + backward_phase, disk),
+        in_backward_s=(in_backward if offloaded_params else forward + backward),
     )

@@ -90,6 +90,8 @@ def format_estimate(estimate: MemoryEstimate) -> str:
     lines += [f"{name:<{width}}  {format_gib(value):>8}" for name, value in rows]
     if estimate.host:
         lines.append(f"{'host memory (offloaded)':<{width}}  {format_gib(estimate.host):>8}")
+    if estimate.disk:
+        lines.append(f"{'disk (offloaded state)':<{width}}  {format_gib(estimate.disk):>8}")
     phases = ", ".join(f"{name} {format_gib(total)}" for name, total in estimate.phase_totals)
     lines.append(f"peak during {estimate.peak_phase} ({phases})")
     if inputs.device_memory:
@@ -106,6 +108,8 @@ def format_comparison(comparison: StrategyComparison) -> str:
     extra: list[list[str]] = [["peak during"] + [e.peak_phase for e in estimates]]
     if any(e.host for e in estimates):
         extra.append(["host memory (offloaded)"] + [format_gib(e.host) for e in estimates])
+    if any(e.disk for e in estimates):
+        extra.append(["disk (offloaded state)"] + [format_gib(e.disk) for e in estimates])
     memory = comparison.device_memory
     if memory:
         extra.append([f"fits in {format_gib(memory)} GiB"] + ["yes" if e.fits(memory) else "no" for e in estimates])

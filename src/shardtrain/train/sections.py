@@ -221,6 +221,11 @@ class EngineConfig:
         "parameters)",
         False,
     )
+    offload_dir: str | None = _help(
+        "with engine.cpu_offload: keep the offloaded units' optimizer state in per-rank files in this "
+        "directory on a local disk (the disk tier), streamed through the host optimizer step",
+        None,
+    )
     precision: str = _help("'auto' (bf16-mixed on GPU, 32-true on CPU), 'bf16-mixed' or '32-true'", "auto")
     auto_trials: int = _help(
         "with strategy 'auto': train this many of the best predicted configurations for a few "
@@ -241,6 +246,12 @@ class EngineConfig:
             "engine.cpu_offload",
             self.cpu_offload,
             "use true, false, or a share of the parameters in (0, 1]",
+        )
+        _require(
+            self.offload_dir is None or bool(self.cpu_offload),
+            "engine.offload_dir",
+            self.offload_dir,
+            "the disk tier holds offloaded state: also give --engine.cpu_offload true (or a share)",
         )
 
 

@@ -1,0 +1,393 @@
+"""The disk tier of CPU offload: the optimizer state of host-stepped units in per-rank files, streamed.
+
+With `st.CPUOffload(disk_dir=DIR)` the elementwise optimizer state of the offloaded units (AdamW's
+`exp_avg` and `exp_avg_sq`) lives in one file per rank under DIR instead of host memory. Each unit owns
+one region of the file; the deferred per-unit host step (core/host_step.py) streams the units through a
+bounded pool of aligned host buffers ("slots", `buffer_bytes` in all): before unit k steps its region
+is read into a slot (read-ahead: the next units' reads are issued as soon as slots free up), the
+optimizer view steps the slot in place, and the slot is written back (write-behind) and returns to the
+pool when the write completes (docs/design.md, Note [Disk tier]).
+
+The user's optimizer keeps its state entries: an entry on disk is its own tensor with the right shape
+and an empty storage, so the optimizer's structure, scalars (`step`) and hyperparameters stay where
+torch keeps them. `optimizer.state_dict()` (checkpoints) reads every entry back into host memory
+first; `load_state_dict()` puts resident entries in, which the next step writes to the files. An
+optimizer step that does not run per unit (a closure, an unsplittable optimizer) reads its units back
+first. The bytes are moved, never converted: training is bitwise that of host-memory offload.
+
+Crash safety: the files are scratch. Each process creates its own file (exclusively, named by host,
+pid and rank) and reads a region only after it wrote it itself, so nothing a killed process left
+behind is ever read: a resume rebuilds the files from the checkpoint. Files of dead processes of this
+host are removed when a new store opens the directory. Space is checked (`shutil.disk_usage`) and
+reserved (`posix_fallocate`) before a region is first written; running out is one line naming the
+directory and the bytes needed.
+"""
+
+from __future__ import annotations
+
+import errno
+import glob
+import os
+import shutil
+import socket
+import threading
+import weakref
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .aio import ALIGN, AsyncFile, Request, aligned_empty, direct_supported
+from .disk_layout import (
+    Region,
+    aliases,
+    elementwise,
+    empty_like,
+    evict,
+    layout,
+    on_disk,
+    predicted_bytes,
+    restore,
+)
+from .host_step import ENV
+from .sharded_param import local_of
+
+if TYPE_CHECKING:
+    from ..policy import CPUOffload
+    from .host_step import HostSteps
+    from .unit import ShardUnit
+
+DEFAULT_SLOTS = 4  # pool size when no budget is given: one unit stepping, one writing, two read ahead
+
+
+class DiskFullError(OSError):
+    """The disk tier's directory lacks the space its state files need."""
+
+
+class DiskState:
+    """The per-rank state file of one optimizer and the slot pool the unit steps stream through."""
+
+    def __init__(self, *, directory: str, rank: int, buffer_bytes: int | None, threads: int = 8) -> None:
+        self.directory = directory
+        self.buffer_bytes = buffer_bytes
+        _remove_stale(directory, rank)
+        self.direct = direct_supported(directory)
+        prefix = f"shardtrain-{socket.gethostname()}-pid{os.getpid()}-rank{rank}-"
+        path = os.path.join(directory, prefix + os.urandom(4).hex() + ".state")
+        self.file = AsyncFile(path, direct=self.direct, threads=threads)
+        weakref.finalize(self, _close, self.file)
+        self._optimizer: weakref.ref | None = None
+        self._regions: dict[int, Region] = {}  # unit index -> its region
+        self._end = 0  # bytes of the file given to regions
+        self._slots: list[torch.Tensor] = []
+        self._free: list[torch.Tensor] = []
+        self._queue: deque[int] = deque()  # units to read ahead, in step order
+        self._reads: dict[int, tuple[torch.Tensor, Request]] = {}
+        self._writes: list[Request] = []
+        self._views: dict[int, list[tuple[dict, str, torch.Tensor]]] = {}  # unit -> (view entries, key, slot view)
+        self._held: dict[int, torch.Tensor] = {}  # unit -> its slot while it steps
+        self._fresh: dict[int, tuple[Any, list]] = {}  # unit -> (view, [(parameter, alias)]) on its first step
+        self._ready = threading.Condition()
+
+    # ------------------------------------------------------------------ sizes
+    def file_bytes(self) -> int:
+        """Bytes of the file given to unit regions."""
+        return self._end
+
+    def slot_count(self) -> int:
+        return len(self._slots)
+
+    def pool_bytes(self) -> int:
+        return sum(s.numel() for s in self._slots)
+
+    # ------------------------------------------------------------------ one step (main thread)
+    def begin(self, optimizer: torch.optim.Optimizer, flush: Any, tasks: list[tuple[ShardUnit, Any]]) -> None:
+        """Before the deferred steps of `tasks` ((unit, optimizer view), in step order) are submitted:
+        write what is resident to the files, point the views at slots on fetch, start the reads."""
+        self._bind(optimizer, flush)
+        self.drain()
+        entries = {unit.index: self._entries(optimizer, unit) for unit, _ in tasks}
+        fresh = {  # the state is not created yet
+            unit.index
+            for unit, _ in tasks
+            if unit.index not in self._regions and not any(optimizer.state.get(p) for p in unit.params)
+        }
+        if fresh:  # before any state exists: is there room for what the first step will create?
+            self._check_space(self._end + sum(predicted_bytes(optimizer, u) for u, _ in tasks if u.index in fresh))
+        stale = [
+            index
+            for index, ents in entries.items()
+            if index not in fresh
+            and (
+                index not in self._regions
+                or [(p.key, p.numel, p.dtype) for p in self._regions[index].pieces]
+                != [(k, t.numel(), t.dtype) for k, t in ents]
+                or any(not on_disk(t) for _, t in ents)
+            )
+        ]
+        if stale:
+            self._write_resident(optimizer, {i: entries[i] for i in stale})
+        self._size_pool()
+        for unit, view in tasks:
+            if unit.index in fresh:  # no state yet: the unit's step creates it, release() writes it
+                self._fresh[unit.index] = (view, aliases(unit, view, optimizer))
+                continue
+            region = self._regions[unit.index]
+            by_tensor = {id(t): piece for (_, t), piece in zip(entries[unit.index], region.pieces)}
+            swaps = []
+            for state in view.state.values():
+                for key, value in state.items():
+                    piece = by_tensor.get(id(value))
+                    if piece is not None:
+                        swaps.append((state, key, piece, value.shape))
+            self._views[unit.index] = swaps
+            self._queue.append(unit.index)
+        with self._ready:
+            self._pump()
+
+    def _entries(self, optimizer: torch.optim.Optimizer, unit: ShardUnit) -> list[tuple[tuple[int, str], torch.Tensor]]:
+        """The unit's elementwise state tensors (local rows shaped like the parameter's), in a fixed order."""
+        out = []
+        for p in unit.params:
+            state = optimizer.state.get(p, {})
+            for key in sorted(state):
+                if elementwise(state[key], p):
+                    out.append(((id(p), key), local_of(state[key])))
+        return out
+
+    def _write_resident(self, optimizer: torch.optim.Optimizer, stale: dict[int, list]) -> None:
+        """(Re)lay out the `stale` units' regions and write their state, then empty the tensors."""
+        self.materialize(list(stale))  # entries still on disk under an old layout come back first
+        layouts = {index: layout(ents) for index, ents in stale.items()}
+        end = self._end
+        regions = {}
+        for index, (pieces, nbytes) in layouts.items():
+            old = self._regions.get(index)
+            offset = old.offset if old is not None and nbytes <= old.nbytes else end
+            end += nbytes if offset == end else 0
+            regions[index] = Region(offset=offset, nbytes=nbytes, pieces=pieces)
+        self._reserve(end)
+        self._regions.update(regions)
+        self._size_pool()
+        slot = self._slots[0]
+        for index, ents in stale.items():
+            region = self._regions[index]
+            for (_, tensor), piece in zip(ents, region.pieces):
+                region.piece_view(slot, piece, tensor.shape).copy_(tensor)
+            self._check(self.file.write(region.offset, slot[: region.nbytes]))
+            for _, tensor in ents:
+                evict(tensor)
+
+    def _check_space(self, end: int) -> None:
+        need, free = end - self._end, shutil.disk_usage(self.directory).free
+        if free < need:
+            raise DiskFullError(errno.ENOSPC, self._full_message(need, free))
+
+    def _reserve(self, end: int) -> None:
+        if end <= self._end:
+            return
+        self._check_space(end)
+        need, free = end - self._end, shutil.disk_usage(self.directory).free
+        try:
+            self.file.reserve(end)
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+            raise DiskFullError(errno.ENOSPC, self._full_message(need, free)) from None
+        self._end = end
+
+    def _full_message(self, need: int, free: int) -> str:
+        return (
+            f"disk offload: {self.directory} has {free} bytes free, the optimizer state file needs {need} more "
+            f"({self._end + need} in all for this rank): free space or point CPUOffload(disk_dir=...) elsewhere"
+        )
+
+    def _size_pool(self) -> None:
+        """Slots as large as the largest region, as many as the budget holds (the pool is idle)."""
+        slot_bytes = max([ALIGN, *(r.nbytes for r in self._regions.values())])
+        if self._slots and self._slots[0].numel() >= slot_bytes:
+            return
+        budget = self.buffer_bytes if self.buffer_bytes is not None else DEFAULT_SLOTS * slot_bytes
+        if budget < slot_bytes:
+            raise ValueError(
+                f"CPUOffload(disk_buffer_bytes={budget}): the largest unit's optimizer state needs a "
+                f"{slot_bytes}-byte buffer; give at least {slot_bytes} (3 or more times that overlaps reads, "
+                "steps and writes)"
+            )
+        self._slots = [aligned_empty(slot_bytes) for _ in range(budget // slot_bytes)]
+        self._free = list(self._slots)
+
+    # ------------------------------------------------------------------ the pipeline (worker and I/O threads)
+    def _pump(self) -> None:
+        """Under `_ready`: issue the reads of queued units while slots are free."""
+        while self._queue and self._free:
+            index = self._queue.popleft()
+            slot, region = self._free.pop(), self._regions[index]
+            self._reads[index] = (slot, self.file.read(region.offset, slot[: region.nbytes]))
+            self._ready.notify_all()
+
+    def _slot_done(self, slot: torch.Tensor) -> None:
+        with self._ready:
+            self._free.append(slot)
+            self._pump()
+
+    def fetch(self, unit: ShardUnit) -> None:
+        """On the step worker, before `unit` steps: wait for its read; its view now steps the slot."""
+        if unit.index in self._fresh:
+            return
+        with self._ready:
+            while unit.index not in self._reads:
+                self._ready.wait()
+            slot, request = self._reads.pop(unit.index)
+        self._check(request)
+        region = self._regions[unit.index]
+        for state, key, piece, shape in self._views.pop(unit.index):
+            state[key] = region.piece_view(slot, piece, shape)
+        self._held[unit.index] = slot
+
+    def release(self, unit: ShardUnit) -> None:
+        """On the step worker, after `unit` stepped: write its slot back; the slot frees when written."""
+        if unit.index in self._fresh:
+            self._write_created(unit.index, *self._fresh.pop(unit.index))
+            return
+        slot = self._held.pop(unit.index)
+        region = self._regions[unit.index]
+        request = self.file.write(region.offset, slot[: region.nbytes])
+        with self._ready:
+            self._writes.append(request)
+        request.add_done_callback(lambda r: self._slot_done(slot))
+
+    def _write_created(self, index: int, view: Any, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """A unit's first step created its state in the view: write it to a new region (waiting, so at
+        most one unit's new state is in host memory) and give the user's optimizer empty-storage entries."""
+        optimizer = self._optimizer()
+        entries = [
+            ((id(p), key), view.state[alias][key])
+            for p, alias in pairs
+            for key in sorted(view.state.get(alias, {}))
+            if elementwise(view.state[alias][key], alias)
+        ]
+        pieces, nbytes = layout(entries)
+        region = Region(offset=self._end, nbytes=nbytes, pieces=pieces)
+        self._reserve(self._end + nbytes)
+        buffer = aligned_empty(nbytes)
+        for (_, tensor), piece in zip(entries, pieces):
+            region.piece_view(buffer, piece, tensor.shape).copy_(tensor)
+        self._check(self.file.write(region.offset, buffer))
+        self._regions[index] = region
+        for p, alias in pairs:
+            optimizer.state[p] = {
+                key: empty_like(p, value) if elementwise(value, alias) else value
+                for key, value in view.state.get(alias, {}).items()
+            }
+
+    # ------------------------------------------------------------------ completion (main thread)
+    def drain(self) -> None:
+        """Wait for every write in flight; re-raise the first failure (ENOSPC as one line)."""
+        with self._ready:
+            writes, self._writes = self._writes, []
+        for request in writes:
+            self._check(request)
+
+    def _check(self, request: Request) -> None:
+        try:
+            request.wait()
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                free = shutil.disk_usage(self.directory).free
+                raise DiskFullError(errno.ENOSPC, self._full_message(self._end, free)) from None
+            raise
+
+    def materialize(self, units: list[int] | None = None) -> None:
+        """Read the state of `units` (default: all) back into the optimizer's tensors, in host memory."""
+        optimizer = self._optimizer() if self._optimizer is not None else None
+        if optimizer is None:
+            return
+        self.drain()
+        by_key = {
+            (id(p), key): local_of(value)
+            for p, state in optimizer.state.items()
+            for key, value in state.items()
+            if isinstance(value, torch.Tensor)
+        }
+        for index in self._regions if units is None else units:
+            region = self._regions.get(index)
+            targets = [(by_key.get(piece.key), piece) for piece in region.pieces] if region is not None else []
+            targets = [(t, piece) for t, piece in targets if t is not None and on_disk(t)]
+            if not targets:
+                continue
+            self._size_pool()
+            slot = self._slots[0]
+            self._check(self.file.read(region.offset, slot[: region.nbytes]))
+            for tensor, piece in targets:
+                restore(tensor, region.piece_view(slot, piece, tensor.shape))
+
+    def _bind(self, optimizer: torch.optim.Optimizer, flush: Any) -> None:
+        """The first step: read the state back before anything reads it outside the unit steps."""
+        if self._optimizer is not None:
+            if self._optimizer() is not optimizer:
+                raise ValueError(
+                    f"CPUOffload(disk_dir={self.directory!r}): a second optimizer "
+                    f"({type(optimizer).__name__}) steps the offloaded units; the disk tier keeps the state "
+                    "of one optimizer per model: use one optimizer (param groups separate hyperparameters)"
+                )
+            return
+        self._optimizer = weakref.ref(optimizer)
+        me = weakref.ref(self)
+
+        def before_read(*_args) -> None:
+            flush()
+            live = me()
+            if live is not None:
+                live.materialize()
+
+        def before_load(*_args) -> None:
+            flush()
+            live = me()
+            if live is not None:
+                live.drain()
+
+        def before_user_step(opt, *_args) -> None:  # what the user's own step() steps must be resident
+            live = me()
+            if live is not None:
+                live.materialize([i for i, u in live._units_of(opt) if any(p.grad is not None for p in u)])
+
+        optimizer.register_state_dict_pre_hook(before_read)
+        optimizer.register_load_state_dict_pre_hook(before_load)
+        optimizer.register_step_pre_hook(before_user_step)
+
+    def _units_of(self, optimizer: torch.optim.Optimizer) -> list[tuple[int, list]]:
+        """(unit index, the user's parameters with state in that region) for every region."""
+        params = {id(p): p for p in optimizer.state}
+        return [
+            (index, [params[k] for k in {piece.key[0] for piece in region.pieces} if k in params])
+            for index, region in self._regions.items()
+        ]
+
+
+def attach_disk_state(steps: HostSteps | None, policy: CPUOffload, *, rank: int) -> DiskState:
+    """Keep the optimizer state of the units `steps` defers in files under `policy.disk_dir`."""
+    if steps is None:
+        raise ValueError(
+            f"CPUOffload(disk_dir={policy.disk_dir!r}) with {ENV}=sequential: the disk tier streams the state "
+            f"through the per-unit host step; unset {ENV}"
+        )
+    steps.store = DiskState(directory=os.fspath(policy.disk_dir), rank=rank, buffer_bytes=policy.disk_buffer_bytes)
+    return steps.store
+
+
+def _close(file: AsyncFile) -> None:
+    file.close()
+    os.unlink(file.path)
+
+
+def _remove_stale(directory: str, rank: int) -> None:
+    """Remove state files that dead processes of this host left behind (never read, only in the way)."""
+    for path in glob.glob(os.path.join(directory, f"shardtrain-{socket.gethostname()}-pid*-rank{rank}-*.state")):
+        pid = int(os.path.basename(path).split("-pid")[1].split("-")[0])
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            os.unlink(path)
+        except PermissionError:
+            pass  # another user's live process

@@ -1,0 +1,169 @@
+"""Rank-side code of the tensor-parallel tests: st.shard on a ("dp", "tp") mesh against one process.
+
+The reference is the unsharded model in this process: each step it sums every dp rank's gradient
+and divides by dp (tp ranks of one dp rank see the same batch), clips with torch's clip_grad_norm_ and
+steps AdamW. The engine must give, at fp32 tolerance, the same loss on every rank, the same norm,
+and the same parameters and gradients (`full_tensor()` of the optimizer's DTensors).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.distributed.tensor.parallel import loss_parallel
+from torch.distributed.tensor.placement_types import _StridedShard
+
+import shardtrain as st
+from shardtrain.models.llama import Block, Llama, llama_config
+
+TOL = dict(rtol=2e-5, atol=2e-5)
+# Note: eps 1e-5, not 1e-8: tensor parallelism sums each matmul in another order, and Adam's first
+# steps turn a gradient of 2e-10 (there are such) into a step of lr * g / (|g| + eps); with eps 1e-8
+# its last bits moved a weight by 1e-4. Below eps the step is proportional to the gradient.
+ADAMW = dict(lr=1e-3, weight_decay=0.1, eps=1e-5)
+MAX_NORM = 0.5  # below the first steps' norm: the clipping fires
+
+
+@dataclass(frozen=True, kw_only=True)
+class Case:
+    mesh: tuple[int, int]  # (dp, tp)
+    model: str = "llama"  # "llama" (built-in) | "hf" (transformers LlamaForCausalLM)
+    sequence_parallel: bool = False
+    loss_parallel: bool = False
+    steps: int = 10
+    prebuilt: bool = False  # the model goes through parallelize_module before st.shard (tp_plan=None)
+
+
+def uneven_llama() -> Llama:
+    """Hidden 48, vocabulary 1000, feed-forward 90 (not a multiple of 4): every split is uneven somewhere."""
+    cfg = llama_config("tiny", vocab_size=1000, dim=48, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=90, max_seq_len=32)
+    return Llama(cfg)
+
+
+def hf_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=1000,
+        hidden_size=48,
+        intermediate_size=90,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+    )
+    return LlamaForCausalLM(cfg).float()
+
+
+def _loss(model, tokens: torch.Tensor, kind: str) -> torch.Tensor:
+    if kind == "hf":
+        logits = model(input_ids=tokens[:, :-1]).logits
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+    return model.loss(tokens[:, :-1], tokens[:, 1:])
+
+
+def _batch(step: int, dp_rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + dp_rank)
+    return torch.randint(0, 1000, (2, 17), generator=g)
+
+
+def build(case: Case):
+    """(model, reference, mesh): the sharded model and its unsharded twin with the same weights."""
+    torch.manual_seed(0)
+    model = hf_llama() if case.model == "hf" else uneven_llama()
+    reference = copy.deepcopy(model)
+    dp, tp = case.mesh
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    if case.model == "hf":
+        plan, units = st.tp.hf_plan(model), {type(model.model.layers[0])}
+    else:
+        plan = st.tp.llama_plan(sequence_parallel=case.sequence_parallel, loss_parallel=case.loss_parallel)
+        units = {Block}
+    if case.prebuilt:
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        parallelize_module(model, mesh["tp"], plan)
+        plan = None
+    st.shard(model, mesh=mesh, tp_plan=plan, wrap=units)
+    return model, reference, mesh
+
+
+def expected_placements(name: str, tp: int) -> tuple:
+    """FSDP2's placements of the uneven Llama's parameters on ("dp", "tp") (the table in tp/placements.py)."""
+    colwise = ("wq", "wk", "wv", "w1", "w3", "head", "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head")
+    split_rows = any(f"{c}." in name for c in colwise) or name.startswith("embed.") or "embed_tokens." in name
+    if tp > 1 and split_rows:
+        return (_StridedShard(0, split_factor=tp), Shard(0))
+    if tp > 1 and any(f"{r}." in name for r in ("wo", "w2", "o_proj", "down_proj")):
+        return (Shard(0), Shard(1))
+    return (Shard(0), Replicate())
+
+
+def run_parity(case: Case) -> int:
+    model, reference, mesh = build(case)
+    dp, tp = case.mesh
+    dp_rank = mesh.get_local_rank("dp")
+    for name, p in model.named_parameters():
+        assert isinstance(p, DTensor) and p.device_mesh == mesh, name
+        assert p.placements == expected_placements(name, tp), (name, p.placements)
+        assert p.shape == dict(reference.named_parameters())[name].shape, name
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+    ref_opt = torch.optim.AdamW(reference.parameters(), **ADAMW)
+    fired = 0
+    for step in range(case.steps):
+        batches = [_batch(step, r) for r in range(dp)]
+        with loss_parallel() if case.loss_parallel else contextlib.nullcontext():
+            loss = _loss(model, batches[dp_rank], case.model)
+            loss.backward()
+        if isinstance(loss, DTensor):
+            loss = loss.full_tensor()
+        norm = st.clip_grad_norm_(model, MAX_NORM)
+        ref_losses = [_loss(reference, b, case.model) for b in batches]
+        for ref_loss in ref_losses:  # each rank's gradient, summed, then averaged: what data parallelism computes
+            ref_loss.backward()
+        for p in reference.parameters():
+            p.grad /= dp
+        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM)
+        fired += bool(ref_norm > MAX_NORM)
+        torch.testing.assert_close(loss.detach(), ref_losses[dp_rank].detach(), **TOL, msg=f"loss at step {step}")
+        torch.testing.assert_close(norm, ref_norm, **TOL, msg=f"norm at step {step}")
+        compare(model, reference, step)
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad(set_to_none=True)
+        ref_opt.zero_grad(set_to_none=True)
+    compare(model, reference, case.steps)
+    assert fired >= 2, f"the clipping fired at {fired} steps only"
+    return 1
+
+
+def compare(model, reference, step: int) -> None:
+    ref = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.full_tensor(), ref[name].detach(), **TOL, msg=f"{name} at step {step}")
+        if ref[name].grad is not None and step < 10:
+            assert p.grad is not None, f"{name} has no gradient at step {step}"
+            torch.testing.assert_close(p.grad.full_tensor(), ref[name].grad, **TOL, msg=f"grad {name} at step {step}")
+
+
+def forward_collectives(case: Case) -> dict[str, int]:
+    """The collectives one forward issues: the dp all-gathers (c10d, one per unit) and the tp ones
+    (functional collectives of DTensor's redistributions), by name."""
+    os.environ["SHARDTRAIN_CHECK_ORDER"] = "0"  # the order check's own all-gathers are not the model's
+    try:
+        model, _, _ = build(case)
+    finally:
+        del os.environ["SHARDTRAIN_CHECK_ORDER"]
+    tokens = _batch(0, 0)[:, :-1]
+    with CommDebugMode() as comm, torch.no_grad():
+        model(tokens)
+    return {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()}

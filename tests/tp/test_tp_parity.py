@@ -17,7 +17,6 @@ DEFAULT = [
 ]
 SLOW = [
     Case(mesh=(2, 2)),
-    Case(mesh=(2, 2), sequence_parallel=True),
     Case(mesh=(2, 2), sequence_parallel=True, loss_parallel=True, prebuilt=True),
     Case(mesh=(2, 2), model="hf"),
     Case(mesh=(1, 4), sequence_parallel=True),
@@ -47,7 +46,10 @@ def _expected_tp(case: Case, layers: int = 2) -> dict[str, int]:
     after each; the embedding's reduction and the head's gathers around them."""
     if not case.sequence_parallel:
         return {"all_reduce": 2 * layers + 1, "all_gather_into_tensor": 1}
-    return {"reduce_scatter_tensor": 2 * layers + 1, "all_gather_into_tensor": 2 * layers + 1 + (not case.loss_parallel)}
+    return {
+        "reduce_scatter_tensor": 2 * layers + 1,
+        "all_gather_into_tensor": 2 * layers + 1 + (not case.loss_parallel),
+    }
 
 
 @pytest.mark.parametrize(

@@ -28,12 +28,23 @@ from torch.distributed.tensor.parallel import parallelize_module
 from torch.distributed.tensor.placement_types import Placement
 
 from ..strategy import Strategy
-from ..tp import MeshDims, is_tensor_parallel_mesh, mesh_dims, mesh_placements, replicated_on_tp, resolve_plan
+from ..tp import (
+    Box,
+    MeshDims,
+    held_box,
+    is_tensor_parallel_mesh,
+    mesh_dims,
+    mesh_placements,
+    replicated_on_tp,
+    resolve_plan,
+    split_of,
+)
 from .layout import ParamShard
 from .process_groups import derived, subgroup
 
 if TYPE_CHECKING:
     from .runtime import Runtime
+    from .unit import ShardUnit
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,11 +86,40 @@ class TensorParallel:
             shape = tp.shape if tp else torch.Size(shard.shape)
             stride = tp.stride if tp else torch.empty(shard.shape, device="meta").stride()
             placements = mesh_placements(
-                tp.placement if tp else Replicate(), tp_size=self.tp_size, hybrid=self.dims.hybrid, cut=bool(shard.shape)
+                tp.placement if tp else Replicate(),
+                tp_size=self.tp_size,
+                hybrid=self.dims.hybrid,
+                cut=bool(shard.shape),
             )
             spec = DTensorSpec(self.dims.mesh, placements, tensor_meta=TensorMeta(shape, stride, dtype))
             self._specs[key] = spec
         return spec
+
+    def global_shape(self, shard: ParamShard) -> tuple[int, ...]:
+        tp = self.params.get(shard.fqn)
+        return tuple(tp.shape) if tp else shard.shape
+
+    def split(self, shard: ParamShard) -> str | None:
+        """How tensor parallelism splits `shard` ("rows", "cols", or None), for checkpoints (tp/boxes.py)."""
+        tp = self.params.get(shard.fqn)
+        return split_of(tp.placement) if tp else None
+
+    def full_tensors(self, tensors: list[torch.Tensor], shards: tuple[ParamShard, ...]) -> list[torch.Tensor]:
+        """Whole TP-local tensors (gathered over dp) made global: split ones gathered over "tp"."""
+        out = []
+        for tensor, shard in zip(tensors, shards):
+            tp = self.params.get(shard.fqn)
+            if tp is not None:
+                tensor = DTensor.from_local(
+                    tensor.contiguous(),
+                    self.tp_mesh,
+                    (tp.placement,),
+                    run_check=False,
+                    shape=tp.shape,
+                    stride=tp.stride,
+                ).full_tensor()
+            out.append(tensor)
+        return out
 
     def compute_views(self, views: tuple[torch.Tensor, ...], shards: tuple[ParamShard, ...]) -> tuple:
         """The gathered TP-local views as forward uses them: split parameters as DTensors on "tp"."""
@@ -101,11 +141,42 @@ def tensor_parallel_of(runtime: Runtime) -> TensorParallel | None:
     return runtime.units[0].factory.tp if runtime.units else None
 
 
+def global_shape(unit: ShardUnit, shard: ParamShard) -> tuple[int, ...]:
+    """The shape of the parameter `shard` describes as the unsharded model has it (not TP-local)."""
+    tp = unit.factory.tp
+    return tp.global_shape(shard) if tp is not None else shard.shape
+
+
+def split_in(unit: ShardUnit, shard: ParamShard) -> str | None:
+    """How tensor parallelism splits the parameter ("rows", "cols"; None: not split, or no TP)."""
+    tp = unit.factory.tp
+    return tp.split(shard) if tp is not None else None
+
+
+def tp_coordinates(runtime: Runtime) -> tuple[int, int]:
+    """(tp rank, tp size) of this rank; (0, 1) without tensor parallelism."""
+    tp = tensor_parallel_of(runtime)
+    return (tp.tp_rank, tp.tp_size) if tp is not None else (0, 1)
+
+
+def held_box_of(unit: ShardUnit, index: int) -> Box:
+    """The box of parameter `index`'s global tensor this rank holds (`unit.held(index)` has its shape)."""
+    shard = unit.layout.params[index]
+    tp_rank, tp_world = tp_coordinates(unit.runtime)
+    cut = shard.world > 1
+    return held_box(
+        global_shape(unit, shard),
+        split=split_in(unit, shard),
+        dp_rank=unit.comm.shard_rank if cut else 0,
+        dp_world=shard.world,
+        tp_rank=tp_rank,
+        tp_world=tp_world,
+    )
+
+
 def local_tensors(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Each tensor's TP-local part (a DTensor's local tensor, keeping `requires_grad`), or itself."""
-    return [
-        t._local_tensor.detach().requires_grad_(t.requires_grad) if isinstance(t, DTensor) else t for t in tensors
-    ]
+    return [t._local_tensor.detach().requires_grad_(t.requires_grad) if isinstance(t, DTensor) else t for t in tensors]
 
 
 def prepare_tensor_parallel(
@@ -145,7 +216,9 @@ def prepare_tensor_parallel(
     params = {}
     for name, p in split.items():
         if p.is_meta:
-            raise ValueError(f"parameter {name!r} is a DTensor on the meta device: materialise the model before st.shard")
+            raise ValueError(
+                f"parameter {name!r} is a DTensor on the meta device: materialise the model before st.shard"
+            )
         if p.device_mesh != dims.tp_mesh or len(p.placements) != 1:
             raise ValueError(
                 f"parameter {name!r} is a DTensor on {p.device_mesh} {p.placements}; split it over the "

@@ -28,7 +28,10 @@ TOL = dict(rtol=2e-5, atol=2e-5)
 # steps turn a gradient of 2e-10 (there are such) into a step of lr * g / (|g| + eps); with eps 1e-8
 # its last bits moved a weight by 1e-4. Below eps the step is proportional to the gradient.
 ADAMW = dict(lr=1e-3, weight_decay=0.1, eps=1e-5)
-MAX_NORM = 0.5  # below the first steps' norm: the clipping fires
+MAX_NORM = 0.5
+# bf16 compute against the fp32 reference: a few bf16 roundings per value, and AdamW moving a weight
+# whose tiny gradient changed sign by up to 2 lr a step (4 steps: 8e-3)
+LOW_TOL = dict(rtol=3e-2, atol=1e-2)  # below the first steps' norm: the clipping fires
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,6 +42,8 @@ class Case:
     loss_parallel: bool = False
     steps: int = 10
     prebuilt: bool = False  # the model goes through parallelize_module before st.shard (tp_plan=None)
+    precision: str | None = None  # "bf16": compared at bf16's tolerance (LOW_TOL)
+    checkpointed: bool = False  # activation checkpointing of every block
 
     @property
     def ffn_dim(self) -> int:
@@ -101,7 +106,14 @@ def build(case: Case):
 
         parallelize_module(model, mesh["tp"], plan)
         plan = None
-    st.shard(model, mesh=mesh, tp_plan=plan, wrap=units)
+    st.shard(
+        model,
+        mesh=mesh,
+        tp_plan=plan,
+        wrap=units,
+        mixed_precision=case.precision,
+        activation_checkpointing=units if case.checkpointed else None,
+    )
     return model, reference, mesh
 
 
@@ -142,9 +154,10 @@ def run_parity(case: Case) -> int:
             p.grad /= dp
         ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM)
         fired += bool(ref_norm > MAX_NORM)
-        torch.testing.assert_close(loss.detach(), ref_losses[dp_rank].detach(), **TOL, msg=f"loss at step {step}")
-        torch.testing.assert_close(norm, ref_norm, **TOL, msg=f"norm at step {step}")
-        if step in (0, 1, case.steps - 1):  # every tensor at the first steps and the last
+        tol = LOW_TOL if case.precision else TOL
+        torch.testing.assert_close(loss.detach(), ref_losses[dp_rank].detach(), **tol, msg=f"loss at step {step}")
+        torch.testing.assert_close(norm, ref_norm, **tol, msg=f"norm at step {step}")
+        if step in (0, 1, case.steps - 1) and not case.precision:  # every tensor at the first steps and the last
             compare(model, reference, step)
         opt.step()
         ref_opt.step()
@@ -152,7 +165,7 @@ def run_parity(case: Case) -> int:
         ref_opt.zero_grad(set_to_none=True)
     ref = dict(reference.named_parameters())
     for name, p in model.named_parameters():
-        torch.testing.assert_close(p.full_tensor(), ref[name].detach(), **TOL, msg=f"{name} after the last step")
+        torch.testing.assert_close(p.full_tensor(), ref[name].detach(), **tol, msg=f"{name} after the last step")
     assert fired >= 2, f"the clipping fired at {fired} steps only"
     return 1
 

@@ -21,11 +21,14 @@ SLOW = [
     Case(mesh=(2, 2), model="hf"),
     Case(mesh=(1, 4), sequence_parallel=True),
     Case(mesh=(4, 1)),
+    Case(mesh=(2, 2), sequence_parallel=True, precision="bf16", checkpointed=True, steps=4),
 ]
 
 
 def _id(case: Case) -> str:
-    flags = [f for f in ("sequence_parallel", "loss_parallel", "prebuilt") if getattr(case, f)]
+    flags = [
+        f for f in ("sequence_parallel", "loss_parallel", "prebuilt", "precision", "checkpointed") if getattr(case, f)
+    ]
     return "-".join([case.model, "x".join(map(str, case.mesh)), *flags])
 
 

@@ -61,6 +61,11 @@ def shard_module(
     tp = prepare_tensor_parallel(model, mesh=mesh, plan=tp_plan, strategy=strategy, process_group=process_group)
     if tp is not None and sync_module_states:
         raise ValueError("sync_module_states with a tensor-parallel mesh: build the model identically on every rank")
+    if tp is not None and offload is not None:
+        raise ValueError(
+            f"cpu_offload={offload} with a tensor-parallel mesh is not supported: drop cpu_offload, or shard "
+            "without a 'tp' mesh dimension"
+        )
     groups = resolve_groups(strategy, process_group=process_group, mesh=mesh, device=device)
     comm = UnitComm(shard=groups.shard, replicate=groups.replicate, device=device)
     factory = ParamFactory(mesh=groups.mesh, tp=tp)

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import os
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
@@ -36,7 +38,7 @@ LOW_TOL = dict(rtol=3e-2, atol=1e-2)  # below the first steps' norm: the clippin
 
 @dataclass(frozen=True, kw_only=True)
 class Case:
-    mesh: tuple[int, int]  # (dp, tp)
+    mesh: tuple[int, ...]  # (dp, tp), or (replicate, shard, tp): hybrid sharding
     model: str = "llama"  # "llama" (built-in) | "hf" (transformers LlamaForCausalLM)
     sequence_parallel: bool = False
     loss_parallel: bool = False
@@ -49,7 +51,11 @@ class Case:
     def ffn_dim(self) -> int:
         """90 (uneven over 4 ranks) where tp <= 2; 92 at tp 4, because torch's RowwiseParallel assumes
         even splits of its input (`from_local` without a shape: 4 x 21 columns where rank 3 holds 21)."""
-        return 92 if self.mesh[1] > 2 else 90
+        return 92 if self.mesh[-1] > 2 else 90
+
+    @property
+    def dp(self) -> int:
+        return math.prod(self.mesh[:-1])
 
 
 def uneven_llama(ffn_dim: int) -> Llama:
@@ -94,8 +100,8 @@ def build(case: Case):
     torch.manual_seed(0)
     model = hf_llama(case.ffn_dim) if case.model == "hf" else uneven_llama(case.ffn_dim)
     reference = copy.deepcopy(model)
-    dp, tp = case.mesh
-    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    hybrid = len(case.mesh) == 3
+    mesh = init_device_mesh("cpu", case.mesh, mesh_dim_names=st.tp.HYBRID_NAMES if hybrid else st.tp.FLAT_NAMES)
     if case.model == "hf":
         plan, units = st.tp.hf_plan(model), {type(model.model.layers[0])}
     else:
@@ -111,14 +117,20 @@ def build(case: Case):
         mesh=mesh,
         tp_plan=plan,
         wrap=units,
+        strategy="hybrid_shard" if hybrid else "full_shard",
         mixed_precision=case.precision,
         activation_checkpointing=units if case.checkpointed else None,
     )
     return model, reference, mesh
 
 
-def expected_placements(name: str, tp: int) -> tuple:
-    """FSDP2's placements of the uneven Llama's parameters on ("dp", "tp") (the table in tp/placements.py)."""
+def expected_placements(name: str, tp: int, hybrid: bool) -> tuple:
+    """FSDP2's placements of the uneven Llama's parameters on ("dp", "tp") (the table in tp/placements.py),
+    after Replicate() on "replicate" under hybrid sharding."""
+    return ((Replicate(),) if hybrid else ()) + _placements(name, tp)
+
+
+def _placements(name: str, tp: int) -> tuple:
     colwise = ("wq", "wk", "wv", "w1", "w3", "head", "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head")
     split_rows = any(f"{c}." in name for c in colwise) or name.startswith("embed.") or "embed_tokens." in name
     if tp > 1 and split_rows:
@@ -130,11 +142,12 @@ def expected_placements(name: str, tp: int) -> tuple:
 
 def run_parity(case: Case) -> int:
     model, reference, mesh = build(case)
-    dp, tp = case.mesh
-    dp_rank = mesh.get_local_rank("dp")
+    dp, tp, hybrid = case.dp, case.mesh[-1], len(case.mesh) == 3
+    coordinates = mesh.get_coordinate()[:-1]  # this rank's data-parallel index, row-major over the dp dims
+    dp_rank = coordinates[0] * case.mesh[1] + coordinates[1] if hybrid else coordinates[0]
     for name, p in model.named_parameters():
         assert isinstance(p, DTensor) and p.device_mesh == mesh, name
-        assert p.placements == expected_placements(name, tp), (name, p.placements)
+        assert p.placements == expected_placements(name, tp, hybrid), (name, p.placements)
         assert p.shape == dict(reference.named_parameters())[name].shape, name
     opt = torch.optim.AdamW(model.parameters(), **ADAMW)
     ref_opt = torch.optim.AdamW(reference.parameters(), **ADAMW)
@@ -192,3 +205,22 @@ def forward_collectives(case: Case) -> dict[str, int]:
     with CommDebugMode() as comm, torch.no_grad():
         model(tokens)
     return {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()}
+
+
+def refusals() -> list[str]:
+    """The messages of what st.shard refuses with tensor parallelism (each must name the fix)."""
+    dp_tp = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("dp", "tp"))
+    odd = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("data", "tp"))
+    attempts = [
+        lambda: st.shard(uneven_llama(90), tp_plan=st.tp.llama_plan()),
+        lambda: st.shard(uneven_llama(90), mesh=odd, tp_plan=st.tp.llama_plan()),
+        lambda: st.shard(uneven_llama(90), mesh=dp_tp, tp_plan=st.tp.llama_plan(), strategy="no_shard"),
+        lambda: st.shard(Llama(llama_config("tiny", tie_embeddings=True)), mesh=dp_tp, tp_plan=st.tp.llama_plan()),
+    ]
+    messages = []
+    for attempt in attempts:
+        try:
+            attempt()
+        except ValueError as exc:
+            messages.append(str(exc))
+    return messages

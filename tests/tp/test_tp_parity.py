@@ -1,13 +1,14 @@
 """FSDP x tensor parallelism on a ("dp", "tp") mesh against one process (tests/tp/ranks.py).
 
-The default tier runs each kind on two ranks; the slow tier the (2, 2), (1, 4) and (4, 1) meshes.
+The default tier runs each kind on two ranks; the slow tier the (2, 2), (1, 4) and (4, 1) meshes,
+bf16 with activation checkpointing, and hybrid sharding on ("replicate", "shard", "tp").
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tests.tp.ranks import Case, forward_collectives, run_parity
+from tests.tp.ranks import Case, forward_collectives, refusals, run_parity
 
 DEFAULT = [
     Case(mesh=(1, 2)),
@@ -18,10 +19,10 @@ DEFAULT = [
 SLOW = [
     Case(mesh=(2, 2)),
     Case(mesh=(2, 2), sequence_parallel=True, loss_parallel=True, prebuilt=True),
-    Case(mesh=(2, 2), model="hf"),
     Case(mesh=(1, 4), sequence_parallel=True),
     Case(mesh=(4, 1)),
     Case(mesh=(2, 2), sequence_parallel=True, precision="bf16", checkpointed=True, steps=4),
+    Case(mesh=(2, 1, 2), sequence_parallel=True),  # hybrid: ("replicate", "shard", "tp")
 ]
 
 
@@ -71,3 +72,12 @@ def test_collectives_of_one_forward_two_ranks(pools, case):
 def test_collectives_of_one_forward_four_ranks(pools, case):
     # one dp all-gather per unit (the root and two blocks), over dp only, and the tp collectives
     assert pools(4).run(forward_collectives, case) == [_expected_tp(case) | {"_allgather_base_": 3}] * 4
+
+
+def test_refusals_name_the_fix(pools):
+    messages = pools(2).run(refusals)[0]
+    assert len(messages) == 4, messages
+    assert "tp_plan given with mesh=None" in messages[0] and "('dp', 'tp')" in messages[0]
+    assert "dimensions ('data', 'tp')" in messages[1] and "mesh_dim_names=('dp', 'tp')" in messages[1]
+    assert "strategy='no_shard' with a tensor-parallel mesh" in messages[2]
+    assert "'embed.weight' and 'head.weight' are tied" in messages[3] and "untie them" in messages[3]

@@ -17,9 +17,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
-from torch.distributed.tensor.parallel import loss_parallel
+from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import shardtrain as st
@@ -108,8 +109,6 @@ def build(case: Case):
         plan = st.tp.llama_plan(sequence_parallel=case.sequence_parallel, loss_parallel=case.loss_parallel)
         units = {Block}
     if case.prebuilt:
-        from torch.distributed.tensor.parallel import parallelize_module
-
         parallelize_module(model, mesh["tp"], plan)
         plan = None
     st.shard(
@@ -224,3 +223,22 @@ def refusals() -> list[str]:
         except ValueError as exc:
             messages.append(str(exc))
     return messages
+
+
+def agrees_with_fsdp2(mesh_shape: tuple[int, int]) -> int:
+    """torch FSDP2 + parallelize_module as the control: the same model, split by the same plan, gets
+    the same placements on the same mesh, and the same global tensors."""
+    case = Case(mesh=mesh_shape, sequence_parallel=True)
+    ours, reference, mesh = build(case)
+    torch.manual_seed(0)
+    control = uneven_llama(case.ffn_dim)
+    parallelize_module(control, mesh["tp"], st.tp.llama_plan(sequence_parallel=True))
+    for block in control.layers:
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(control, mesh=mesh["dp"])
+    theirs = dict(control.named_parameters())
+    for name, p in ours.named_parameters():
+        assert p.placements == theirs[name].placements, (name, p.placements, theirs[name].placements)
+        assert p.device_mesh.mesh.tolist() == theirs[name].device_mesh.mesh.tolist(), name
+        torch.testing.assert_close(p.full_tensor(), theirs[name].full_tensor(), rtol=0, atol=0, msg=name)
+    return 1

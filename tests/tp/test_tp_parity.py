@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.tp.ranks import Case, forward_collectives, refusals, run_parity
+from tests.tp.ranks import Case, agrees_with_fsdp2, forward_collectives, refusals, run_parity
 
 DEFAULT = [
     Case(mesh=(1, 2)),
@@ -81,3 +81,12 @@ def test_refusals_name_the_fix(pools):
     assert "dimensions ('data', 'tp')" in messages[1] and "mesh_dim_names=('dp', 'tp')" in messages[1]
     assert "strategy='no_shard' with a tensor-parallel mesh" in messages[2]
     assert "'embed.weight' and 'head.weight' are tied" in messages[3] and "untie them" in messages[3]
+
+
+def test_placements_and_tensors_match_torch_fsdp2_two_ranks(pools):
+    assert pools(2).run(agrees_with_fsdp2, (1, 2)) == [1, 1]
+
+
+@pytest.mark.slow
+def test_placements_and_tensors_match_torch_fsdp2_four_ranks(pools):
+    assert pools(4).run(agrees_with_fsdp2, (2, 2)) == [1] * 4

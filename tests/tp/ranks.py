@@ -242,3 +242,19 @@ def agrees_with_fsdp2(mesh_shape: tuple[int, int]) -> int:
         assert p.device_mesh.mesh.tolist() == theirs[name].device_mesh.mesh.tolist(), name
         torch.testing.assert_close(p.full_tensor(), theirs[name].full_tensor(), rtol=0, atol=0, msg=name)
     return 1
+
+
+def exports_hf(directory: str) -> int:
+    """st.save_pretrained of a tensor-parallel transformers model writes the global tensors:
+    `from_pretrained` gives back the unsharded model's weights."""
+    from transformers import LlamaForCausalLM
+
+    model, reference, _ = build(Case(mesh=(1, dist.get_world_size()), model="hf"))
+    st.save_pretrained(model, directory)
+    if dist.get_rank() == 0:
+        loaded = LlamaForCausalLM.from_pretrained(directory).float()
+        expected = reference.state_dict()
+        for name, tensor in loaded.state_dict().items():
+            torch.testing.assert_close(tensor, expected[name], rtol=0, atol=0, msg=name)
+    dist.barrier()
+    return 1

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.tp.ranks import Case, agrees_with_fsdp2, forward_collectives, refusals, run_parity
+from tests.tp.ranks import Case, agrees_with_fsdp2, exports_hf, forward_collectives, refusals, run_parity
 
 DEFAULT = [
     Case(mesh=(1, 2)),
@@ -90,3 +90,7 @@ def test_placements_and_tensors_match_torch_fsdp2_two_ranks(pools):
 @pytest.mark.slow
 def test_placements_and_tensors_match_torch_fsdp2_four_ranks(pools):
     assert pools(4).run(agrees_with_fsdp2, (2, 2)) == [1] * 4
+
+
+def test_save_pretrained_writes_global_tensors(pools, tmp_path):
+    assert pools(2).run(exports_hf, str(tmp_path / "hf")) == [1, 1]

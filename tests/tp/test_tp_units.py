@@ -67,3 +67,24 @@ def test_transformers_plan_strings():
         st.tp.translate_hf_plan({"layers.*.mlp.gate_up_proj": "packed_colwise"})
     with pytest.raises(TypeError, match="tp_plan"):
         st.tp.resolve_plan(["colwise"])
+
+
+def test_plan_from_the_config_alone_takes_the_base_model_prefix():
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    class WithHead(nn.Module):
+        base_model_prefix = "model"
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = nn.Module()
+            self.config = SimpleNamespace(base_model_tp_plan={"layers.*.mlp.up_proj": "colwise"})
+
+    plan = st.tp.hf_plan(WithHead())
+    assert list(plan) == ["model.layers.*.mlp.up_proj"] and isinstance(
+        plan["model.layers.*.mlp.up_proj"], ColwiseParallel
+    )
+    with pytest.raises(ValueError, match="declares no base_model_tp_plan"):
+        st.tp.hf_plan(nn.Linear(2, 2))

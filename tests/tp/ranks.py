@@ -215,6 +215,7 @@ def refusals() -> list[str]:
         lambda: st.shard(uneven_llama(90), mesh=odd, tp_plan=st.tp.llama_plan()),
         lambda: st.shard(uneven_llama(90), mesh=dp_tp, tp_plan=st.tp.llama_plan(), strategy="no_shard"),
         lambda: st.shard(Llama(llama_config("tiny", tie_embeddings=True)), mesh=dp_tp, tp_plan=st.tp.llama_plan()),
+        lambda: st.shard(uneven_llama(90), mesh=dp_tp, tp_plan={"blocks.*.wq": "colwise"}),
     ]
     messages = []
     for attempt in attempts:

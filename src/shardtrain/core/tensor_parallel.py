@@ -213,6 +213,12 @@ def prepare_tensor_parallel(
             _check_splittable(model)
             parallelize_module(model, dims.tp_mesh, plan)
             split = {n: p for n, p in model.named_parameters(remove_duplicate=False) if isinstance(p, DTensor)}
+            if not split:
+                raise ValueError(
+                    f"tp_plan split no parameter of {type(model).__name__}: its paths {sorted(plan)[:4]} match no "
+                    "module holding parameters; name modules as model.named_modules() does (a peft model "
+                    "nests them under 'base_model.model.')"
+                )
     params = {}
     for name, p in split.items():
         if p.is_meta:

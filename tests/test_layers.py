@@ -1,6 +1,6 @@
 """The packages form layers that import one way: each imports only from its own layer or those below.
 
-    descriptions   policy, strategy, compat, models      what users choose and the built-in model
+    descriptions   policy, strategy, compat, models, tp  what users choose, the built-in model, TP plans
     engine         core                                  st.shard's machinery: units, runtime, comm
     planning       planning                              plans and memory estimates (reads core's partition)
     operations     ops, checkpoint, pretrained, data     around the step: norms, state dicts, checkpoints, HF weights,
@@ -23,7 +23,7 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "shardtrain"
 LAYERS = [
-    {"policy", "strategy", "compat", "models"},
+    {"policy", "strategy", "compat", "models", "tp"},
     {"core"},
     {"planning"},
     {"ops", "checkpoint", "pretrained", "data"},

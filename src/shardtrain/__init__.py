@@ -35,7 +35,8 @@ _EXPORTS = {
     "compile_blocks": "shardtrain.ops.compile",
 }
 
-_MODULES = {"data": "shardtrain.data"}  # fine-tuning data (st.data.prepare, ...): needs the hf extra only when used
+# fine-tuning data (st.data.prepare, ...): needs the hf extra only when used; tensor-parallel plans (st.tp)
+_MODULES = {"data": "shardtrain.data", "tp": "shardtrain.tp"}
 
 __all__ = sorted([*_EXPORTS, *_MODULES])
 

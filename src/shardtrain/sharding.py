@@ -7,7 +7,7 @@ resolves strategy="auto" with the planner, and hands concrete options to the eng
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -44,6 +44,7 @@ def shard(
     prefetch: int = 1,
     param_init_fn: Callable[[nn.Module], None] | None = None,
     sync_module_states: bool = False,
+    tp_plan: Mapping[str, Any] | None = None,
     **torch_options: Any,
 ) -> nn.Module:
     """Shard `model` in place over the data-parallel ranks and return it.
@@ -80,7 +81,12 @@ def shard(
             `st.CPUOffload(...)`: shards, gradients and optimizer state live in pinned host memory and
             the optimizer steps them on the CPU. Ignored on a CPU device.
         mesh: hybrid only: (replicate_size, shard_size) or a 2-D DeviceMesh (default: one shard group
-            per node).
+            per node). With tensor parallelism, a DeviceMesh with dimensions ("dp", "tp") (hybrid:
+            ("replicate", "shard", "tp")): each parameter's TP-local tensor is sharded over "dp", and
+            the optimizer sees DTensors on the whole mesh with torch FSDP2's placements.
+        tp_plan: with a tensor-parallel mesh, the plan `parallelize_module(model, mesh["tp"], plan)`
+            applies first (`st.tp.llama_plan()`, `st.tp.hf_plan(model)`, or transformers' strings
+            "colwise" / "rowwise"); None when the model went through parallelize_module already.
         device: the compute device (default: this rank's GPU, LOCAL_RANK, else the CPU).
         process_group: the data-parallel ranks (default: the world).
         prefetch: units gathered ahead of the one computing, in forward and in backward (0: none).
@@ -146,6 +152,7 @@ def shard(
         prefetch=prefetch,
         param_init_fn=param_init_fn,
         sync_module_states=sync_module_states,
+        tp_plan=tp_plan,
     )
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from ..core.runtime import Runtime
+from ..tp import SPLITS
 
 FORMAT_NAME = "shardtrain-checkpoint"
 FORMAT_VERSION = 2
@@ -108,20 +109,26 @@ def dtype_of(code: str) -> torch.dtype:
 # ------------------------------------------------------------------------------------ layouts
 def params_record(runtime: Runtime, *, params: str = "all") -> list[dict[str, Any]]:
     """The parameters of a sharded module that are saved (`params`: "all", or "trainable": those that
-    require gradients), in unit order: name, aliases, shape, stored dtype, unit."""
-    return [
-        {
-            "fqn": s.fqn,
-            "aliases": list(s.aliases),
-            "shape": list(s.shape),
-            "dtype": dtype_code(s.dtype),
-            "requires_grad": s.requires_grad,
-            "unit": unit.name,
-        }
-        for unit in runtime.units
-        for s in unit.layout.params
-        if saves(s.requires_grad, params)
-    ]
+    require gradients), in unit order: name, aliases, global shape, stored dtype, unit, and under
+    tensor parallelism how it is split ("rows" / "cols")."""
+    records = []
+    for unit in runtime.units:
+        tp = unit.factory.tp
+        for s in unit.layout.params:
+            if not saves(s.requires_grad, params):
+                continue
+            record = {
+                "fqn": s.fqn,
+                "aliases": list(s.aliases),
+                "shape": list(tp.global_shape(s) if tp is not None else s.shape),
+                "dtype": dtype_code(s.dtype),
+                "requires_grad": s.requires_grad,
+                "unit": unit.name,
+            }
+            if tp is not None and tp.split(s) is not None:
+                record["split"] = tp.split(s)  # tensor parallelism: tp/boxes.py, docs/checkpoint-format.md
+            records.append(record)
+    return records
 
 
 def saves(requires_grad: bool, params: str) -> bool:
@@ -133,23 +140,6 @@ def saved_params_kind(record: dict[str, Any]) -> str:
     """Which parameters a module record holds: "all" (also every checkpoint written before the choice
     existed) or "trainable"."""
     return record.get("saved", "all")
-
-
-def shard_rows(shape: tuple[int, ...], shard: int, shards: int) -> tuple[int, int]:
-    """The rows `[start, stop)` of a parameter of `shape` held by shard `shard` of `shards` (version 2)."""
-    if not shape:
-        return (0, 1) if shard == 0 else (0, 0)
-    per = -(-shape[0] // shards)
-    start = min(shard * per, shape[0])
-    return start, min(start + per, shape[0])
-
-
-def saved_shape(shape: tuple[int, ...], shard: int, shards: int) -> tuple[int, ...] | None:
-    """The shape shard `shard` stores of a parameter of `shape` (None: a 0-dim parameter lives in shard 0)."""
-    if not shape:
-        return () if shard == 0 else None
-    start, stop = shard_rows(shape, shard, shards)
-    return (stop - start, *shape[1:])
 
 
 # ------------------------------------------------------------------------------------ metadata file
@@ -201,10 +191,15 @@ def _check_module_record(path: Path, key: str, record: dict[str, Any], version: 
         shard_world = record["shard_world"]
         if not isinstance(shard_world, int) or shard_world < 1:
             raise ValueError(f"shard_world={shard_world!r} is not a positive int")
+        tp_world = record.get("tp_world", 1)
+        if not isinstance(tp_world, int) or tp_world < 1:
+            raise ValueError(f"tp_world={tp_world!r} is not a positive int")
         if version >= 2:
             for p in record["params"]:
                 if not all(isinstance(d, int) and d >= 0 for d in p["shape"]):
                     raise ValueError(f"parameter {p['fqn']!r} has shape {p['shape']!r}")
+                if p.get("split") not in (None, *SPLITS) or (p.get("split") == "cols" and len(p["shape"]) < 2):
+                    raise ValueError(f"parameter {p['fqn']!r} has split {p.get('split')!r}")
                 dtype_of(p["dtype"])
         else:
             for u, unit in enumerate(record["units"]):

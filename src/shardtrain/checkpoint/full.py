@@ -20,6 +20,7 @@ import torch
 
 from ..core.layout import ParamShard
 from ..core.shard import runtime_of
+from ..core.tensor_parallel import global_shape
 from ..core.unit import ShardUnit
 from ..ops.state_dict import gather_params
 from .collective import FirstError
@@ -40,7 +41,7 @@ def write_full_modules(entries: Entries, staging: Path, *, rank: int, params: st
         units = runtime_of(module).units
         buffers = persistent_buffers(module)
         specs = [
-            TensorSpec(name=name, dtype=unit.held(i).dtype, shape=s.shape)
+            TensorSpec(name=name, dtype=unit.held(i).dtype, shape=global_shape(unit, s))
             for unit in units
             for i, s in enumerate(unit.layout.params)
             if saves(s.requires_grad, params)
@@ -74,7 +75,7 @@ def write_full_optimizers(
     for key, snap in snapshots.items():
         units = runtime_of(entries.modules[snap.module]).units
         specs = [
-            TensorSpec(name=full_state_tensor(s.fqn, k), dtype=snap.elementwise[k], shape=s.shape)
+            TensorSpec(name=full_state_tensor(s.fqn, k), dtype=snap.elementwise[k], shape=global_shape(unit, s))
             for unit in units
             for k in snap.elementwise
             for s in unit.layout.params

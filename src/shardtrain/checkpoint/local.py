@@ -1,7 +1,8 @@
 """What this rank holds of a sharded module: its rows of each parameter, its buffers, its duty.
 
 With hybrid or no_shard strategies, replicas hold identical shards; only the replica whose
-replicate-group rank is 0 writes them.
+replicate-group rank is 0 writes them. Under tensor parallelism a rank holds a box (rows x columns)
+of each parameter's global tensor (tp/boxes.py), and only tp rank 0 writes the tp-replicated ones.
 """
 
 from __future__ import annotations

@@ -17,9 +17,10 @@ import torch
 
 from ..core.layout import ParamShard
 from ..core.sharded_param import local_of
+from ..core.tensor_parallel import global_shape, held_box_of
+from ..tp import Box
 from .entries import ShardedOptimizer
 from .format import dtype_code, short_list
-from .local import held_range
 from .values import decode, encode
 
 _NOT_HYPERPARAMETERS = ("params", "param_names")
@@ -103,8 +104,8 @@ def snapshot(sharded: ShardedOptimizer) -> OptimizerSnapshot:
 
 
 class StateSource(Protocol):
-    def saved_name(self, shard: ParamShard) -> str | None: ...
-    def read_state(self, optimizer: str, key: str, name: str, start: int, numel: int) -> torch.Tensor: ...
+    def saved_name(self, shard: ParamShard, shape: tuple[int, ...]) -> str | None: ...
+    def read_state_box(self, optimizer: str, key: str, name: str, box: Box) -> torch.Tensor: ...
 
 
 def restore_optimizer(
@@ -114,7 +115,7 @@ def restore_optimizer(
     optimizer = sharded.optimizer
     params = sharded.params()
     refs = [sharded.refs[id(p)] for p in params]
-    saved = [source.saved_name(r.shard) for r in refs]
+    saved = [source.saved_name(r.shard, global_shape(r.unit, r.shard)) for r in refs]
     group_of = {fqn: g for g, group in enumerate(record["groups"]) for fqn in group["params"]}
     missing = [r.shard.fqn for r, n in zip(refs, saved) if n not in group_of]
     unexpected = sorted(group_of.keys() - set(saved))
@@ -145,10 +146,10 @@ def restore_optimizer(
             continue
         unit, index = ref.unit, ref.index
         held = unit.held(index)
-        start, numel = held_range(unit, index)
+        box = held_box_of(unit, index)
         values = decode(entry["scalars"])
         for key in entry["elementwise"]:
-            rows = source.read_state(name, key, fqn, start, numel).view(held.shape).to(held.device)
+            rows = source.read_state_box(name, key, fqn, box).reshape(held.shape).to(held.device)
             # Note: the optimizer's state must be the kind of tensor its parameter is (a DTensor of the
             # same placement), or its step would mix DTensors and plain tensors.
             values[key] = unit.factory.wrap(rows, ref.shard)

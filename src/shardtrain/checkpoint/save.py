@@ -23,6 +23,7 @@ from torch import nn
 
 from .. import __version__
 from ..core.shard import runtime_of
+from ..core.tensor_parallel import tp_coordinates
 from . import commit
 from .collective import Comm
 from .entries import Entries, classify
@@ -160,6 +161,9 @@ def _module_record(module: nn.Module, *, params: str) -> dict[str, Any]:
             for name, b in persistent_buffers(module).items()
         },
     }
+    _, tp_world = tp_coordinates(runtime)
+    if tp_world > 1:
+        record["tp_world"] = tp_world  # shard files are (shard, tp rank) pairs: docs/checkpoint-format.md
     config = getattr(module, "config", None)
     if callable(getattr(config, "to_json_string", None)) and hasattr(config, "model_type"):
         record["hf_config"] = json.loads(config.to_json_string())  # a transformers model: `convert` writes config.json

@@ -21,16 +21,16 @@ from typing import Any
 import torch
 
 from ..core.shard import runtime_of
+from ..core.tensor_parallel import split_in, tp_coordinates
+from ..tp import Box, held_box, stores
 from .entries import Entries
 from .format import (
     buffer_tensor,
     legacy_param_tensor,
     legacy_state_tensor,
     param_tensor,
-    saved_shape,
     saves,
     shard_file,
-    shard_rows,
     state_tensor,
 )
 from .local import persistent_buffers, writes_shards
@@ -50,13 +50,17 @@ def write_shards(
         if not writes_shards(runtime):
             continue
         shard = runtime.comm.shard_rank
+        tp_rank, tp_world = tp_coordinates(runtime)
         states = [(name, k, snap) for name, snap in snapshots.items() if snap.module == key for k in snap.elementwise]
-        buffers = persistent_buffers(module) if shard == 0 else {}
+        buffers = persistent_buffers(module) if shard == 0 and tp_rank == 0 else {}
         tensors: list[tuple[TensorSpec, Any]] = []
         for unit in runtime.units:
             for i, s in enumerate(unit.layout.params):
-                if (not s.shape and shard != 0) or not saves(s.requires_grad, params):
-                    continue  # every rank holds a 0-dim parameter whole; shard 0 stores it
+                if not saves(s.requires_grad, params):
+                    continue
+                # every rank holds a 0-dim parameter whole, every tp rank a replicated one: one of them stores it
+                if not stores(s.shape, split=split_in(unit, s), dp_rank=shard, tp_rank=tp_rank):
+                    continue
                 held = unit.held(i)
                 tensors.append((TensorSpec(name=param_tensor(s.fqn), dtype=held.dtype, shape=tuple(held.shape)), held))
                 for name, k, snap in states:
@@ -73,7 +77,7 @@ def write_shards(
         tensors += [
             (TensorSpec(name=buffer_tensor(n), dtype=b.dtype, shape=tuple(b.shape)), b) for n, b in buffers.items()
         ]
-        file = shard_file(key, shard, runtime.comm.shard_world)
+        file = shard_file(key, shard * tp_world + tp_rank, runtime.comm.shard_world * tp_world)
         writer = SafetensorsWriter(staging / file, [spec for spec, _ in tensors])
         for spec, tensor in tensors:
             writer.write(spec.name, tensor)
@@ -81,48 +85,73 @@ def write_shards(
     return records
 
 
-def module_files(key: str, shard_world: int) -> list[str]:
-    return [shard_file(key, s, shard_world) for s in range(shard_world)]
+def module_files(key: str, shard_world: int, tp_world: int = 1) -> list[str]:
+    """The shard files of a module, (shard, tp rank) in row-major order."""
+    return [shard_file(key, f, shard_world * tp_world) for f in range(shard_world * tp_world)]
 
 
 class ShardedSource(ModuleSource):
-    """A version-2 sharded module: each parameter's rows spread over the shard files."""
+    """A version-2 sharded module: each parameter's boxes (tp/boxes.py) spread over the shard files.
+
+    Without tensor parallelism a file holds rows of every parameter; with it, file (s, t) holds the
+    box rank (s, t) held. Any box of a parameter is read by intersecting it with the saved ones.
+    """
 
     def __init__(self, files: CheckpointFiles, key: str, record: dict[str, Any]) -> None:
         super().__init__(record)
         self._files = files
-        self._shards = module_files(key, record["shard_world"])
+        self._dp = record["shard_world"]
+        self._tp = record.get("tp_world", 1)
+        self._shards = module_files(key, self._dp, self._tp)
+
+    def _saved_boxes(self, name: str) -> list[tuple[int, Box]]:
+        """(file index, box) of every saved piece of parameter `name`."""
+        shape, split = self.param_shapes[name], self.splits.get(self.canonical[name])
+        return [
+            (s * self._tp + t, held_box(shape, split=split, dp_rank=s, dp_world=self._dp, tp_rank=t, tp_world=self._tp))
+            for s in range(self._dp)
+            for t in range(self._tp)
+            if stores(shape, split=split, dp_rank=s, tp_rank=t)
+        ]
+
+    def read_box(self, tensor: str, name: str, box: Box) -> torch.Tensor:
+        """`box` of the global `tensor` of parameter `name` (or of its optimizer state), assembled from the files."""
+        shape = self.param_shapes[self.canonical[name]]
+        if not shape:
+            return self._checked(0, tensor, shape, ()).get_tensor(tensor)
+        out = torch.empty(box.shape(shape), dtype=self.param_dtypes[self.canonical[name]])
+        for f, saved in self._saved_boxes(name):
+            common = box.intersect(saved, shape)
+            if common is None:
+                continue
+            piece = self._checked(f, tensor, shape, saved.shape(shape)).get_slice(tensor)
+            rows = slice(common.rows[0] - saved.rows[0], common.rows[1] - saved.rows[0])
+            into = slice(common.rows[0] - box.rows[0], common.rows[1] - box.rows[0])
+            if common.cols is None:
+                out[into] = piece[rows]
+                continue
+            saved_cols, box_cols = saved.cols or (0, shape[1]), box.cols or (0, shape[1])
+            cols = slice(common.cols[0] - saved_cols[0], common.cols[1] - saved_cols[0])
+            out[into, common.cols[0] - box_cols[0] : common.cols[1] - box_cols[0]] = piece[rows, cols]
+        return out
 
     def _read_rows(self, tensor: str, name: str, start: int, numel: int) -> torch.Tensor:
         """Elements `[start, start + numel)` of the flattened `tensor` of parameter `name`, across the shards."""
         shape = self.param_shapes[self.canonical[name]]
-        shards = len(self._shards)
         if not shape:
-            return self._checked(0, tensor, shape).get_tensor(tensor).reshape(-1)[start : start + numel]
+            return self.read_box(tensor, name, Box(rows=(0, 1))).reshape(-1)[start : start + numel]
         row = math.prod(shape[1:])
-        parts, position, end = [], start, start + numel
-        for s in range(shards):
-            first, stop = shard_rows(shape, s, shards)
-            lo, hi = max(position, first * row), min(end, stop * row)
-            if hi <= lo:
-                continue
-            handle = self._checked(s, tensor, shape)
-            r0, r1 = (lo - first * row) // row, -(-(hi - first * row) // row)
-            rows = handle.get_slice(tensor)[r0:r1].reshape(-1)
-            begin = lo - first * row - r0 * row
-            parts.append(rows[begin : begin + hi - lo])
-            position = hi
-        if not parts:
-            return torch.zeros(0, dtype=self.param_dtypes[self.canonical[name]])
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+        first = start // row
+        stop = max(first, -(-(start + numel) // row))
+        rows = self.read_box(tensor, name, Box(rows=(first, stop))).reshape(-1)
+        return rows[start - first * row : start - first * row + numel]
 
-    def _checked(self, s: int, tensor: str, shape: tuple[int, ...]):
-        handle = self._files.tensors(self._shards[s])
-        expected = saved_shape(shape, s, len(self._shards))
+    def _checked(self, f: int, tensor: str, shape: tuple[int, ...], expected: tuple[int, ...]):
+        handle = self._files.tensors(self._shards[f])
         found = tuple(handle.get_slice(tensor).get_shape()) if tensor in handle.keys() else None
         if found != expected:
             raise ValueError(
-                f"{self._files.root / self._shards[s]}: tensor {tensor!r} has shape {found}, but the "
+                f"{self._files.root / self._shards[f]}: tensor {tensor!r} has shape {found}, but the "
                 f"metadata implies {expected}; the checkpoint was edited or damaged: load an earlier one"
             )
         return handle
@@ -132,6 +161,12 @@ class ShardedSource(ModuleSource):
 
     def read_state(self, optimizer: str, key: str, name: str, start: int, numel: int) -> torch.Tensor:
         return self._read_rows(state_tensor(optimizer, key, self.canonical[name]), name, start, numel)
+
+    def read_param_box(self, name: str, box: Box) -> torch.Tensor:
+        return self.read_box(param_tensor(self.canonical[name]), name, box)
+
+    def read_state_box(self, optimizer: str, key: str, name: str, box: Box) -> torch.Tensor:
+        return self.read_box(state_tensor(optimizer, key, self.canonical[name]), name, box)
 
     def read_buffer(self, name: str) -> torch.Tensor:
         return self._files.tensors(self._shards[0]).get_tensor(buffer_tensor(name))

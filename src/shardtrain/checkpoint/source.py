@@ -9,6 +9,7 @@ size loads at any current one, and no rank reads more than its share.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -17,8 +18,10 @@ from torch import nn
 
 from ..core.layout import ParamShard
 from ..core.shard import runtime_of
+from ..core.tensor_parallel import global_shape, held_box_of
+from ..tp import Box
 from .format import dtype_of, saved_params_kind, saves, short_list
-from .local import held_range, persistent_buffers
+from .local import persistent_buffers
 
 
 class ModuleSource(ABC):
@@ -29,8 +32,10 @@ class ModuleSource(ABC):
         self.param_dtypes: dict[str, torch.dtype] = {}
         self.canonical: dict[str, str] = {}
         self.params: list[tuple[str, tuple[str, ...]]] = []  # (canonical name, aliases), in saved order
+        self.splits: dict[str, str | None] = {}  # canonical name -> how tensor parallelism split it
         for p in saved_params(record):
             self.params.append((p["fqn"], tuple(p["aliases"])))
+            self.splits[p["fqn"]] = p.get("split")
             for name in (p["fqn"], *p["aliases"]):
                 self.param_shapes[name] = tuple(p["shape"])
                 self.param_dtypes[name] = dtype_of(p["dtype"])
@@ -39,10 +44,10 @@ class ModuleSource(ABC):
         self.buffer_shapes = {name: tuple(b["shape"]) for name, b in record["buffers"].items()}
         self.buffer_dtypes = {name: dtype_of(b["dtype"]) for name, b in record["buffers"].items()}
 
-    def saved_name(self, shard: ParamShard) -> str | None:
-        """The saved canonical name of the parameter `shard` describes (same shape), None when not saved."""
+    def saved_name(self, shard: ParamShard, shape: tuple[int, ...]) -> str | None:
+        """The saved canonical name of the parameter `shard` describes, of global `shape`; None when not saved."""
         for name in (shard.fqn, *shard.aliases):
-            if self.param_shapes.get(name) == shard.shape:
+            if self.param_shapes.get(name) == shape:
                 return self.canonical[name]
         return None
 
@@ -56,6 +61,21 @@ class ModuleSource(ABC):
 
     @abstractmethod
     def read_buffer(self, name: str) -> torch.Tensor: ...
+
+    def read_param_box(self, name: str, box: Box) -> torch.Tensor:
+        """`box` (tp/boxes.py) of saved parameter `name`: its rows read whole, then its columns cut."""
+        return self._cut(name, box, lambda start, numel: self.read_param(name, start, numel))
+
+    def read_state_box(self, optimizer: str, key: str, name: str, box: Box) -> torch.Tensor:
+        return self._cut(name, box, lambda start, numel: self.read_state(optimizer, key, name, start, numel))
+
+    def _cut(self, name: str, box: Box, read) -> torch.Tensor:
+        shape = self.param_shapes[name]
+        if not shape:
+            return read(0, 1).view(())
+        row = math.prod(shape[1:])
+        rows = read(box.rows[0] * row, (box.rows[1] - box.rows[0]) * row).view(-1, *shape[1:])
+        return rows if box.cols is None else rows[:, box.cols[0] : box.cols[1]]
 
 
 def saved_params(record: dict[str, Any]) -> list[dict[str, Any]]:
@@ -83,10 +103,10 @@ def restore_module(module: nn.Module, key: str, source: ModuleSource, *, strict:
             "folder) and pass params='trainable' to load_checkpoint"
         )
     buffers = persistent_buffers(module)
-    shards = [s for unit in runtime.units for s in unit.layout.params]
-    current = {name: s.shape for s in shards if saves(s.requires_grad, params) for name in (s.fqn, *s.aliases)}
+    shards = [(s, global_shape(unit, s)) for unit in runtime.units for s in unit.layout.params]
+    current = {name: g for s, g in shards if saves(s.requires_grad, params) for name in (s.fqn, *s.aliases)}
     current.update({name: tuple(b.shape) for name, b in buffers.items()})
-    skipped = {name for s in shards if not saves(s.requires_grad, params) for name in (s.fqn, *s.aliases)}
+    skipped = {name for s, _ in shards if not saves(s.requires_grad, params) for name in (s.fqn, *s.aliases)}
     saved = {**source.param_shapes, **source.buffer_shapes}
     missing = sorted(current.keys() - saved.keys())
     unexpected = sorted(saved.keys() - current.keys() - skipped)
@@ -109,14 +129,13 @@ def restore_module(module: nn.Module, key: str, source: ModuleSource, *, strict:
     with torch.no_grad():
         for unit in runtime.units:
             for i, shard in enumerate(unit.layout.params):
-                name = source.saved_name(shard)
+                name = source.saved_name(shard, global_shape(unit, shard))
                 if name is None or not saves(shard.requires_grad, params):
                     continue
                 held = unit.held(i)
-                start, numel = held_range(unit, i)
                 # Note: an in-place copy into the shard bumps its version, which makes the engine
                 # re-gather any resident unsharded copy before the next forward.
-                held.copy_(source.read_param(name, start, numel).view(held.shape))
+                held.copy_(source.read_param_box(name, held_box_of(unit, i)).view(held.shape))
         for name, buffer in buffers.items():
             if source.buffer_shapes.get(name) == tuple(buffer.shape):
                 buffer.copy_(source.read_buffer(name))

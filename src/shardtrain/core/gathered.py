@@ -147,10 +147,11 @@ class GatheredUnit(ShardUnit):
         track = torch.is_grad_enabled() and self.any_requires_grad
         if self._views is None or (not in_backward and track != self._views_track_grad):
             if track:
-                self._views = _ParamViews.apply(self._anchor, self)
+                views = _ParamViews.apply(self._anchor, self)
             else:
                 with torch.no_grad():
-                    self._views = tuple(self.cut_views())
+                    views = tuple(self.cut_views())
+            self._views = self.factory.compute_views(views, self.layout.params)
             self._views_track_grad = track
         views = self._views
         for module_dict, attr, i in self._installs:

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..strategy import Strategy
+from ..tp import is_tensor_parallel_mesh, mesh_dims
 
 
 def resolve_device(device: torch.device | str | int | None) -> torch.device:
@@ -61,6 +62,10 @@ class DataParallelGroups:
 
 def resolve_groups(strategy: Strategy, *, process_group, mesh, device: torch.device) -> DataParallelGroups:
     world_group = process_group or dist.group.WORLD
+    if is_tensor_parallel_mesh(mesh):  # FSDP x TP: shard over the data-parallel dimension (core/tensor_parallel.py)
+        dims = mesh_dims(mesh, hybrid=strategy.is_hybrid)
+        replicate = mesh.get_group(dims.replicate) if dims.hybrid else None
+        return DataParallelGroups(shard=mesh.get_group(dims.shard), replicate=replicate, mesh=mesh)
     if strategy is Strategy.NO_SHARD:
         if mesh is not None:
             raise ValueError(f"mesh={mesh!r} is only used by hybrid_shard; drop it or use strategy='hybrid_shard'")

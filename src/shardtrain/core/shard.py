@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,7 @@ from .process_groups import control_group, order_group, resolve_groups
 from .recompute import apply_activation_checkpointing
 from .runtime import Runtime
 from .sharded_param import ParamFactory
+from .tensor_parallel import local_tensors, prepare_tensor_parallel
 from .unit import ShardUnit, UnitBehaviour
 
 RUNTIME_ATTR = "_shardtrain_runtime"
@@ -45,18 +47,29 @@ def shard_module(
     prefetch: int,
     param_init_fn: Callable[[nn.Module], None] | None,
     sync_module_states: bool,
+    tp_plan: Mapping[str, Any] | None = None,
 ) -> nn.Module:
     """Shard `model` in place with every option resolved (the public `st.shard` in shardtrain/sharding.py
     parses them): partition into units, materialise and cut each unit, build its buffers and the
-    parameters the optimizer sees, install the runtime's hooks."""
+    parameters the optimizer sees, install the runtime's hooks. A mesh with a "tp" dimension first
+    splits the model over it (`tp_plan`, or a model already through `parallelize_module`), then
+    shards each TP-local tensor over the data-parallel dimension (core/tensor_parallel.py)."""
     offload_policy = offload
     if offload_policy and (offload_policy.threads or torch.get_num_threads() < offload_policy.host_threads()):
         # Note: the optimizer steps the offloaded shards with torch's intra-op threads; one thread
         # per process (torchrun's default) made the host AdamW most of the step at 8B.
         torch.set_num_threads(offload_policy.host_threads())
+    tp = prepare_tensor_parallel(model, mesh=mesh, plan=tp_plan, strategy=strategy, process_group=process_group)
+    if tp is not None and sync_module_states:
+        raise ValueError("sync_module_states with a tensor-parallel mesh: build the model identically on every rank")
+    if tp is not None and offload is not None:
+        raise ValueError(
+            f"cpu_offload={offload} with a tensor-parallel mesh is not supported: drop cpu_offload, or shard "
+            "without a 'tp' mesh dimension"
+        )
     groups = resolve_groups(strategy, process_group=process_group, mesh=mesh, device=device)
     comm = UnitComm(shard=groups.shard, replicate=groups.replicate, device=device)
-    factory = ParamFactory(mesh=groups.mesh)
+    factory = ParamFactory(mesh=groups.mesh, tp=tp)
 
     plan = partition(model, wrap)
     offloaded = offload_policy.select(s.numel for s in plan.units) if offload_policy else [False] * len(plan.units)
@@ -86,7 +99,7 @@ def shard_module(
         materializer.materialize(
             _scope_modules(spec, unit_modules) + [o.module for occ in spec.occurrences for o in occ]
         )
-        tensors = current_tensors(spec)
+        tensors = current_tensors(spec) if tp is None else local_tensors(current_tensors(spec))
         layout = layout_of_unit(
             [(occ[0].fqn, tuple(o.fqn for o in occ[1:]), t) for occ, t in zip(spec.occurrences, tensors)],
             world=comm.shard_world,
@@ -126,7 +139,9 @@ def shard_module(
             factory=factory,
         )
         unit: ShardUnit
-        if runs_sharded_lookup(spec, world=comm.shard_world, behaviour=behaviour):
+        if runs_sharded_lookup(spec, world=comm.shard_world, behaviour=behaviour) and not (
+            tp and tp.splits_any(layout.params)
+        ):
             unit = LookupUnit(module=spec.module, **common)
         else:
             unit = GatheredUnit(installs=_installs(spec.occurrences), **common)

@@ -26,17 +26,19 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from .layout import ParamShard
+from .tensor_parallel import TensorParallel
 
 
 class ParamFactory:
     """Makes the optimizer-visible parameter and gradient of each `ParamShard` from local views.
 
     `mesh` None: plain tensors (no_shard). A one-dimensional mesh is the shard group; a two-dimensional
-    one is (replicate, shard).
+    one is (replicate, shard). With `tp`, the mesh has a "tp" dimension and `tp` places every tensor.
     """
 
-    def __init__(self, *, mesh: DeviceMesh | None) -> None:
+    def __init__(self, *, mesh: DeviceMesh | None, tp: TensorParallel | None = None) -> None:
         self.mesh = mesh
+        self.tp = tp
         self._specs: dict[tuple, DTensorSpec] = {}
 
     @property
@@ -44,6 +46,8 @@ class ParamFactory:
         return self.mesh is not None
 
     def _spec(self, shard: ParamShard, dtype: torch.dtype) -> DTensorSpec:
+        if self.tp is not None:
+            return self.tp.spec(shard, dtype)
         key = (shard.shape, dtype, bool(shard.shape))
         spec = self._specs.get(key)
         if spec is None:
@@ -61,6 +65,10 @@ class ParamFactory:
         # Note: DTensor's own constructor with a prepared spec, as torch FSDP2 does: from_local() runs
         # an autograd function and checks the arguments, which costs host time once per gradient per step.
         return DTensor(local, self._spec(shard, local.dtype), requires_grad=False)
+
+    def compute_views(self, views: tuple[torch.Tensor, ...], shards: tuple[ParamShard, ...]) -> tuple:
+        """The gathered views as forward uses them (TP DTensors for split parameters, else themselves)."""
+        return views if self.tp is None else self.tp.compute_views(views, shards)
 
     def parameter(self, local: torch.Tensor, shard: ParamShard) -> nn.Parameter:
         return nn.Parameter(self.wrap(local, shard), requires_grad=shard.requires_grad)

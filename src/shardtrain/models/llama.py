@@ -150,9 +150,10 @@ class Attention(nn.Module):
         b, s, _ = x.shape
         c = self.cfg
         gqa = c.n_heads != c.n_kv_heads
-        q = self.wq(x).view(b, s, c.n_heads, c.head_dim).transpose(1, 2)
-        k = self.wk(x).view(b, s, c.n_kv_heads, c.head_dim).transpose(1, 2)
-        v = self.wv(x).view(b, s, c.n_kv_heads, c.head_dim).transpose(1, 2)
+        # Note: -1 heads, not n_heads: under tensor parallelism each rank holds a share of the heads
+        q = self.wq(x).view(b, s, -1, c.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, s, -1, c.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, s, -1, c.head_dim).transpose(1, 2)
         if mask is None:
             q, k = apply_rotary(q, cos[:s], sin[:s]), apply_rotary(k, cos[:s], sin[:s])
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
@@ -162,7 +163,7 @@ class Attention(nn.Module):
                 out = _flex(q, k, v, mask, gqa=gqa)
             else:
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-        return self.wo(out.transpose(1, 2).reshape(b, s, c.dim))
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
 class FeedForward(nn.Module):

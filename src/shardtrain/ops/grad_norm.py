@@ -10,6 +10,7 @@ from torch import nn
 
 from ..core.shard import runtime_of
 from ..core.sharded_param import local_of
+from ..core.tensor_parallel import tensor_parallel_of
 
 
 def _local_grads(model: nn.Module, *, for_norm: bool) -> list[torch.Tensor]:
@@ -17,21 +18,24 @@ def _local_grads(model: nn.Module, *, for_norm: bool) -> list[torch.Tensor]:
     else each `.grad`'s rows.
 
     Note: every rank holds a 0-dim parameter's whole gradient; `for_norm`, only shard rank 0 counts it,
-    so that each element of the model's gradient enters the norm once.
+    so that each element of the model's gradient enters the norm once. Under tensor parallelism every
+    tp rank holds a replicated parameter's rows too: only tp rank 0 counts them, so the norm takes
+    each parameter's gradient and cannot use the flat buffers, which mix split and replicated ones.
     """
     runtime = runtime_of(model)
     counts_whole = runtime.comm.shard_rank == 0 or not for_norm
+    tp = tensor_parallel_of(runtime) if for_norm else None
     grads = []
     for unit in runtime.units:
         if not any(p.grad is not None for p in unit.params):
             continue
-        if unit.owns_grads():
+        if unit.owns_grads() and tp is None:
             grads += [buf.grad for buf in unit.buffers if buf.grad is not None and (buf.group.sharded or counts_whole)]
         else:
             grads += [
                 local_of(p.grad)
                 for p, s in zip(unit.params, unit.layout.params)
-                if p.grad is not None and (s.shape or counts_whole)
+                if p.grad is not None and (s.shape or counts_whole) and (tp is None or tp.counts_once(s))
             ]
     return grads
 
@@ -65,9 +69,10 @@ def grad_norm(model: nn.Module, *, norm_type: float = 2.0) -> torch.Tensor:
         or [torch.zeros((), device=device)]
     )
     local = partial.max() if math.isinf(norm_type) else partial.sum()
-    group = runtime.comm.shard
-    if group is not None and runtime.comm.shard_world > 1:
-        # Note: replicas hold identical shards, so the shard group alone covers every element once.
+    tp = tensor_parallel_of(runtime)
+    # Note: replicas hold identical shards, so the shard group (and the tp ranks) cover every element once.
+    group = tp.norm_group if tp is not None else runtime.comm.shard
+    if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(local, op=dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM, group=group)
     return local if math.isinf(norm_type) else local ** (1.0 / norm_type)
 

@@ -9,6 +9,7 @@ from torch import nn
 from ..core.collectives import all_gather_tensor
 from ..core.partition import clean_name
 from ..core.shard import runtime_of
+from ..core.tensor_parallel import global_shape, held_box_of
 from ..core.unit import ShardUnit
 
 
@@ -16,7 +17,8 @@ def gather_params(unit: ShardUnit, local: list[torch.Tensor] | None = None) -> l
     """Each parameter of `unit` whole, from every rank of the shard group (all of them take part).
 
     `local` gives, per parameter, this rank's real rows of a tensor laid out like it (an optimizer
-    state, say); by default the parameters themselves. One all-gather per flat group.
+    state, say); by default the parameters themselves. One all-gather per flat group, then, under
+    tensor parallelism, one over "tp" per split parameter (the global tensor, as the unsharded model has it).
     """
     local = [unit.held(i) for i in range(len(unit.layout.params))] if local is None else local
     out: list[torch.Tensor | None] = [None] * len(local)
@@ -37,7 +39,8 @@ def gather_params(unit: ShardUnit, local: list[torch.Tensor] | None = None) -> l
         for i, m, start in zip(buf.group.members, members, buf.group.shard_offsets):
             whole = by_rank[:, start : start + m.local_numel].reshape(m.padded_rows, *m.shape[1:])
             out[i] = whole[: m.rows]
-    return out
+    tp = unit.factory.tp
+    return out if tp is None else tp.full_tensors(out, unit.layout.params)
 
 
 def named_tensors(unit: ShardUnit, tensors: list[torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -85,8 +88,8 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], 
     for unit in runtime.units:
         for shard in unit.layout.params:
             value = state_dict.get(shard.fqn)
-            if value is not None and tuple(value.shape) != shard.shape:
-                mis_shaped.append(f"{shard.fqn}: checkpoint {tuple(value.shape)} vs model {shard.shape}")
+            if value is not None and tuple(value.shape) != global_shape(unit, shard):
+                mis_shaped.append(f"{shard.fqn}: checkpoint {tuple(value.shape)} vs model {global_shape(unit, shard)}")
     if strict and (missing or unexpected or mis_shaped):
         raise ValueError(
             f"state dict does not match the model: missing {missing}, unexpected {unexpected}, "
@@ -94,15 +97,15 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], 
         )
     with torch.no_grad():
         for unit in runtime.units:
-            rank = unit.comm.shard_rank
             for i, shard in enumerate(unit.layout.params):
                 value = state_dict.get(shard.fqn)
-                if value is None or tuple(value.shape) != shard.shape:
+                if value is None or tuple(value.shape) != global_shape(unit, shard):
                     continue
                 held = unit.held(i)
                 if shard.shape:
-                    start, stop = shard.held_rows(rank if shard.world > 1 else 0)
-                    value = value[start:stop]
+                    box = held_box_of(unit, i)
+                    value = value[box.rows[0] : box.rows[1]]
+                    value = value if box.cols is None else value[:, box.cols[0] : box.cols[1]]
                 held.copy_(value)
         buffers = {clean_name(n): b for n, b in model.named_buffers()}
         for name, value in state_dict.items():

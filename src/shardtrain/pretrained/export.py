@@ -34,6 +34,7 @@ from ..checkpoint.collective import Comm
 from ..checkpoint.local import persistent_buffers
 from ..checkpoint.tensorfile import SafetensorsWriter, TensorSpec, writing
 from ..core.shard import runtime_of
+from ..core.tensor_parallel import global_shape
 from ..ops.state_dict import gather_params
 from .files import CONFIG_FILE, INDEX_FILE
 from .keys import adapter_params, base_name, hf_model
@@ -148,7 +149,7 @@ def plan_export(model: nn.Module, *, dtype: torch.dtype | None, merge_lora: bool
                 merge = (m, ia, ib)
             items.append(
                 _Item(
-                    spec=TensorSpec(name=name, dtype=_dtype(s.dtype, dtype), shape=s.shape),
+                    spec=TensorSpec(name=name, dtype=_dtype(s.dtype, dtype), shape=global_shape(unit, s)),
                     unit=unit.index,
                     index=i,
                     merge=merge,

@@ -25,6 +25,7 @@ from ..checkpoint.collective import Comm
 from ..checkpoint.format import short_list
 from ..checkpoint.local import held_range, persistent_buffers
 from ..core.shard import runtime_of
+from ..core.tensor_parallel import tensor_parallel_of
 from .export import install_save_pretrained
 from .files import TensorEntry, WeightFiles, resolve_weights
 from .keys import KeyMatch, match_keys
@@ -63,6 +64,11 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike, *, strict: bool =
     raise if any fails. The model also gets a `save_pretrained` that writes full tensors (export.py).
     """
     runtime = runtime_of(model)
+    if tensor_parallel_of(runtime) is not None:
+        raise ValueError(
+            "load_pretrained into a tensor-parallel model is not supported yet; load the weights into the "
+            "model (from_pretrained) before st.shard(..., tp_plan=...), or shard without a 'tp' mesh dimension"
+        )
     comm = Comm.over(runtime.control_group)
 
     def load() -> LoadReport:

@@ -1,0 +1,268 @@
+"""Tensor parallelism inside the engine: what a unit shards, what the optimizer sees, what forward uses.
+
+After `parallelize_module(model, mesh["tp"], plan)` a split parameter is a DTensor on the "tp" mesh.
+The engine shards its TP-local tensor exactly as it shards a plain parameter (dim 0, over the
+data-parallel shard group), so units, buffers and collectives need not know about tensor
+parallelism; this module supplies the three places where they differ:
+
+- the TP-local tensors the unit's layout is cut from (`local_tensors`);
+- the spec of each optimizer-visible DTensor: the global shape on the whole mesh with FSDP2's
+  placements (tp/placements.py), for `full_tensor()`, `torch.distributed.checkpoint` and clipping;
+- the gathered views as DTensors on the "tp" mesh (`compute_views`, through `DTensor.from_local`),
+  so torch's parallel styles compute with them; `from_local`'s backward brings each gradient to
+  the parameter's TP placement (a partial sum is all-reduced over "tp") before the unit reduces
+  it over the data-parallel ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor.parallel import parallelize_module
+from torch.distributed.tensor.placement_types import Placement
+
+from ..strategy import Strategy
+from ..tp import (
+    Box,
+    MeshDims,
+    held_box,
+    is_tensor_parallel_mesh,
+    mesh_dims,
+    mesh_placements,
+    replicated_on_tp,
+    resolve_plan,
+    split_of,
+)
+from .layout import ParamShard
+from .process_groups import derived, subgroup
+
+if TYPE_CHECKING:
+    from .runtime import Runtime
+    from .unit import ShardUnit
+
+
+@dataclass(frozen=True, kw_only=True)
+class TpParam:
+    """A parameter split by tensor parallelism: its placement on "tp" and its global shape."""
+
+    placement: Placement
+    shape: torch.Size
+    stride: tuple[int, ...]
+
+
+class TensorParallel:
+    """The split parameters of one model (by every name they are registered under) and its mesh."""
+
+    def __init__(self, *, dims: MeshDims, params: dict[str, TpParam]) -> None:
+        self.dims = dims
+        self.tp_mesh = dims.tp_mesh
+        self.tp_size = dims.tp_size
+        self.tp_rank = self.tp_mesh.get_local_rank()
+        self.params = params
+        self.norm_group = _norm_group(dims)
+        self._specs: dict[tuple[str, torch.dtype], DTensorSpec] = {}
+
+    def splits_any(self, shards: tuple[ParamShard, ...]) -> bool:
+        return any(s.fqn in self.params for s in shards)
+
+    def counts_once(self, shard: ParamShard) -> bool:
+        """Whether this rank's rows of `shard` enter a norm: every tp rank holds a replicated parameter
+        whole, so only tp rank 0 counts it."""
+        tp = self.params.get(shard.fqn)
+        return self.tp_rank == 0 or not replicated_on_tp(tp.placement if tp else Replicate())
+
+    def spec(self, shard: ParamShard, dtype: torch.dtype) -> DTensorSpec:
+        """The spec of the optimizer-visible tensor of `shard` (and of its gradient) on the whole mesh."""
+        key = (shard.fqn, dtype)
+        spec = self._specs.get(key)
+        if spec is None:
+            tp = self.params.get(shard.fqn)
+            shape = tp.shape if tp else torch.Size(shard.shape)
+            stride = tp.stride if tp else torch.empty(shard.shape, device="meta").stride()
+            placements = mesh_placements(
+                tp.placement if tp else Replicate(),
+                tp_size=self.tp_size,
+                hybrid=self.dims.hybrid,
+                cut=bool(shard.shape),
+            )
+            spec = DTensorSpec(self.dims.mesh, placements, tensor_meta=TensorMeta(shape, stride, dtype))
+            self._specs[key] = spec
+        return spec
+
+    def global_shape(self, shard: ParamShard) -> tuple[int, ...]:
+        tp = self.params.get(shard.fqn)
+        return tuple(tp.shape) if tp else shard.shape
+
+    def split(self, shard: ParamShard) -> str | None:
+        """How tensor parallelism splits `shard` ("rows", "cols", or None), for checkpoints (tp/boxes.py)."""
+        tp = self.params.get(shard.fqn)
+        return split_of(tp.placement) if tp else None
+
+    def full_tensors(self, tensors: list[torch.Tensor], shards: tuple[ParamShard, ...]) -> list[torch.Tensor]:
+        """Whole TP-local tensors (gathered over dp) made global: split ones gathered over "tp"."""
+        out = []
+        for tensor, shard in zip(tensors, shards):
+            tp = self.params.get(shard.fqn)
+            if tp is not None:
+                tensor = DTensor.from_local(
+                    tensor.contiguous(),
+                    self.tp_mesh,
+                    (tp.placement,),
+                    run_check=False,
+                    shape=tp.shape,
+                    stride=tp.stride,
+                ).full_tensor()
+            out.append(tensor)
+        return out
+
+    def compute_views(self, views: tuple[torch.Tensor, ...], shards: tuple[ParamShard, ...]) -> tuple:
+        """The gathered TP-local views as forward uses them: split parameters as DTensors on "tp"."""
+        if not self.params:
+            return views
+        out = []
+        for view, shard in zip(views, shards):
+            tp = self.params.get(shard.fqn)
+            if tp is not None:
+                view = DTensor.from_local(
+                    view, self.tp_mesh, (tp.placement,), run_check=False, shape=tp.shape, stride=tp.stride
+                )
+            out.append(view)
+        return tuple(out)
+
+
+def tensor_parallel_of(runtime: Runtime) -> TensorParallel | None:
+    """The tensor parallelism a sharded model's runtime runs under (None: none)."""
+    return runtime.units[0].factory.tp if runtime.units else None
+
+
+def global_shape(unit: ShardUnit, shard: ParamShard) -> tuple[int, ...]:
+    """The shape of the parameter `shard` describes as the unsharded model has it (not TP-local)."""
+    tp = unit.factory.tp
+    return tp.global_shape(shard) if tp is not None else shard.shape
+
+
+def split_in(unit: ShardUnit, shard: ParamShard) -> str | None:
+    """How tensor parallelism splits the parameter ("rows", "cols"; None: not split, or no TP)."""
+    tp = unit.factory.tp
+    return tp.split(shard) if tp is not None else None
+
+
+def tp_coordinates(runtime: Runtime) -> tuple[int, int]:
+    """(tp rank, tp size) of this rank; (0, 1) without tensor parallelism."""
+    tp = tensor_parallel_of(runtime)
+    return (tp.tp_rank, tp.tp_size) if tp is not None else (0, 1)
+
+
+def held_box_of(unit: ShardUnit, index: int) -> Box:
+    """The box of parameter `index`'s global tensor this rank holds (`unit.held(index)` has its shape)."""
+    shard = unit.layout.params[index]
+    tp_rank, tp_world = tp_coordinates(unit.runtime)
+    cut = shard.world > 1
+    return held_box(
+        global_shape(unit, shard),
+        split=split_in(unit, shard),
+        dp_rank=unit.comm.shard_rank if cut else 0,
+        dp_world=shard.world,
+        tp_rank=tp_rank,
+        tp_world=tp_world,
+    )
+
+
+def local_tensors(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each tensor's TP-local part (a DTensor's local tensor, keeping `requires_grad`), or itself."""
+    return [t._local_tensor.detach().requires_grad_(t.requires_grad) if isinstance(t, DTensor) else t for t in tensors]
+
+
+def prepare_tensor_parallel(
+    model: nn.Module, *, mesh: Any, plan: Any, strategy: Strategy, process_group: dist.ProcessGroup | None
+) -> TensorParallel | None:
+    """Apply `plan` to `model` over the mesh's "tp" dimension (unless it is of size 1: nothing to split)
+    and collect the split parameters; None when `mesh` has no "tp" dimension."""
+    split = {n: p for n, p in model.named_parameters(remove_duplicate=False) if isinstance(p, DTensor)}
+    if not is_tensor_parallel_mesh(mesh):
+        if plan is not None:
+            raise ValueError(
+                f"tp_plan given with mesh={mesh!r}: pass a DeviceMesh with dimensions ('dp', 'tp') "
+                "(init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp')))"
+            )
+        if split:
+            raise ValueError(
+                f"parameter {next(iter(split))!r} is a DTensor (the model went through parallelize_module): "
+                "pass the whole mesh as st.shard(model, mesh=<DeviceMesh ('dp', 'tp')>)"
+            )
+        return None
+    if strategy is Strategy.NO_SHARD:
+        raise ValueError("strategy='no_shard' with a tensor-parallel mesh: use 'full_shard' or 'shard_grad_op'")
+    if process_group is not None:
+        raise ValueError("process_group with a tensor-parallel mesh: the mesh names the groups; drop process_group")
+    dims = mesh_dims(mesh, hybrid=strategy.is_hybrid)
+    if plan is not None:
+        if split:
+            raise ValueError(
+                f"tp_plan given but parameter {next(iter(split))!r} is split already (parallelize_module); "
+                "pass tp_plan=None"
+            )
+        plan = resolve_plan(plan)
+        if dims.tp_size > 1:
+            _check_splittable(model)
+            parallelize_module(model, dims.tp_mesh, plan)
+            split = {n: p for n, p in model.named_parameters(remove_duplicate=False) if isinstance(p, DTensor)}
+            if not split:
+                raise ValueError(
+                    f"tp_plan split no parameter of {type(model).__name__}: its paths {sorted(plan)[:4]} match no "
+                    "module holding parameters; name modules as model.named_modules() does (a peft model "
+                    "nests them under 'base_model.model.')"
+                )
+    params = {}
+    for name, p in split.items():
+        if p.is_meta:
+            raise ValueError(
+                f"parameter {name!r} is a DTensor on the meta device: materialise the model before st.shard"
+            )
+        if p.device_mesh != dims.tp_mesh or len(p.placements) != 1:
+            raise ValueError(
+                f"parameter {name!r} is a DTensor on {p.device_mesh} {p.placements}; split it over the "
+                "mesh's 'tp' dimension only (parallelize_module(model, mesh['tp'], plan))"
+            )
+        params[name] = TpParam(placement=p.placements[0], shape=p.shape, stride=p.stride())
+    return TensorParallel(dims=dims, params=params)
+
+
+def _check_splittable(model: nn.Module) -> None:
+    """Refuse what parallelize_module would silently get wrong: tied parameters and meta tensors."""
+    seen: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if p.is_meta:
+            raise ValueError(
+                f"parameter {name!r} is on the meta device: tensor parallelism splits materialised weights; "
+                "build the model on the CPU (or load it) before st.shard(..., tp_plan=...)"
+            )
+        if id(p) in seen:
+            raise ValueError(
+                f"parameters {seen[id(p)]!r} and {name!r} are tied: tensor parallelism splits them differently; "
+                "untie them (e.g. tie_embeddings=False) to use tp_plan"
+            )
+        seen[id(p)] = name
+
+
+def _norm_group(dims: MeshDims) -> dist.ProcessGroup:
+    """The ranks that together hold every element once: the shard and tp dimensions (one group per
+    replica under hybrid sharding; replicas hold identical shards)."""
+    grid = dims.mesh.mesh
+    rows = [tuple(r.flatten().tolist()) for r in grid] if dims.hybrid else [tuple(grid.flatten().tolist())]
+    world = dist.group.WORLD
+    if rows == [tuple(range(dist.get_world_size()))]:
+        return world
+    me = dist.get_rank()
+
+    def make() -> dist.ProcessGroup:
+        groups = [subgroup(list(r), parent=world) for r in rows]  # every rank makes every group, in order
+        return next(g for g, r in zip(groups, rows) if me in r)
+
+    return derived(world, ("tp-norm", tuple(rows)), make)

@@ -155,11 +155,6 @@ class AutoPolicy:
     grad_accum: int = 1
 
 
-def is_auto(strategy: Any) -> bool:
-    """Whether a strategy argument asks the planner to choose ("auto" or an AutoPolicy)."""
-    return isinstance(strategy, AutoPolicy) or (isinstance(strategy, str) and strategy.strip().lower() == "auto")
-
-
 _PRECISION_NAMES = {
     "bf16": MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
     "bf16-mixed": MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
-from ..policy import CPUOffload, MixedPrecision, WrapPolicy
-from ..strategy import Strategy
+from ..options import ShardOptions
 from . import replaced
 from .comm import UnitComm
 from .flat_buffers import FlatBuffers
@@ -21,7 +17,7 @@ from .lookup import LookupUnit, runs_sharded_lookup
 from .materialize import Materializer, current_tensors, cut_shards
 from .partition import Occurrence, UnitSpec, matching_paths, partition
 from .pinned import PinnedBuffers
-from .process_groups import control_group, order_group, resolve_groups
+from .process_groups import control_group, order_group, resolve_device, resolve_groups
 from .recompute import apply_activation_checkpointing
 from .runtime import Runtime
 from .sharded_param import ParamFactory
@@ -30,38 +26,28 @@ from .unit import ShardUnit, UnitBehaviour
 RUNTIME_ATTR = "_shardtrain_runtime"
 
 
-def shard_module(
-    model: nn.Module,
-    *,
-    strategy: Strategy,
-    wrap: WrapPolicy | None,
-    precision: MixedPrecision,
-    activation_checkpointing: WrapPolicy | None,
-    offload: CPUOffload | None,
-    mesh: DeviceMesh | tuple[int, int] | None,
-    device: torch.device,
-    process_group: dist.ProcessGroup | None,
-    prefetch: int,
-    param_init_fn: Callable[[nn.Module], None] | None,
-    sync_module_states: bool,
-) -> nn.Module:
-    """Shard `model` in place with every option resolved (the public `st.shard` in shardtrain/sharding.py
-    parses them): partition into units, materialise and cut each unit, build its buffers and the
-    parameters the optimizer sees, install the runtime's hooks."""
-    offload_policy = offload
-    if offload_policy and (offload_policy.threads or torch.get_num_threads() < offload_policy.host_threads()):
+def shard_module(model: nn.Module, options: ShardOptions) -> nn.Module:
+    """Shard `model` in place with every option resolved (`options.resolve_options`, called by the public
+    `st.shard` in shardtrain/sharding.py): partition into units, materialise and cut each unit, build
+    its buffers and the parameters the optimizer sees, install the runtime's hooks."""
+    strategy, precision, prefetch = options.strategy, options.precision, options.prefetch
+    process_group, param_init_fn = options.process_group, options.param_init_fn
+    device = resolve_device(options.device)
+    # Note: on a CPU device everything already lives in host memory.
+    offload = options.offload if device.type == "cuda" else None
+    if offload and (offload.threads or torch.get_num_threads() < offload.host_threads()):
         # Note: the optimizer steps the offloaded shards with torch's intra-op threads; one thread
         # per process (torchrun's default) made the host AdamW most of the step at 8B.
-        torch.set_num_threads(offload_policy.host_threads())
-    groups = resolve_groups(strategy, process_group=process_group, mesh=mesh, device=device)
+        torch.set_num_threads(offload.host_threads())
+    groups = resolve_groups(strategy, process_group=process_group, mesh=options.mesh, device=device)
     comm = UnitComm(shard=groups.shard, replicate=groups.replicate, device=device)
     factory = ParamFactory(mesh=groups.mesh)
 
-    plan = partition(model, wrap)
-    offloaded = offload_policy.select(s.numel for s in plan.units) if offload_policy else [False] * len(plan.units)
+    plan = partition(model, options.wrap)
+    offloaded = offload.select(s.numel for s in plan.units) if offload else [False] * len(plan.units)
     ac_paths = (
-        matching_paths(model, activation_checkpointing, what="activation_checkpointing")
-        if activation_checkpointing is not None
+        matching_paths(model, options.activation_checkpointing, what="activation_checkpointing")
+        if options.activation_checkpointing is not None
         else set()
     )
     modules = dict(model.named_modules())
@@ -79,7 +65,7 @@ def shard_module(
     occurrences = {id(p): occ for spec in plan.units for p, occ in zip(spec.params, spec.occurrences)}
     materializer = Materializer(root=model, device=device, param_init_fn=param_init_fn, occurrences=occurrences)
     unit_modules = {id(spec.module) for spec in plan.units}
-    broadcast_group = (process_group or dist.group.WORLD) if sync_module_states else None
+    broadcast_group = (process_group or dist.group.WORLD) if options.sync_module_states else None
     for index, spec in enumerate(plan.units):
         originals = list(spec.params)
         materializer.materialize(

@@ -47,7 +47,7 @@ def describe_setup(inputs: EstimateInputs) -> str:
         f"{model.name}: {format_count(model.num_params)} parameters{shape}\n"
         f"{inputs.world_size} ranks, {_dtype(mp.param_dtype)} params / {_dtype(mp.reduce_dtype)} reduce, "
         f"{inputs.optimizer}, micro-batch {inputs.micro_batch} x seq {inputs.seq_len}, "
-        f"activation checkpointing: {checkpointing_label(inputs.checkpoint_every)}{offload}"
+        f"activation checkpointing: {checkpointing_label(inputs.recompute_every)}{offload}"
     )
 
 

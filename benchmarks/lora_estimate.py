@@ -36,7 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # this checkout's shardtrain
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # as pretrained_load.py
 
-from pretrained_load import fine_tune, init_process_group  # noqa: E402 - this folder's benchmark
+from pretrained_load import fine_tune, init_process_group
 
 TARGETS = ("q_proj", "v_proj")
 

@@ -376,7 +376,7 @@ def run_phase(args) -> int:
 
         init_process_group(device)
         result = {"phase": args.phase, "ok": True, **globals()[f"phase_{args.phase}"](args, device)}
-    except Exception as exc:  # noqa: BLE001 - reported in the table; the traceback goes to stderr
+    except Exception as exc:
         traceback.print_exc()
         oom = isinstance(exc, torch.OutOfMemoryError)
         result = {

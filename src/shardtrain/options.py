@@ -87,7 +87,7 @@ def resolve_options(
     `st.AutoPolicy` are refused here: the automatic plan is `st.shard_auto` (planning/auto.py), a
     tool above this entry point.
     """
-    given = dict(
+    given: dict[str, Any] = dict(
         strategy=strategy,
         wrap=wrap,
         mixed_precision=mixed_precision,

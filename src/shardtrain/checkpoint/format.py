@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ..core.held import held_params
 from ..core.runtime import Runtime
 
 FORMAT_NAME = "shardtrain-checkpoint"
@@ -116,10 +117,10 @@ def params_record(runtime: Runtime, *, params: str = "all") -> list[dict[str, An
             "shape": list(s.shape),
             "dtype": dtype_code(s.dtype),
             "requires_grad": s.requires_grad,
-            "unit": unit.name,
+            "unit": h.unit.name,
         }
-        for unit in runtime.units
-        for s in unit.layout.params
+        for h in held_params(runtime)
+        for s in (h.layout,)
         if saves(s.requires_grad, params)
     ]
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from ..core.held import held_params
 from ..core.shard import runtime_of
 from .entries import Entries
 from .format import (
@@ -53,23 +54,16 @@ def write_shards(
         states = [(name, k, snap) for name, snap in snapshots.items() if snap.module == key for k in snap.elementwise]
         buffers = persistent_buffers(module) if shard == 0 else {}
         tensors: list[tuple[TensorSpec, Any]] = []
-        for unit in runtime.units:
-            for i, s in enumerate(unit.layout.params):
-                if (not s.shape and shard != 0) or not saves(s.requires_grad, params):
-                    continue  # every rank holds a 0-dim parameter whole; shard 0 stores it
-                held = unit.held(i)
-                tensors.append((TensorSpec(name=param_tensor(s.fqn), dtype=held.dtype, shape=tuple(held.shape)), held))
-                for name, k, snap in states:
-                    piece = snap.piece(s.fqn, k)
-                    if piece is not None:
-                        tensors.append(
-                            (
-                                TensorSpec(
-                                    name=state_tensor(name, k, s.fqn), dtype=piece.dtype, shape=tuple(piece.shape)
-                                ),
-                                piece,
-                            )
-                        )
+        for h in held_params(runtime):
+            if (not h.shape and shard != 0) or not saves(h.requires_grad, params):
+                continue  # every rank holds a 0-dim parameter whole; shard 0 stores it
+            held = h.local
+            tensors.append((TensorSpec(name=param_tensor(h.name), dtype=held.dtype, shape=tuple(held.shape)), held))
+            for name, k, snap in states:
+                piece = snap.piece(h.name, k)
+                if piece is not None:
+                    spec = TensorSpec(name=state_tensor(name, k, h.name), dtype=piece.dtype, shape=tuple(piece.shape))
+                    tensors.append((spec, piece))
         tensors += [
             (TensorSpec(name=buffer_tensor(n), dtype=b.dtype, shape=tuple(b.shape)), b) for n, b in buffers.items()
         ]

@@ -95,7 +95,7 @@ class UnitComm:
         # Note: Gloo before torch 2.13 lacks ReduceOp.AVG; SUM then divide works everywhere.
         self.native_avg = backend == "nccl"
         if self.cuda:
-            high = torch.cuda.Stream.priority_range()[1]
+            high = torch.cuda.Stream.priority_range()[1]  # type: ignore[call-arg]  # a static method torch's stub misses
             self.gather_stream = torch.cuda.Stream(device=device, priority=high)
             self.reduce_stream = torch.cuda.Stream(device=device, priority=high)
             # Note: the elementwise work gets streams of its own so that the next collective never
@@ -151,10 +151,10 @@ class UnitComm:
         the flat gather, one all-gather per flat group, and a grouped override issues each job alone.
         """
         if not self.groups_collectives:
-            works = [
+            ungrouped = [
                 collectives.all_gather_tensor(job.out, job.inp, group=self.shard, async_op=async_op) for job in jobs
             ]
-            return works if async_op else []
+            return ungrouped if async_op else []
         by_dtype: dict[torch.dtype, list[GatherJob]] = {}
         for job in jobs:
             by_dtype.setdefault(job.inp.dtype, []).append(job)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -86,7 +88,7 @@ def shard_module(model: nn.Module, options: ShardOptions) -> nn.Module:
             offload=offloaded[index],
         )
         shards = cut_shards(layout, tensors, rank=comm.shard_rank, device=device, broadcast_group=broadcast_group)
-        if behaviour.offload:
+        if behaviour.offload and runtime.pinned is not None:
             shards = [runtime.pinned.empty(s.shape, s.dtype).copy_(s) for s in shards]
         buffers = [
             FlatBuffers(
@@ -112,7 +114,7 @@ def shard_module(model: nn.Module, options: ShardOptions) -> nn.Module:
         )
         unit: ShardUnit
         if runs_sharded_lookup(spec, world=comm.shard_world, behaviour=behaviour):
-            unit = LookupUnit(module=spec.module, **common)
+            unit = LookupUnit(module=cast(nn.Embedding, spec.module), **common)
         else:
             unit = GatheredUnit(installs=_installs(spec.occurrences), **common)
         _register_params(spec.occurrences, unit.params)

@@ -7,6 +7,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..core.collectives import all_gather_tensor
+from ..core.held import held_params
 from ..core.partition import clean_name
 from ..core.shard import runtime_of
 from ..core.unit import ShardUnit
@@ -82,28 +83,22 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], 
     missing = sorted(expected - state_dict.keys())
     unexpected = sorted(state_dict.keys() - expected)
     mis_shaped = []
-    for unit in runtime.units:
-        for shard in unit.layout.params:
-            value = state_dict.get(shard.fqn)
-            if value is not None and tuple(value.shape) != shard.shape:
-                mis_shaped.append(f"{shard.fqn}: checkpoint {tuple(value.shape)} vs model {shard.shape}")
+    held = list(held_params(runtime))
+    for h in held:
+        value = state_dict.get(h.name)
+        if value is not None and tuple(value.shape) != h.shape:
+            mis_shaped.append(f"{h.name}: checkpoint {tuple(value.shape)} vs model {h.shape}")
     if strict and (missing or unexpected or mis_shaped):
         raise ValueError(
             f"state dict does not match the model: missing {missing}, unexpected {unexpected}, "
             f"mis-shaped {mis_shaped}; pass strict=False to load the matching part"
         )
     with torch.no_grad():
-        for unit in runtime.units:
-            rank = unit.comm.shard_rank
-            for i, shard in enumerate(unit.layout.params):
-                value = state_dict.get(shard.fqn)
-                if value is None or tuple(value.shape) != shard.shape:
-                    continue
-                held = unit.held(i)
-                if shard.shape:
-                    start, stop = shard.held_rows(rank if shard.world > 1 else 0)
-                    value = value[start:stop]
-                held.copy_(value)
+        for h in held:
+            value = state_dict.get(h.name)
+            if value is None or tuple(value.shape) != h.shape:
+                continue
+            h.local.copy_(value[slice(*h.rows)] if h.shape else value)
         buffers = {clean_name(n): b for n, b in model.named_buffers()}
         for name, value in state_dict.items():
             if name in buffers:

@@ -238,7 +238,7 @@ class _Rank0Writer:
             self._left[k] -= 1
             if self._left[k] == 0:
                 self._open.pop(k).close()
-        except Exception as exc:  # noqa: BLE001 - raised by finish(), after the loop over units
+        except Exception as exc:
             self._error = exc
 
     def finish(self, model: nn.Module) -> None:

@@ -5,7 +5,7 @@ member, mixed precision as "bf16", "bf16-mixed" or torch's `MixedPrecisionPolicy
 0.5 or `st.CPUOffload(...)`, and torch FSDP's keyword names (`sharding_strategy=`, `device_id=`, ...)
 for all of them (compat.py). `resolve_options` reads every accepted spelling once, at the edge (the
 public `st.shard`, the Engine, the trainer adapters, `st.plan`), and returns a `ShardOptions`;
-`core.shard.shard_module` takes only that object. A new option is a field here, a keyword of
+`core.shard_module.shard_module` takes only that object. A new option is a field here, a keyword of
 `resolve_options` (and of `st.shard`, which forwards them), and a line of tests/test_options.py.
 """
 

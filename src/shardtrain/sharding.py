@@ -2,7 +2,7 @@
 
 It reads every accepted spelling of every option once (`options.resolve_options`: shardtrain's,
 torch FSDP's through compat.py) and hands the resulting `ShardOptions` to the engine
-(`core.shard.shard_module`). The automatic plan (`st.shard_auto`, planning/auto.py) sits above this
+(`core.shard_module.shard_module`). The automatic plan (`st.shard_auto`, planning/auto.py) sits above this
 entry point and calls it with the options it chose.
 """
 
@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .core.process_groups import require_process_group
-from .core.shard import RUNTIME_ATTR, shard_module
+from .core.shard_module import RUNTIME_ATTR, shard_module
 from .options import ShardOptions, resolve_options
 from .policy import CPUOffload, MixedPrecision, WrapPolicy
 from .strategy import Strategy

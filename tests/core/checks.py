@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor
 
 import shardtrain as st
 from shardtrain.core.collectives import Collective, observe
-from shardtrain.core.shard import runtime_of
+from shardtrain.core.shard_module import runtime_of
 from shardtrain.core.sharded_param import local_of
 from shardtrain.models.llama import Block, RMSNorm, rotary_tables
 from tests.models import FrozenShared, Residual, lm_loss, make_batches, tiny_llama

@@ -89,7 +89,7 @@ def _offload_keeps_state_on_host() -> int:
 def _partial_offload_splits_units() -> int:
     """CPUOffload(fraction=0.5): the units CPUOffload.select names live on the host, the rest on the GPU."""
     import shardtrain as st
-    from shardtrain.core.shard import runtime_of
+    from shardtrain.core.shard_module import runtime_of
     from shardtrain.models.llama import Block
     from tests.models import tiny_llama
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..models.llama import SHARD_UNITS, Block, Llama
-from .model import build_meta_model
+from .same_weights import build_meta_model
 from .spec import RunSpec
 
 LEARNING_RATE = 1e-4

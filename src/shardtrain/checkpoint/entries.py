@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core import replaced
 from ..core.held import HeldParam, held_params
-from ..core.shard import RUNTIME_ATTR, runtime_of
+from ..core.rebind_optimizers import rebind
+from ..core.shard_module import RUNTIME_ATTR, runtime_of
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,7 +64,7 @@ def classify(state: dict[str, Any]) -> Entries:
         if key in modules:
             continue
         if isinstance(value, torch.optim.Optimizer):
-            replaced.rebind(value)  # built before st.shard: its groups now hold the sharded parameters
+            rebind(value)  # built before st.shard: its groups now hold the sharded parameters
             owner = _owner(key, value, refs)
             if owner is not None:
                 optimizers[key] = ShardedOptimizer(optimizer=value, module=owner, refs=refs[owner])

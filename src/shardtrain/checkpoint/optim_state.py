@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ..core.layout import ParamShard
+from ..core.param_layout import ParamShard
 from ..core.sharded_param import local_of
 from .entries import ShardedOptimizer
 from .format import dtype_code, short_list

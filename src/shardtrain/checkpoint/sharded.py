@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ..core.held import held_params
-from ..core.shard import runtime_of
+from ..core.shard_module import runtime_of
 from .entries import Entries
 from .format import (
     buffer_tensor,
@@ -34,10 +34,10 @@ from .format import (
     shard_rows,
     state_tensor,
 )
-from .local import persistent_buffers, writes_shards
 from .optim_state import OptimizerSnapshot
 from .source import ModuleSource
 from .tensorfile import CheckpointFiles, FileRecord, SafetensorsWriter, TensorSpec
+from .this_rank import persistent_buffers, writes_shards
 
 
 def write_shards(

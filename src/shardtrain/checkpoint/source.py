@@ -16,10 +16,10 @@ import torch
 from torch import nn
 
 from ..core.held import held_params
-from ..core.layout import ParamShard
-from ..core.shard import runtime_of
+from ..core.param_layout import ParamShard
+from ..core.shard_module import runtime_of
 from .format import dtype_of, saved_params_kind, saves, short_list
-from .local import persistent_buffers
+from .this_rank import persistent_buffers
 
 
 class ModuleSource(ABC):

@@ -15,12 +15,12 @@ The face the rest of shardtrain may use (`__all__`); everything else in `core` i
 
 from .collectives import all_gather_tensor
 from .held import HeldParam, held_params
-from .layout import ParamShard, layout_of_unit
+from .param_layout import ParamShard, layout_of_unit
 from .partition import clean_name, matching_paths, partition, repeated_blocks
 from .process_groups import require_process_group, resolve_device
-from .replaced import rebind
+from .rebind_optimizers import rebind
 from .runtime import Runtime
-from .shard import RUNTIME_ATTR, runtime_of, shard_module
+from .shard_module import RUNTIME_ATTR, runtime_of, shard_module
 from .sharded_param import local_of
 
 __all__ = [

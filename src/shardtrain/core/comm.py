@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from . import collectives
-from .average import mean_of_chunks
+from .chunk_mean import mean_of_chunks
 
 
 class GatherMode(enum.Enum):
@@ -246,7 +246,7 @@ class UnitComm:
         )
 
     def _average_exchanged(self, received: torch.Tensor, reduce_dtype: torch.dtype) -> torch.Tensor:
-        """Average what the exchange delivered over the shard group here (core/average.py), then across replicas."""
+        """Average what the exchange delivered over the shard group here (core/chunk_mean.py), then across replicas."""
         return self.average_over_replicas(mean_of_chunks(received, self.shard_world, reduce_dtype))
 
     def average_over_replicas(self, shard_grad: torch.Tensor) -> torch.Tensor:

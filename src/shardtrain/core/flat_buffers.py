@@ -19,7 +19,7 @@ from typing import cast
 import torch
 
 from .comm import GatherJob, GatherMode
-from .layout import FlatGroup, ParamShard
+from .param_layout import FlatGroup, ParamShard
 
 
 class FlatBuffers:

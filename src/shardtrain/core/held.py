@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .layout import ParamShard
+from .param_layout import ParamShard
 from .runtime import Runtime
-from .shard import runtime_of
+from .shard_module import runtime_of
 from .unit import ShardUnit
 
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .layout import FlatGroup, UnitLayout
+from .param_layout import FlatGroup, UnitLayout
 from .partition import Occurrence, UnitSpec
 
 

@@ -24,8 +24,8 @@ from torch import nn
 
 from .comm import Pending, UnitComm
 from .flat_buffers import FlatBuffers
-from .layout import UnitLayout
 from .order_check import Collective
+from .param_layout import UnitLayout
 from .pinned import PinnedBuffers
 from .sharded_param import ParamFactory
 

@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..core.replaced import rebind
-from ..core.shard import runtime_of
+from ..core.rebind_optimizers import rebind
+from ..core.shard_module import runtime_of
 from ..options import is_auto, precision_name, resolve_options
 from ..policy import AutoPolicy, MixedPrecision
 from ..sharding import shard_with

@@ -119,7 +119,7 @@ class ShardtrainStrategy(DDPStrategy):
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """An optimizer built before sharding (e.g. over meta parameters) is re-pointed at the shards now,
         so that the loss scaler and clipping see its real gradients from the first step."""
-        from ..core.replaced import rebind
+        from ..core.rebind_optimizers import rebind
 
         rebind(optimizer)
         return optimizer

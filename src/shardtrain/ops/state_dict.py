@@ -9,7 +9,7 @@ from torch import nn
 from ..core.collectives import all_gather_tensor
 from ..core.held import held_params
 from ..core.partition import clean_name
-from ..core.shard import runtime_of
+from ..core.shard_module import runtime_of
 from ..core.unit import ShardUnit
 
 

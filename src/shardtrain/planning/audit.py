@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core.layout import layout_of_unit
+from ..core.param_layout import layout_of_unit
 from ..core.partition import partition
 from ..options import resolve_options
 from ..policy import MixedPrecision

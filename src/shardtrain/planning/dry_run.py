@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import nn
 
-from ..core.layout import layout_of_unit
+from ..core.param_layout import layout_of_unit
 from ..core.partition import partition
 from ..options import resolve_options
 from ..strategy import Strategy

@@ -238,7 +238,7 @@ def _estimate(inputs: EstimateInputs) -> MemoryEstimate:
     params_alias = p == MASTER_BYTES and (n == 1 or resident)  # unsharded params are views of the master
     frozen_alias = frozen_size == p and (n == 1 or resident)  # ... or of the frozen shards
     grads_alias = p == GRAD_BYTES and n == 1  # unsharded grads land in the fp32 gradient itself
-    # Each parameter's rows are padded to a multiple of the shard group (core.layout).
+    # Each parameter's rows are padded to a multiple of the shard group (core.param_layout).
     padding, trainable_padding = m.padding(n)
     trainable = m.trainable_params + trainable_padding
     frozen_stored = int((m.frozen_params + padding - trainable_padding) * frozen_size) // n

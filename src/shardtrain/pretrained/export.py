@@ -31,13 +31,13 @@ import torch.distributed as dist
 from torch import nn
 
 from ..checkpoint.collective import Comm
-from ..checkpoint.local import persistent_buffers
 from ..checkpoint.tensorfile import SafetensorsWriter, TensorSpec, writing
-from ..core.shard import runtime_of
+from ..checkpoint.this_rank import persistent_buffers
+from ..core.shard_module import runtime_of
 from ..ops.state_dict import gather_params
+from .file_split import FilePlan, index_of, parse_size, split_files, stale_files
 from .files import CONFIG_FILE, INDEX_FILE
 from .keys import adapter_params, base_name, hf_model
-from .layout import FilePlan, index_of, parse_size, split_files, stale_files
 from .merge import LoraMerge, lora_merges
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

@@ -24,9 +24,9 @@ from torch import nn
 
 from ..checkpoint.collective import Comm
 from ..checkpoint.format import short_list
-from ..checkpoint.local import persistent_buffers
+from ..checkpoint.this_rank import persistent_buffers
 from ..core.held import held_params
-from ..core.shard import runtime_of
+from ..core.shard_module import runtime_of
 from .export import install_save_pretrained
 from .files import TensorEntry, WeightFiles, resolve_weights
 from .keys import KeyMatch, match_keys

@@ -33,7 +33,7 @@ from .finetune import build_dtype, check_finetune_config, export, load_base, wit
 from .finite import NonFiniteGuard
 from .inputs import DataPlan, build_data, plan_data
 from .metrics import MetricsLog, Summary, format_bytes, memory_bytes, plot_metrics
-from .models import BuiltModel, build_model
+from .model_builder import BuiltModel, build_model
 from .schedule import make_scheduler
 from .sections import Config
 from .step import Job

@@ -29,7 +29,7 @@ from ..planning.auto import AutoChoice, choose_plan
 from ..planning.machine import local_device_memory, local_processes
 from .finetune import build_dtype, check_finetune_config, with_lora
 from .loop import check_batch
-from .models import BuiltModel, build_model
+from .model_builder import BuiltModel, build_model
 from .sections import Config, ConfigError, EngineConfig
 
 AUTO = "auto"

@@ -9,14 +9,14 @@ import torch.distributed as dist
 from torch import nn
 
 from ..options import ShardOptions
-from . import replaced
+from . import rebind_optimizers
 from .comm import UnitComm
 from .flat_buffers import FlatBuffers
 from .gathered import GatheredUnit
 from .host_step import StepMode, overlap_host_steps
-from .layout import layout_of_unit
 from .lookup import LookupUnit, runs_sharded_lookup
 from .materialize import Materializer, current_tensors, cut_shards
+from .param_layout import layout_of_unit
 from .partition import Occurrence, UnitSpec, matching_paths, partition
 from .pinned import PinnedBuffers
 from .process_groups import control_group, order_group, resolve_device, resolve_groups
@@ -119,7 +119,7 @@ def shard_module(model: nn.Module, options: ShardOptions) -> nn.Module:
             unit = GatheredUnit(installs=_installs(spec.occurrences), **common)
         _register_params(spec.occurrences, unit.params)
         for old, new, s in zip(originals, unit.params, layout.params):
-            replaced.record(old, new, s.fqn)
+            rebind_optimizers.record(old, new, s.fqn)
         runtime.register(unit, spec.module)
     _place_buffers(model, device, precision.buffer_dtype, broadcast_group)
     setattr(model, RUNTIME_ATTR, runtime)

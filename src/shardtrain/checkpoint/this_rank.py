@@ -13,7 +13,7 @@ from torch import nn
 from ..core.held import held_params
 from ..core.partition import clean_name
 from ..core.runtime import Runtime
-from ..core.shard import runtime_of
+from ..core.shard_module import runtime_of
 
 
 def writes_shards(runtime: Runtime) -> bool:

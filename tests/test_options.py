@@ -197,6 +197,19 @@ def test_bad_spellings_are_one_line_errors(kwargs, error, message):
         resolve_options(**kwargs)
 
 
+def test_the_automatic_plan_is_its_own_entry_point():
+    with pytest.raises(TypeError, match=r"st.shard_auto chooses \['cpu_offload', 'strategy'\] itself"):
+        st.shard_auto(
+            nn.Linear(2, 2), policy=st.AutoPolicy(micro_batch=1, seq_len=8), strategy="zero3", cpu_offload=True
+        )
+    with pytest.raises(TypeError, match="policy=8: pass st.AutoPolicy"):
+        st.shard_auto(nn.Linear(2, 2), policy=8)
+    with pytest.raises(
+        ValueError, match=r"Engine\(strategy='auto'\) needs the batch.*st.AutoPolicy\(micro_batch=..., seq_len=...\)"
+    ):
+        st.Engine(devices=1, accelerator="cpu", strategy="auto")
+
+
 def test_the_edge_rules_written_once():
     assert precision_name("auto", accelerator="cuda") == "bf16-mixed"
     assert precision_name("auto", accelerator="cpu") == "32-true"

@@ -118,6 +118,35 @@ def test_meta_init_activation_checkpointing_and_optimizer_after_setup(pools):
     assert losses[-1] < losses[0] - 0.5
 
 
+def _planned_at_setup() -> dict:
+    """Engine(strategy=st.AutoPolicy(...)): st.shard_auto plans the model at setup; it then trains."""
+    engine = Engine(
+        accelerator="cpu", wrap={Block}, strategy=st.AutoPolicy(micro_batch=2, seq_len=16, device_memory="8GiB")
+    )
+    engine.launch()
+    engine.seed_everything(0)
+    with engine.init_module(empty_init=True):
+        model = Llama(LLAMA_SIZES["tiny"])
+    model = engine.setup(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    inputs, targets = _batch(0, 0, rows=2)
+    losses = []
+    for _ in range(4):
+        loss = model.loss(inputs, targets)
+        engine.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"strategy": engine.strategy, "losses": losses}
+
+
+@pytest.mark.slow  # ~20 s of planning; the default tier covers st.shard_auto itself (tests/core/test_shard.py)
+def test_auto_policy_is_planned_at_setup(pools):
+    out = pools(2).run(_planned_at_setup)
+    assert out[0]["strategy"] is out[1]["strategy"] and isinstance(out[0]["strategy"], st.Strategy)
+    assert out[0]["losses"][-1] < out[0]["losses"][0]
+
+
 def _foreign_optimizer() -> str:
     engine = Engine(accelerator="cpu")
     engine.launch()

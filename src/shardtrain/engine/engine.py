@@ -202,9 +202,10 @@ class Engine:
         options = resolve_options(**{**self._shard_kwargs, **overrides}) if overrides else self._options
         options = dataclasses.replace(options, device=self.device)
         if self._auto is not None:
-            from ..planning.auto import shard_auto_with
+            from ..planning.shard_auto import shard_auto_with
 
-            shard_auto_with(model, self._auto, options)
+            _, choice = shard_auto_with(model, self._auto, options)
+            self.print(choice)  # the plan and its reasons, once (rank 0)
         else:
             shard_with(model, options)
         self._strategy = runtime_of(model, settle=False).strategy

@@ -101,10 +101,15 @@ def _meta_init_and_late_optimizer() -> list[float]:
     assert all(p.is_meta for p in model.parameters())
     model = engine.setup(model)
     assert not any(p.is_meta for p in model.parameters())
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)  # built after setup, from the shards
+    return _memorise(engine, model, steps=5)  # the optimizer built after setup, from the shards
+
+
+def _memorise(engine: Engine, model: torch.nn.Module, *, steps: int) -> list[float]:
+    """The mean loss over the ranks of `steps` AdamW steps on one batch (it must fall)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     inputs, targets = _batch(0, 0, rows=2)
     losses = []
-    for _ in range(5):
+    for _ in range(steps):
         loss = model.loss(inputs, targets)
         engine.backward(loss)
         opt.step()
@@ -128,16 +133,7 @@ def _planned_at_setup() -> dict:
     with engine.init_module(empty_init=True):
         model = Llama(LLAMA_SIZES["tiny"])
     model = engine.setup(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    inputs, targets = _batch(0, 0, rows=2)
-    losses = []
-    for _ in range(4):
-        loss = model.loss(inputs, targets)
-        engine.backward(loss)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return {"strategy": engine.strategy, "losses": losses}
+    return {"strategy": engine.strategy, "losses": _memorise(engine, model, steps=4)}
 
 
 @pytest.mark.slow  # ~20 s of planning; the default tier covers st.shard_auto itself (tests/core/test_shard.py)

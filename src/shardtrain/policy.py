@@ -143,7 +143,8 @@ class CPUOffload:
 
 @dataclass(frozen=True, kw_only=True)
 class AutoPolicy:
-    """strategy=st.AutoPolicy(...): let the planner pick strategy, checkpointing and offload.
+    """`st.shard_auto(model, policy=st.AutoPolicy(...))` (or `st.Engine(strategy=st.AutoPolicy(...))`): the
+    batch the planner picks strategy, checkpointing and offload for.
 
     `micro_batch` sequences of `seq_len` tokens per device and step, as the training loop feeds them;
     `device_memory` (bytes or "80GiB") defaults to the local GPU's.

@@ -2,8 +2,8 @@
 
 It reads every accepted spelling of every option once (`options.resolve_options`: shardtrain's,
 torch FSDP's through compat.py) and hands the resulting `ShardOptions` to the engine
-(`core.shard_module.shard_module`). The automatic plan (`st.shard_auto`, planning/auto.py) sits above this
-entry point and calls it with the options it chose.
+(`core.shard_module.shard_module`). The automatic plan (`st.shard_auto`, planning/shard_auto.py) sits
+above this entry point and calls it with the options it chose.
 """
 
 from __future__ import annotations

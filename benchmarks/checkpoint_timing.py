@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 import shardtrain as st
-from shardtrain.core.shard import runtime_of
+from shardtrain.core.shard_module import runtime_of
 from shardtrain.models.llama import Block, Llama, llama_config
 
 

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 import shardtrain as st
 from shardtrain.core import aio
-from shardtrain.core.shard import runtime_of
+from shardtrain.core.shard_module import runtime_of
 from shardtrain.models.llama import SHARD_UNITS, Block, Llama, llama_config
 
 

@@ -11,7 +11,7 @@ fused AdamW (the step of benchmarks/pretrained_load.py), each configuration in a
   measured   torch.cuda.max_memory_allocated() over the steps, tokens/s over the steps after --warmup
   estimated  st.estimate_memory of the same peft model (meta device, requires_grad read from it)
 
-and the automatic plan (`planning.auto.resolve_auto`, as `st.shard(strategy="auto")` runs it, and
+and the automatic plan (`planning.shard_auto.resolve_auto`, as `st.shard_auto` runs it, and
 `train.planned_config.resolve_auto_config`, as `shardtrain train --model.pretrained DIR --lora.rank 8
 --engine.strategy auto` runs it) for this GPU, with whether it chose the faster measured configuration
 among those that fit.
@@ -36,7 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # this checkout's shardtrain
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # as pretrained_load.py
 
-from pretrained_load import fine_tune, init_process_group  # noqa: E402 - this folder's benchmark
+from pretrained_load import fine_tune, init_process_group
 
 TARGETS = ("q_proj", "v_proj")
 
@@ -151,7 +151,7 @@ def train_config_choice(args):
 def main(argv: list[str] | None = None) -> int:
     import torch
 
-    from shardtrain.planning.auto import resolve_auto
+    from shardtrain.planning.shard_auto import resolve_auto
     from shardtrain.planning.sizes import GiB, parse_bytes
 
     args = parse_args(argv)
@@ -186,13 +186,13 @@ def main(argv: list[str] | None = None) -> int:
     config_choice = train_config_choice(args)
     fits = [(c, m) for c, m, _ in rows if (m["peak_bytes"] or 0) <= args.memory]
     fastest = max(fits, key=lambda cm: cm[1]["tokens_s"])[0] if fits else None
-    picked = auto.checkpoint_every > 0
-    print(f"\nst.shard(strategy='auto'): {auto}")
+    picked = auto.recompute_every > 0
+    print(f"\nst.shard_auto: {auto}")
     print(
         f"\nshardtrain train --engine.strategy auto: {config_choice.strategy.value}, activation checkpointing "
         f"{config_choice.activation_checkpointing}"
     )
-    agrees = fastest is not None and picked == fastest and (config_choice.checkpoint_every > 0) == fastest
+    agrees = fastest is not None and picked == fastest and (config_choice.recompute_every > 0) == fastest
     print(f"picked the faster measured configuration that fits: {'yes' if agrees else 'NO'}")
     return 0 if agrees else 1
 

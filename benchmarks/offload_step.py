@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 import shardtrain as st
 from shardtrain.core.host_step import ENV, HostSteps
-from shardtrain.core.shard import runtime_of
+from shardtrain.core.shard_module import runtime_of
 from shardtrain.core.step_queue import THREADS_ENV
 from shardtrain.models.llama import SHARD_UNITS, Block, Llama, llama_config
 
@@ -155,7 +155,7 @@ def build_fsdp2(args: argparse.Namespace) -> torch.nn.Module:
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     from shardtrain.bench.engines import checkpoint_blocks
-    from shardtrain.bench.model import build_meta_model
+    from shardtrain.bench.same_weights import build_meta_model
 
     named = build_meta_model(llama_config(args.size))
     model = named.model

@@ -214,7 +214,7 @@ def fingerprint(model, args, device) -> dict:
     """What the st and hf phases compare: each parameter's sum in float64 and the logits of a fixed input."""
     import torch
 
-    from shardtrain.core.shard import runtime_of
+    from shardtrain.core.shard_module import runtime_of
 
     sums = {
         s.fqn: torch.sum(u.held(i), dtype=torch.float64).item()
@@ -376,7 +376,7 @@ def run_phase(args) -> int:
 
         init_process_group(device)
         result = {"phase": args.phase, "ok": True, **globals()[f"phase_{args.phase}"](args, device)}
-    except Exception as exc:  # noqa: BLE001 - reported in the table; the traceback goes to stderr
+    except Exception as exc:
         traceback.print_exc()
         oom = isinstance(exc, torch.OutOfMemoryError)
         result = {

@@ -1,11 +1,13 @@
 """The packages form layers that import one way: each imports only from its own layer or those below.
 
-    descriptions   policy, strategy, compat, models, tp  what users choose, the built-in model, TP plans
+    descriptions   policy, strategy, compat, options,    what users choose, read into one ShardOptions, the
+                   models, tp                            built-in model, TP plans
     engine         core                                  st.shard's machinery: units, runtime, comm
-    planning       planning                              plans and memory estimates (reads core's partition)
+    entry          sharding                              the public st.shard: options read once, then core
+    planning       planning                              plans, memory estimates and st.shard_auto (above the entry)
     operations     ops, checkpoint, pretrained, data     around the step: norms, state dicts, checkpoints, HF weights,
                                                          fine-tuning data (tokenizers, masks, packing)
-    entry          sharding, testing                     the public st.shard; the test pools
+    testing        testing                               the test pools
     application    engine, train                         the Engine and `shardtrain train`
     tools          bench, cli                            `shardtrain bench` and the commands
     integrations   integrations                          adapters for Lightning and the Hugging Face Trainer
@@ -23,11 +25,12 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "shardtrain"
 LAYERS = [
-    {"policy", "strategy", "compat", "models", "tp"},
+    {"policy", "strategy", "compat", "options", "models", "tp"},
     {"core"},
+    {"sharding"},
     {"planning"},
     {"ops", "checkpoint", "pretrained", "data"},
-    {"sharding", "testing"},
+    {"testing"},
     {"engine", "train"},
     {"bench", "cli", "__main__", "__init__"},
     {"integrations"},

@@ -13,6 +13,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "shard": "shardtrain.sharding",
+    "shard_auto": "shardtrain.planning.shard_auto",
     "Strategy": "shardtrain.strategy",
     "SizePolicy": "shardtrain.policy",
     "MixedPrecision": "shardtrain.policy",

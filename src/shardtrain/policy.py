@@ -175,7 +175,8 @@ def _check_disk_tier(policy: CPUOffload) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class AutoPolicy:
-    """strategy=st.AutoPolicy(...): let the planner pick strategy, checkpointing and offload.
+    """`st.shard_auto(model, policy=st.AutoPolicy(...))` (or `st.Engine(strategy=st.AutoPolicy(...))`): the
+    batch the planner picks strategy, checkpointing and offload for.
 
     `micro_batch` sequences of `seq_len` tokens per device and step, as the training loop feeds them;
     `device_memory` (bytes or "80GiB") defaults to the local GPU's.
@@ -185,11 +186,6 @@ class AutoPolicy:
     seq_len: int
     device_memory: int | str | None = None
     grad_accum: int = 1
-
-
-def is_auto(strategy: Any) -> bool:
-    """Whether a strategy argument asks the planner to choose ("auto" or an AutoPolicy)."""
-    return isinstance(strategy, AutoPolicy) or (isinstance(strategy, str) and strategy.strip().lower() == "auto")
 
 
 _PRECISION_NAMES = {

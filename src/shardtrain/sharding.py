@@ -1,8 +1,9 @@
 """`st.shard`: the public entry point, and its specification (the docstring below).
 
-It parses every accepted spelling of every option (shardtrain's, torch FSDP's through compat.py),
-resolves strategy="auto" with the planner, and hands concrete options to the engine
-(`core.shard.shard_module`).
+It reads every accepted spelling of every option once (`options.resolve_options`: shardtrain's,
+torch FSDP's through compat.py) and hands the resulting `ShardOptions` to the engine
+(`core.shard_module.shard_module`). The automatic plan (`st.shard_auto`, planning/shard_auto.py) sits
+above this entry point and calls it with the options it chose.
 """
 
 from __future__ import annotations
@@ -15,25 +16,17 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .compat import translate_policy_objects, translate_torch_options
-from .core.process_groups import require_process_group, resolve_device
-from .core.shard import RUNTIME_ATTR, shard_module
-from .policy import (
-    AutoPolicy,
-    CPUOffload,
-    MixedPrecision,
-    WrapPolicy,
-    is_auto,
-    parse_cpu_offload,
-    parse_mixed_precision,
-)
-from .strategy import Strategy, parse_strategy
+from .core.process_groups import require_process_group
+from .core.shard_module import RUNTIME_ATTR, shard_module
+from .options import ShardOptions, resolve_options
+from .policy import CPUOffload, MixedPrecision, WrapPolicy
+from .strategy import Strategy
 
 
 def shard(
     model: nn.Module,
     *,
-    strategy: Strategy | str | AutoPolicy = "full_shard",
+    strategy: Strategy | str = "full_shard",
     wrap: WrapPolicy | None = None,
     mixed_precision: MixedPrecision | str | None = None,
     activation_checkpointing: WrapPolicy | None = None,
@@ -65,9 +58,9 @@ def shard(
         strategy: "full_shard" (ZeRO-3), "shard_grad_op" (ZeRO-2: parameters kept gathered from forward
             to backward), "optimizer_only" (ZeRO-1: parameters resident, gradients and optimizer state
             sharded), "no_shard" (DDP), "hybrid_shard" / "hybrid_shard_zero2" (sharded inside groups
-            of `mesh`, replicated across them), or "auto" / `st.AutoPolicy(...)` (the fastest setup the
-            memory estimator predicts to fit). torch's names (`ShardingStrategy` members, "FULL_SHARD")
-            are accepted.
+            of `mesh`, replicated across them). torch's names (`ShardingStrategy` members, "FULL_SHARD")
+            are accepted. "auto" / `st.AutoPolicy(...)` is refused with a pointer to `st.shard_auto`,
+            which plans (it needs the sequence length) and then calls st.shard.
         wrap: which modules become units: a set of module classes, `st.SizePolicy(min_params=...)`, or
             a callable(module) -> bool. The root is always a unit; each parameter belongs to the
             innermost unit holding it; a parameter tied across units moves to their common ancestor.
@@ -100,91 +93,32 @@ def shard(
 
     Raises ValueError or TypeError naming the option and the fix for anything it cannot honour.
     """
+    return shard_with(
+        model,
+        resolve_options(
+            strategy=strategy,
+            wrap=wrap,
+            mixed_precision=mixed_precision,
+            activation_checkpointing=activation_checkpointing,
+            cpu_offload=cpu_offload,
+            mesh=mesh,
+            device=device,
+            process_group=process_group,
+            prefetch=prefetch,
+            param_init_fn=param_init_fn,
+            sync_module_states=sync_module_states,
+            tp_plan=tp_plan,
+            **torch_options,
+        ),
+    )
+
+
+def shard_with(model: nn.Module, options: ShardOptions) -> nn.Module:
+    """`st.shard` with its options already resolved (`options.resolve_options`): what the Engine, the
+    automatic plan and the trainer adapters call after reading their own users' settings once."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"st.shard expects an nn.Module, got {type(model).__name__}")
     if hasattr(model, RUNTIME_ATTR):
         raise ValueError(f"{type(model).__name__} is already sharded; call st.shard once per model")
-    options = dict(
-        strategy=strategy,
-        wrap=wrap,
-        mixed_precision=mixed_precision,
-        cpu_offload=cpu_offload,
-        device=device,
-        prefetch=prefetch,
-    )
-    options.update(translate_torch_options(torch_options, given=_explicit(options)))
-    strategy, wrap, mixed_precision, cpu_offload, device, prefetch = (
-        options[k] for k in ("strategy", "wrap", "mixed_precision", "cpu_offload", "device", "prefetch")
-    )
-    mixed_precision, cpu_offload = translate_policy_objects(mixed_precision=mixed_precision, cpu_offload=cpu_offload)
-    if not isinstance(sync_module_states, bool):
-        raise TypeError(f"sync_module_states={sync_module_states!r}: use True or False")
-    if param_init_fn is not None and not callable(param_init_fn):
-        raise TypeError(f"param_init_fn={param_init_fn!r}: pass a callable(module) that fills its parameters, or None")
-    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
-        raise TypeError(
-            f"process_group={process_group!r}: pass a torch.distributed ProcessGroup (dist.new_group(ranks)), "
-            "or None for every rank"
-        )
-    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-        raise ValueError(f"prefetch={prefetch!r}: give the number of units to gather ahead (0, 1, 2, ...)")
     require_process_group()
-    if is_auto(strategy):
-        strategy, activation_checkpointing, cpu_offload = _resolve_auto(
-            model, strategy, wrap=wrap, mixed_precision=mixed_precision, process_group=process_group
-        )
-    strategy = parse_strategy(strategy)
-    precision = parse_mixed_precision(mixed_precision)
-    offload = parse_cpu_offload(cpu_offload)
-    device = resolve_device(device)
-    if device.type != "cuda":
-        offload = None  # Note: on a CPU device everything already lives in host memory
-    return shard_module(
-        model,
-        strategy=strategy,
-        wrap=wrap,
-        precision=precision,
-        activation_checkpointing=activation_checkpointing,
-        offload=offload,
-        mesh=mesh,
-        device=device,
-        process_group=process_group,
-        prefetch=prefetch,
-        param_init_fn=param_init_fn,
-        sync_module_states=sync_module_states,
-        tp_plan=tp_plan,
-    )
-
-
-def _explicit(options: dict[str, Any]) -> set[str]:
-    """The options given other than at their defaults (a torch spelling may not contradict them)."""
-    defaults = dict(strategy="full_shard", wrap=None, mixed_precision=None, cpu_offload=False, device=None, prefetch=1)
-    return {k for k, v in options.items() if v is not defaults[k] and v != defaults[k]}
-
-
-def _resolve_auto(model: nn.Module, policy: Any, *, wrap: Any, mixed_precision: Any, process_group):
-    """strategy="auto": the planner's fastest configuration predicted to fit (planning/auto.py)."""
-    from .planning.auto import resolve_auto
-
-    if not isinstance(policy, AutoPolicy):
-        seq_len = getattr(getattr(model, "cfg", None), "max_seq_len", None)
-        if seq_len is None:
-            raise ValueError(
-                "strategy='auto' cannot tell the sequence length of this model; pass "
-                "strategy=st.AutoPolicy(micro_batch=..., seq_len=...) instead"
-            )
-        policy = AutoPolicy(micro_batch=1, seq_len=seq_len)
-    choice = resolve_auto(
-        model,
-        world_size=dist.get_world_size(process_group),
-        micro_batch=policy.micro_batch,
-        seq_len=policy.seq_len,
-        grad_accum=policy.grad_accum,
-        wrap=wrap,
-        device_memory=policy.device_memory,
-        mixed_precision=mixed_precision or "fp32",
-    )
-    if dist.get_rank() == 0:
-        print(choice, flush=True)
-    chosen = choice.shard_kwargs(model, wrap=wrap)
-    return chosen["strategy"], chosen["activation_checkpointing"], chosen["cpu_offload"]
+    return shard_module(model, options)

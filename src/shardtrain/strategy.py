@@ -34,11 +34,6 @@ class Strategy(enum.Enum):
     def is_hybrid(self) -> bool:
         return self in (Strategy.HYBRID_SHARD, Strategy.HYBRID_SHARD_ZERO2)
 
-    @property
-    def shards_storage(self) -> bool:
-        """Whether each rank stores only 1/N of the fp32 parameters and optimizer state."""
-        return self is not Strategy.NO_SHARD
-
 
 _ALIASES = {
     "full_shard": Strategy.FULL_SHARD,

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import shardtrain as st
-from shardtrain.core.shard import runtime_of
+from shardtrain.core.shard_module import runtime_of
 from shardtrain.core.sharded_param import local_of
 from shardtrain.models.llama import Block
 from shardtrain.train.schedule import make_scheduler

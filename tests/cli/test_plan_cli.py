@@ -7,7 +7,7 @@ import torch
 from shardtrain import cli
 from shardtrain.cli import train as cli_train
 from shardtrain.train.config import ConfigError, load_config
-from shardtrain.train.planned_config import planned_setup, resolve_auto_config
+from shardtrain.train.planned_config import choice_overrides, planned_setup, resolve_auto_config
 
 TINY = ["--model.name", "llama-tiny", "--data.seq_len", "64", "--train.batch_size", "8", "--engine.devices", "2"]
 EIGHT_B = [
@@ -107,8 +107,19 @@ def test_strategy_auto_resolves_the_train_config_and_keeps_the_global_batch(caps
     assert resolved.train.batch_size == 16 and resolved.data == cfg.data and resolved.optim == cfg.optim
     setup = planned_setup(resolved)
     assert (setup.micro_batch, setup.grad_accum) == (choice.micro_batch, choice.grad_accum)
-    printed = cli_train._resolve_auto(load_config(None, [*TINY, "--engine.devices", "1", "--engine.strategy", "auto"]))
+    asked = [*TINY, "--engine.devices", "1", "--engine.strategy", "auto"]
+    printed, overrides = cli_train._resolve_auto(load_config(None, asked))
     assert printed.engine.strategy != "auto" and capsys.readouterr().out.startswith("automatic plan: ")
+    # the ranks a launcher starts re-run the command with these overrides: the same config, no planning
+    assert load_config(None, [*asked, *overrides]) == printed
+    offloaded = resolve_auto_config(cfg, device_memory=int(80e9))[0]  # a share offloaded, 1 block in k
+    assert 0 < offloaded.engine.cpu_offload < 1 and offloaded.model.activation_checkpointing > 1
+    assert (
+        load_config(
+            None, [*EIGHT_B, "--engine.strategy", "auto", "--train.batch_size", "16", *choice_overrides(offloaded)]
+        )
+        == offloaded
+    )
 
 
 def test_strategy_auto_needs_block_classes():

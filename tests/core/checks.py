@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor
 
 import shardtrain as st
 from shardtrain.core.collectives import Collective, observe
-from shardtrain.core.shard import runtime_of
+from shardtrain.core.shard_module import runtime_of
 from shardtrain.core.sharded_param import local_of
 from shardtrain.models.llama import Block, RMSNorm, rotary_tables
 from tests.models import FrozenShared, Residual, lm_loss, make_batches, tiny_llama
@@ -154,10 +154,10 @@ def rmsnorm_is_merged() -> bool:
 
 
 def auto_strategy(device_memory: str) -> dict:
-    """strategy=st.AutoPolicy: the planner picks; the model then trains like any other."""
+    """st.shard_auto: the planner picks; the model then trains like any other."""
     torch.manual_seed(0)
-    model = st.shard(
-        tiny_llama(), strategy=st.AutoPolicy(micro_batch=2, seq_len=16, device_memory=device_memory), wrap={Block}
+    model, _ = st.shard_auto(
+        tiny_llama(), policy=st.AutoPolicy(micro_batch=2, seq_len=16, device_memory=device_memory), wrap={Block}
     )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     rank = dist.get_rank()

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from tests.core.disk_state_ranks import disk_equals_memory  # noqa: E402
+from tests.core.disk_state_ranks import disk_equals_memory
 
 
 def main() -> None:

@@ -24,7 +24,7 @@ from shardtrain.core import aio, disk_state
 from shardtrain.core.disk_layout import on_disk
 from shardtrain.core.disk_state import DiskState, attach_disk_state
 from shardtrain.core.host_step import overlap_host_steps
-from shardtrain.core.shard import runtime_of
+from shardtrain.core.shard_module import runtime_of
 from shardtrain.core.sharded_param import local_of
 from shardtrain.models.llama import Block
 from tests.core.host_step_ranks import (

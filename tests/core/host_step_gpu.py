@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from tests.core.host_step_ranks import (  # noqa: E402
+from tests.core.host_step_ranks import (
     falls_back_once,
     in_backward_error,
     overlapped_equals_sequential,

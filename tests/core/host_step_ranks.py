@@ -25,7 +25,7 @@ from torch import nn
 
 import shardtrain as st
 from shardtrain.core.host_step import ENV, HostSteps, StepMode, overlap_host_steps
-from shardtrain.core.shard import runtime_of
+from shardtrain.core.shard_module import runtime_of
 from shardtrain.core.sharded_param import local_of
 from shardtrain.models.llama import Block
 from tests.core.parity import _chunk, nanogpt_groups

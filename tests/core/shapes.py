@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 
 import shardtrain as st
 from shardtrain.core.collectives import Collective, observe
-from shardtrain.core.shard import runtime_of
+from shardtrain.core.shard_module import runtime_of
 from shardtrain.models.llama import SHARD_UNITS, Block
 from tests.models import split_llama, tiny_llama
 

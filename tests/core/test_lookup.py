@@ -9,7 +9,7 @@ from torch import nn
 
 import shardtrain as st
 from shardtrain.core.lookup import LookupUnit
-from shardtrain.core.shard import runtime_of
+from shardtrain.core.shard_module import runtime_of
 from shardtrain.models.llama import SHARD_UNITS
 from tests.models import PaddedBag, split_llama, tiny_llama
 

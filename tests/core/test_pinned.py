@@ -13,13 +13,13 @@ class FakeCudart:
         self.registered: dict[int, int] = {}
         self.fail = fail
 
-    def cudaHostRegister(self, pointer, nbytes, flags):  # noqa: N802 - the CUDA name
+    def cudaHostRegister(self, pointer, nbytes, flags):
         if self.fail:
             return 2
         self.registered[pointer] = nbytes
         return 0
 
-    def cudaHostUnregister(self, pointer):  # noqa: N802
+    def cudaHostUnregister(self, pointer):
         del self.registered[pointer]
         return 0
 

@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from tests.core.parity import Case, run_cases  # noqa: E402
+from tests.core.parity import Case, run_cases
 
 if __name__ == "__main__":
     dist.init_process_group("gloo")

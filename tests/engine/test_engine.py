@@ -101,10 +101,15 @@ def _meta_init_and_late_optimizer() -> list[float]:
     assert all(p.is_meta for p in model.parameters())
     model = engine.setup(model)
     assert not any(p.is_meta for p in model.parameters())
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)  # built after setup, from the shards
+    return _memorise(engine, model, steps=5)  # the optimizer built after setup, from the shards
+
+
+def _memorise(engine: Engine, model: torch.nn.Module, *, steps: int) -> list[float]:
+    """The mean loss over the ranks of `steps` AdamW steps on one batch (it must fall)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     inputs, targets = _batch(0, 0, rows=2)
     losses = []
-    for _ in range(5):
+    for _ in range(steps):
         loss = model.loss(inputs, targets)
         engine.backward(loss)
         opt.step()
@@ -116,6 +121,26 @@ def _meta_init_and_late_optimizer() -> list[float]:
 def test_meta_init_activation_checkpointing_and_optimizer_after_setup(pools):
     losses = pools(2).run(_meta_init_and_late_optimizer)[0]
     assert losses[-1] < losses[0] - 0.5
+
+
+def _planned_at_setup() -> dict:
+    """Engine(strategy=st.AutoPolicy(...)): st.shard_auto plans the model at setup; it then trains."""
+    engine = Engine(
+        accelerator="cpu", wrap={Block}, strategy=st.AutoPolicy(micro_batch=2, seq_len=16, device_memory="8GiB")
+    )
+    engine.launch()
+    engine.seed_everything(0)
+    with engine.init_module(empty_init=True):
+        model = Llama(LLAMA_SIZES["tiny"])
+    model = engine.setup(model)
+    return {"strategy": engine.strategy, "losses": _memorise(engine, model, steps=4)}
+
+
+@pytest.mark.slow  # ~20 s of planning; the default tier covers st.shard_auto itself (tests/core/test_shard.py)
+def test_auto_policy_is_planned_at_setup(pools):
+    out = pools(2).run(_planned_at_setup)
+    assert out[0]["strategy"] is out[1]["strategy"] and isinstance(out[0]["strategy"], st.Strategy)
+    assert out[0]["losses"][-1] < out[0]["losses"][0]
 
 
 def _foreign_optimizer() -> str:

@@ -54,7 +54,7 @@ def _build(form: str, setup: Setup):
     """The model of `form` on `setup.device`, its optimizer, and the module to call for logits."""
     import shardtrain as st
     from shardtrain.bench.engines import make_optimizer
-    from shardtrain.bench.model import build_meta_model
+    from shardtrain.bench.same_weights import build_meta_model
     from shardtrain.models.llama import SHARD_UNITS, Block, llama_config
 
     device = torch.device(setup.device)

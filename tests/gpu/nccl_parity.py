@@ -9,8 +9,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from shardtrain.core.sharded_param import local_of  # noqa: E402
-from tests.core.parity import Case, run_case  # noqa: E402
+from shardtrain.core.sharded_param import local_of
+from tests.core.parity import Case, run_case
 
 
 def main() -> None:
@@ -53,7 +53,7 @@ def main() -> None:
     for kind, case in cases:
         try:
             run_case(kind, case)
-        except Exception:  # noqa: BLE001 - report every failing case, then fail
+        except Exception:
             failed += 1
             print(f"rank {dist.get_rank()} FAILED {kind} {case}:\n{traceback.format_exc()[-1500:]}", flush=True)
             dist.barrier()
@@ -89,7 +89,7 @@ def _offload_keeps_state_on_host() -> int:
 def _partial_offload_splits_units() -> int:
     """CPUOffload(fraction=0.5): the units CPUOffload.select names live on the host, the rest on the GPU."""
     import shardtrain as st
-    from shardtrain.core.shard import runtime_of
+    from shardtrain.core.shard_module import runtime_of
     from shardtrain.models.llama import Block
     from tests.models import tiny_llama
 
@@ -142,7 +142,7 @@ def _beyond_parity() -> int:
         try:
             result = run()
             good = ok(result)
-        except Exception:  # noqa: BLE001 - report every failing check, then fail
+        except Exception:
             result, good = traceback.format_exc()[-1500:], False
         if not good:
             failed += 1

@@ -4,7 +4,7 @@ import pytest
 
 pytest.importorskip("lightning")
 
-from tests.integrations.runs import run_script  # noqa: E402
+from tests.integrations.runs import run_script
 
 
 def test_fabric_guide_loop_matches_ddp_and_resumes(tmp_path):

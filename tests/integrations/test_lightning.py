@@ -4,7 +4,7 @@ import pytest
 
 pytest.importorskip("lightning")
 
-from tests.integrations.runs import run_script  # noqa: E402
+from tests.integrations.runs import run_script
 
 
 def test_trainer_matches_ddp_and_resumes_from_ckpt_path(tmp_path):

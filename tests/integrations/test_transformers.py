@@ -5,7 +5,7 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("datasets")
 
-from tests.integrations.runs import run_script  # noqa: E402
+from tests.integrations.runs import run_script
 
 
 def test_trainer_matches_ddp_saves_generates_and_resumes(tmp_path):

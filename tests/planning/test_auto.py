@@ -8,10 +8,11 @@ import torch.distributed as dist
 
 import shardtrain as st
 from shardtrain.models.llama import SHARD_UNITS, Block, Llama, llama_config
-from shardtrain.planning.auto import choose_plan, resolve_auto
+from shardtrain.planning.auto import choose_plan
 from shardtrain.planning.candidates import batch_splits, checkpoint_options
-from shardtrain.planning.checkpointing import checkpoint_policy
+from shardtrain.planning.checkpointing import recompute_policy
 from shardtrain.planning.model_spec import resolve_model
+from shardtrain.planning.shard_auto import resolve_auto
 from shardtrain.planning.speed import GATHER_EXPOSED_TOKENS, STEP_OVERHEAD_TOKENS, efficiency, step_time
 from shardtrain.strategy import Strategy
 from tests.models import lm_loss, make_batches, tiny_llama
@@ -37,7 +38,7 @@ def _plan(model="8b", memory="141GB", per_device=2, world=2, **kwargs):
 
 def test_8b_on_two_h200_runs_without_checkpointing_and_beats_full_checkpointing_by_more_than_15_percent():
     choice = _plan()
-    assert (choice.strategy, choice.checkpoint_every, choice.cpu_offload) == (Strategy.SHARD_GRAD_OP, 0, False)
+    assert (choice.strategy, choice.recompute_every, choice.cpu_offload) == (Strategy.SHARD_GRAD_OP, 0, False)
     assert (choice.micro_batch, choice.grad_accum, choice.activation_checkpointing) == (2, 1, False)
     bill = st.estimate_memory("8b", world_size=2, strategy="shard_grad_op", micro_batch=2, seq_len=SEQ)
     assert choice.predicted_bytes == bill.total + bill.reserve <= choice.usable_memory == int(141e9 * 0.95)
@@ -112,7 +113,7 @@ def test_step_time_arithmetic_by_hand():
 def test_a_tiny_model_needs_no_sharding_of_parameters_nor_checkpointing():
     choice = _plan("tiny", memory="80GB", per_device=8)
     assert choice.strategy in (Strategy.SHARD_GRAD_OP, Strategy.NO_SHARD)
-    assert (choice.checkpoint_every, choice.cpu_offload, choice.micro_batch, choice.grad_accum) == (0, False, 8, 1)
+    assert (choice.recompute_every, choice.cpu_offload, choice.micro_batch, choice.grad_accum) == (0, False, 8, 1)
 
 
 def test_offload_only_when_nothing_fits_on_the_device_and_it_says_so():
@@ -157,7 +158,7 @@ def test_less_memory_never_means_less_checkpointing_or_a_faster_step():
 
 def test_gradient_accumulation_keeps_the_global_batch_and_counts_its_no_sync_gradients():
     choice = _plan("1.5b", memory="40GB", per_device=8)
-    assert (choice.micro_batch, choice.grad_accum, choice.checkpoint_every) == (1, 8, 0)
+    assert (choice.micro_batch, choice.grad_accum, choice.recompute_every) == (1, 8, 0)
     bill = st.estimate_memory("1.5b", world_size=2, strategy=choice.strategy, micro_batch=1, seq_len=SEQ)
     assert choice.predicted_bytes == bill.total + bill.reserve + P15 * 4  # fp32 unsharded grads under no_sync
     batch = next(r for r in choice.reasons if r.startswith("batch:"))
@@ -197,12 +198,12 @@ def test_resolve_auto_keeps_the_callers_micro_batch_and_gives_st_shard_arguments
     assert (choice.micro_batch, choice.grad_accum) == (2, 1)
     assert any(r.startswith("batch: micro-batch 2 x 1, as given") for r in choice.reasons)
     same = _plan("1.5b", memory="38GB", split_batch=False)
-    assert (choice.strategy, choice.checkpoint_every) == (same.strategy, same.checkpoint_every)
-    assert 1 < choice.checkpoint_every < 16  # a partial checkpointing: 1 block in k
+    assert (choice.strategy, choice.recompute_every) == (same.strategy, same.recompute_every)
+    assert 1 < choice.recompute_every < 16  # a partial checkpointing: 1 block in k
     kwargs = choice.shard_kwargs(model, wrap={Block})
     assert kwargs["strategy"] is choice.strategy and kwargs["cpu_offload"] is False
     picked = [i for i, layer in enumerate(model.layers) if kwargs["activation_checkpointing"](layer)]
-    assert picked == list(range(0, 16, choice.checkpoint_every))
+    assert picked == list(range(0, 16, choice.recompute_every))
     with pytest.raises(ValueError, match="needs wrap="):
         resolve_auto(model, world_size=2, micro_batch=2, seq_len=SEQ, wrap=None, device_memory="38GB")
 
@@ -210,22 +211,22 @@ def test_resolve_auto_keeps_the_callers_micro_batch_and_gives_st_shard_arguments
 def test_checkpoint_policy_forms():
     with torch.device("meta"):
         model = Llama(llama_config("7m"))
-    assert checkpoint_policy(model, wrap={Block}, every=False) is None
-    assert checkpoint_policy(model, wrap={Block}, every=True) == {Block}
-    every2 = checkpoint_policy(model, wrap={Block}, every=2)
+    assert recompute_policy(model, wrap={Block}, every=False) is None
+    assert recompute_policy(model, wrap={Block}, every=True) == {Block}
+    every2 = recompute_policy(model, wrap={Block}, every=2)
     assert [every2(m) for m in model.layers] == [True, False, True, False, True, False]
     assert not every2(model) and not every2(model.layers[0].attn)
     with pytest.raises(ValueError, match=r"every=-1.*use 0 / False"):
-        checkpoint_policy(model, wrap={Block}, every=-1)
+        recompute_policy(model, wrap={Block}, every=-1)
 
 
 def test_checkpoint_policy_leaves_the_embedding_and_head_units_alone():
     with torch.device("meta"):
         model = Llama(llama_config("7m"))
-    every = checkpoint_policy(model, wrap=SHARD_UNITS, every=True)
+    every = recompute_policy(model, wrap=SHARD_UNITS, every=True)
     assert [every(m) for m in model.layers] == [True] * 6
     assert not every(model.embed) and not every(model.head) and not every(model)
-    every3 = checkpoint_policy(model, wrap=SHARD_UNITS, every=3)
+    every3 = recompute_policy(model, wrap=SHARD_UNITS, every=3)
     assert [every3(m) for m in model.layers] == [True, False, False, True, False, False]
     assert not every3(model.embed) and not every3(model.head)
 
@@ -241,7 +242,7 @@ def _sharded_as_chosen(every: int) -> dict:
         model, world_size=world, micro_batch=2, seq_len=16, wrap={Block}, device_memory="8GiB", mixed_precision=None
     )
     kwargs = choice.shard_kwargs(model, wrap={Block})
-    kwargs["activation_checkpointing"] = checkpoint_policy(model, wrap={Block}, every=every)
+    kwargs["activation_checkpointing"] = recompute_policy(model, wrap={Block}, every=every)
     st.shard(model, wrap={Block}, **kwargs)
     x, y = make_batches("llama", steps=1, global_batch=2 * world)[0]
     lm_loss(model, (x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2])).backward()

@@ -114,7 +114,7 @@ def test_8b_fine_tunes_against_measured_peaks(rank, ac, gib):
 
 def test_auto_plan_of_the_8b_lora_skips_checkpointing():
     choice = choose_plan(HF_8B, world_size=1, device_memory="141GB", seq_len=T, micro_batch=1, lora_rank=8)
-    assert choice.checkpoint_every == 0 and choice.cpu_offload == 0 and choice.micro_batch == 1
+    assert choice.recompute_every == 0 and choice.cpu_offload == 0 and choice.micro_batch == 1
     assert choice.predicted_bytes < 45 * GiB
     speedup = [r for r in choice.reasons if r.startswith("vs full_shard with every block checkpointed")]
     assert speedup and "1.31x" in speedup[0]  # measured 12,812 / 9,723 tokens/s = 1.32x

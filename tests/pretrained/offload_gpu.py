@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import shardtrain as st
-from shardtrain.core.shard import runtime_of
+from shardtrain.core.shard_module import runtime_of
 from tests.pretrained import ranks
 
 

@@ -11,9 +11,9 @@ import torch.distributed as dist
 from torch import nn
 
 import shardtrain as st
-from shardtrain.core.shard import runtime_of
+from shardtrain.core.shard_module import runtime_of
 from shardtrain.pretrained.lora import adapter_init, apply_lora
-from shardtrain.train.models import classes_by_name
+from shardtrain.train.model_builder import classes_by_name
 from shardtrain.train.schedule import make_scheduler
 from tests.pretrained.hf_models import VOCAB
 

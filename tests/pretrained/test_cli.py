@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from shardtrain.train.config import load_config
 from shardtrain.train.finetune import check_finetune_config
-from shardtrain.train.models import build_model
+from shardtrain.train.model_builder import build_model
 
 pytest.importorskip("peft")
 

@@ -5,7 +5,7 @@ import torch
 
 from shardtrain.engine import Engine
 from shardtrain.models.llama import SHARD_UNITS, Block, Llama
-from shardtrain.train.models import build_model, classes_by_name
+from shardtrain.train.model_builder import build_model, classes_by_name
 from shardtrain.train.schedule import make_scheduler, warmup_cosine
 from shardtrain.train.sections import ModelConfig
 from shardtrain.train.step import loss_sum

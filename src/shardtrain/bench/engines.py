@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..models.llama import SHARD_UNITS, Block, Llama
-from .model import build_meta_model
+from .same_weights import build_meta_model
 from .spec import RunSpec
 
 LEARNING_RATE = 1e-4
@@ -85,9 +85,9 @@ def build_shardtrain(spec: RunSpec, device: torch.device, *, strategy: str) -> P
 def build_shardtrain_auto(spec: RunSpec, device: torch.device) -> Prepared:
     """strategy="auto" for this run's micro-batch: the planner picks strategy, checkpointing and offload
     (so `--ac` does not apply); the row's label names what it picked."""
-    from ..planning.auto import resolve_auto
     from ..planning.machine import local_device_memory
     from ..planning.report import checkpointing_label
+    from ..planning.shard_auto import resolve_auto
 
     named = build_meta_model(spec.model_config())
     precision = "bf16" if compute_dtype(spec) else "fp32"
@@ -104,7 +104,7 @@ def build_shardtrain_auto(spec: RunSpec, device: torch.device) -> Prepared:
         mixed_precision=precision,
     )
     model = _shard(named, spec, device, **choice.shard_kwargs(named.model, wrap=SHARD_UNITS))
-    checkpointing = f"ckpt {checkpointing_label(choice.checkpoint_every)}"
+    checkpointing = f"ckpt {checkpointing_label(choice.recompute_every)}"
     offload = ", offload" if choice.cpu_offload else ""
     return Prepared(
         model=model,

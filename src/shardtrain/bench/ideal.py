@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from .engines import Prepared, checkpoint_blocks, compute_dtype, make_optimizer
-from .model import build_meta_model
+from .same_weights import build_meta_model
 from .spec import RunSpec
 
 

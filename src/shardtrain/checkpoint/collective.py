@@ -87,7 +87,7 @@ class FirstError:
         if self.error is None:
             try:
                 return fn()
-            except Exception as exc:  # noqa: BLE001 - raised by `check` after the loop
+            except Exception as exc:
                 self.error = exc
         return fallback() if fallback is not None else None
 
@@ -99,7 +99,7 @@ class FirstError:
 def _attempt(fn: Callable[[], Any]) -> tuple[str, Any]:
     try:
         return "ok", fn()
-    except Exception as exc:  # noqa: BLE001 - reported to every rank, then raised
+    except Exception as exc:
         return "error", exc
 
 

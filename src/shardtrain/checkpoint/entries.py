@@ -16,29 +16,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core import replaced
-from ..core.layout import ParamShard
-from ..core.shard import RUNTIME_ATTR, runtime_of
-from ..core.unit import ShardUnit
-
-
-@dataclass(frozen=True, kw_only=True)
-class ParamRef:
-    """Where an optimizer-visible parameter lives: parameter `index` of `unit`."""
-
-    unit: ShardUnit
-    index: int
-
-    @property
-    def shard(self) -> ParamShard:
-        return self.unit.layout.params[self.index]
+from ..core.held import HeldParam, held_params
+from ..core.rebind_optimizers import rebind
+from ..core.shard_module import RUNTIME_ATTR, runtime_of
 
 
 @dataclass(frozen=True, kw_only=True)
 class ShardedOptimizer:
     optimizer: torch.optim.Optimizer
     module: str  # the state key of the sharded module its parameters belong to
-    refs: dict[int, ParamRef]  # id(param) -> where it lives
+    refs: dict[int, HeldParam]  # id(param) -> where it lives
 
     def params(self) -> list[nn.Parameter]:
         """In `state_dict()` index order."""
@@ -60,8 +47,8 @@ class Entries:
         return None
 
 
-def param_refs(module: nn.Module) -> dict[int, ParamRef]:
-    return {id(p): ParamRef(unit=unit, index=i) for unit in runtime_of(module).units for i, p in enumerate(unit.params)}
+def param_refs(module: nn.Module) -> dict[int, HeldParam]:
+    return {id(h.param): h for h in held_params(module)}
 
 
 def classify(state: dict[str, Any]) -> Entries:
@@ -77,7 +64,7 @@ def classify(state: dict[str, Any]) -> Entries:
         if key in modules:
             continue
         if isinstance(value, torch.optim.Optimizer):
-            replaced.rebind(value)  # built before st.shard: its groups now hold the sharded parameters
+            rebind(value)  # built before st.shard: its groups now hold the sharded parameters
             owner = _owner(key, value, refs)
             if owner is not None:
                 optimizers[key] = ShardedOptimizer(optimizer=value, module=owner, refs=refs[owner])
@@ -89,7 +76,7 @@ def classify(state: dict[str, Any]) -> Entries:
     return Entries(modules=modules, optimizers=optimizers, objects=objects, values=values)
 
 
-def _owner(key: str, optimizer: torch.optim.Optimizer, refs: dict[str, dict[int, ParamRef]]) -> str | None:
+def _owner(key: str, optimizer: torch.optim.Optimizer, refs: dict[str, dict[int, HeldParam]]) -> str | None:
     """The sharded module owning every parameter of `optimizer`; None when it owns none of them."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     owners = {next((m for m, r in refs.items() if id(p) in r), None) for p in params}

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ..core.held import held_params
 from ..core.runtime import Runtime
 from ..tp import SPLITS
 
@@ -112,22 +113,21 @@ def params_record(runtime: Runtime, *, params: str = "all") -> list[dict[str, An
     require gradients), in unit order: name, aliases, global shape, stored dtype, unit, and under
     tensor parallelism how it is split ("rows" / "cols")."""
     records = []
-    for unit in runtime.units:
-        tp = unit.factory.tp
-        for s in unit.layout.params:
-            if not saves(s.requires_grad, params):
-                continue
-            record = {
-                "fqn": s.fqn,
-                "aliases": list(s.aliases),
-                "shape": list(tp.global_shape(s) if tp is not None else s.shape),
-                "dtype": dtype_code(s.dtype),
-                "requires_grad": s.requires_grad,
-                "unit": unit.name,
-            }
-            if tp is not None and tp.split(s) is not None:
-                record["split"] = tp.split(s)  # tensor parallelism: tp/boxes.py, docs/checkpoint-format.md
-            records.append(record)
+    for h in held_params(runtime):
+        s = h.layout
+        if not saves(s.requires_grad, params):
+            continue
+        record = {
+            "fqn": s.fqn,
+            "aliases": list(s.aliases),
+            "shape": list(h.shape),
+            "dtype": dtype_code(s.dtype),
+            "requires_grad": s.requires_grad,
+            "unit": h.unit.name,
+        }
+        if h.split is not None:
+            record["split"] = h.split  # tensor parallelism: tp/boxes.py, docs/checkpoint-format.md
+        records.append(record)
     return records
 
 

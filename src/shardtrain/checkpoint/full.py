@@ -18,18 +18,18 @@ from typing import Any
 
 import torch
 
-from ..core.layout import ParamShard
-from ..core.shard import runtime_of
+from ..core.param_layout import ParamShard
+from ..core.shard_module import runtime_of
 from ..core.tensor_parallel import global_shape
 from ..core.unit import ShardUnit
 from ..ops.state_dict import gather_params
 from .collective import FirstError
 from .entries import Entries
 from .format import full_file, full_state_tensor, saves
-from .local import persistent_buffers
 from .optim_state import OptimizerSnapshot
 from .source import ModuleSource
 from .tensorfile import CheckpointFiles, FileRecord, SafetensorsWriter, TensorSpec, read_flat
+from .this_rank import persistent_buffers
 
 
 def write_full_modules(entries: Entries, staging: Path, *, rank: int, params: str = "all") -> dict[str, FileRecord]:

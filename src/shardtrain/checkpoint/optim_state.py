@@ -15,9 +15,8 @@ from typing import Any, Protocol
 
 import torch
 
-from ..core.layout import ParamShard
+from ..core.param_layout import ParamShard
 from ..core.sharded_param import local_of
-from ..core.tensor_parallel import global_shape, held_box_of
 from ..tp import Box
 from .entries import ShardedOptimizer
 from .format import dtype_code, short_list
@@ -68,7 +67,7 @@ class OptimizerSnapshot:
 def snapshot(sharded: ShardedOptimizer) -> OptimizerSnapshot:
     state_dict = sharded.optimizer.state_dict()
     params = sharded.params()
-    fqns = [sharded.refs[id(p)].shard.fqn for p in params]
+    fqns = [sharded.refs[id(p)].name for p in params]
     per_param = dict(state_dict["state"].items())
     keys = {k for s in per_param.values() for k in s}
     elementwise: dict[str, torch.dtype] = {}
@@ -115,9 +114,9 @@ def restore_optimizer(
     optimizer = sharded.optimizer
     params = sharded.params()
     refs = [sharded.refs[id(p)] for p in params]
-    saved = [source.saved_name(r.shard, global_shape(r.unit, r.shard)) for r in refs]
+    saved = [source.saved_name(r.layout, r.shape) for r in refs]
     group_of = {fqn: g for g, group in enumerate(record["groups"]) for fqn in group["params"]}
-    missing = [r.shard.fqn for r, n in zip(refs, saved) if n not in group_of]
+    missing = [r.name for r, n in zip(refs, saved) if n not in group_of]
     unexpected = sorted(group_of.keys() - set(saved))
     if strict and (missing or unexpected):
         raise ValueError(
@@ -144,14 +143,10 @@ def restore_optimizer(
         entry = record["state"].get(fqn) if fqn in group_of else None
         if entry is None:
             continue
-        unit, index = ref.unit, ref.index
-        held = unit.held(index)
-        box = held_box_of(unit, index)
+        local, box = ref.local, ref.box
         values = decode(entry["scalars"])
         for key in entry["elementwise"]:
-            rows = source.read_state_box(name, key, fqn, box).reshape(held.shape).to(held.device)
-            # Note: the optimizer's state must be the kind of tensor its parameter is (a DTensor of the
-            # same placement), or its step would mix DTensors and plain tensors.
-            values[key] = unit.factory.wrap(rows, ref.shard)
+            rows = source.read_state_box(name, key, fqn, box).reshape(local.shape).to(local.device)
+            values[key] = ref.wrap(rows)
         state[i] = values
     optimizer.load_state_dict({"state": state, "param_groups": groups})

@@ -22,18 +22,18 @@ import torch
 from torch import nn
 
 from .. import __version__
-from ..core.shard import runtime_of
+from ..core.shard_module import runtime_of
 from ..core.tensor_parallel import tp_coordinates
 from . import commit
 from .collective import Comm
 from .entries import Entries, classify
 from .format import FORMAT_NAME, FORMAT_VERSION, KINDS, METADATA_FILE, PARAMS, dtype_code, params_record, write_metadata
 from .full import write_full_modules, write_full_optimizers
-from .local import persistent_buffers
 from .objects import rank_payload, write_rank_file
 from .optim_state import OptimizerSnapshot, snapshot
 from .sharded import write_shards
 from .tensorfile import FileRecord, writing
+from .this_rank import persistent_buffers
 from .values import encode
 
 

@@ -20,8 +20,9 @@ from typing import Any
 
 import torch
 
-from ..core.shard import runtime_of
-from ..core.tensor_parallel import split_in, tp_coordinates
+from ..core.held import held_params
+from ..core.shard_module import runtime_of
+from ..core.tensor_parallel import tp_coordinates
 from ..tp import Box, held_box, stores
 from .entries import Entries
 from .format import (
@@ -33,10 +34,10 @@ from .format import (
     shard_file,
     state_tensor,
 )
-from .local import persistent_buffers, writes_shards
 from .optim_state import OptimizerSnapshot
 from .source import ModuleSource
 from .tensorfile import CheckpointFiles, FileRecord, SafetensorsWriter, TensorSpec
+from .this_rank import persistent_buffers, writes_shards
 
 
 def write_shards(
@@ -54,26 +55,19 @@ def write_shards(
         states = [(name, k, snap) for name, snap in snapshots.items() if snap.module == key for k in snap.elementwise]
         buffers = persistent_buffers(module) if shard == 0 and tp_rank == 0 else {}
         tensors: list[tuple[TensorSpec, Any]] = []
-        for unit in runtime.units:
-            for i, s in enumerate(unit.layout.params):
-                if not saves(s.requires_grad, params):
-                    continue
-                # every rank holds a 0-dim parameter whole, every tp rank a replicated one: one of them stores it
-                if not stores(s.shape, split=split_in(unit, s), dp_rank=shard, tp_rank=tp_rank):
-                    continue
-                held = unit.held(i)
-                tensors.append((TensorSpec(name=param_tensor(s.fqn), dtype=held.dtype, shape=tuple(held.shape)), held))
-                for name, k, snap in states:
-                    piece = snap.piece(s.fqn, k)
-                    if piece is not None:
-                        tensors.append(
-                            (
-                                TensorSpec(
-                                    name=state_tensor(name, k, s.fqn), dtype=piece.dtype, shape=tuple(piece.shape)
-                                ),
-                                piece,
-                            )
-                        )
+        for h in held_params(runtime):
+            if not saves(h.requires_grad, params):
+                continue
+            # every rank holds a 0-dim parameter whole, every tp rank a replicated one: one of them stores it
+            if not stores(h.layout.shape, split=h.split, dp_rank=shard, tp_rank=tp_rank):
+                continue
+            held = h.local
+            tensors.append((TensorSpec(name=param_tensor(h.name), dtype=held.dtype, shape=tuple(held.shape)), held))
+            for name, k, snap in states:
+                piece = snap.piece(h.name, k)
+                if piece is not None:
+                    spec = TensorSpec(name=state_tensor(name, k, h.name), dtype=piece.dtype, shape=tuple(piece.shape))
+                    tensors.append((spec, piece))
         tensors += [
             (TensorSpec(name=buffer_tensor(n), dtype=b.dtype, shape=tuple(b.shape)), b) for n, b in buffers.items()
         ]

@@ -16,12 +16,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core.layout import ParamShard
-from ..core.shard import runtime_of
-from ..core.tensor_parallel import global_shape, held_box_of
+from ..core.held import held_params
+from ..core.param_layout import ParamShard
+from ..core.shard_module import runtime_of
 from ..tp import Box
 from .format import dtype_of, saved_params_kind, saves, short_list
-from .local import persistent_buffers
+from .this_rank import persistent_buffers
 
 
 class ModuleSource(ABC):
@@ -103,10 +103,10 @@ def restore_module(module: nn.Module, key: str, source: ModuleSource, *, strict:
             "folder) and pass params='trainable' to load_checkpoint"
         )
     buffers = persistent_buffers(module)
-    shards = [(s, global_shape(unit, s)) for unit in runtime.units for s in unit.layout.params]
-    current = {name: g for s, g in shards if saves(s.requires_grad, params) for name in (s.fqn, *s.aliases)}
+    held = list(held_params(runtime))
+    current = {name: h.shape for h in held if saves(h.requires_grad, params) for name in h.names}
     current.update({name: tuple(b.shape) for name, b in buffers.items()})
-    skipped = {name for s, _ in shards if not saves(s.requires_grad, params) for name in (s.fqn, *s.aliases)}
+    skipped = {name for h in held if not saves(h.requires_grad, params) for name in h.names}
     saved = {**source.param_shapes, **source.buffer_shapes}
     missing = sorted(current.keys() - saved.keys())
     unexpected = sorted(saved.keys() - current.keys() - skipped)
@@ -127,15 +127,14 @@ def restore_module(module: nn.Module, key: str, source: ModuleSource, *, strict:
             "the matching part"
         )
     with torch.no_grad():
-        for unit in runtime.units:
-            for i, shard in enumerate(unit.layout.params):
-                name = source.saved_name(shard, global_shape(unit, shard))
-                if name is None or not saves(shard.requires_grad, params):
-                    continue
-                held = unit.held(i)
-                # Note: an in-place copy into the shard bumps its version, which makes the engine
-                # re-gather any resident unsharded copy before the next forward.
-                held.copy_(source.read_param_box(name, held_box_of(unit, i)).view(held.shape))
+        for h in held:
+            name = source.saved_name(h.layout, h.shape)
+            if name is None or not saves(h.requires_grad, params):
+                continue
+            local = h.local
+            # Note: an in-place copy into the shard bumps its version, which makes the engine
+            # re-gather any resident unsharded copy before the next forward.
+            local.copy_(source.read_param_box(name, h.box).view(local.shape))
         for name, buffer in buffers.items():
             if source.buffer_shapes.get(name) == tuple(buffer.shape):
                 buffer.copy_(source.read_buffer(name))

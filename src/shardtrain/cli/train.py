@@ -41,42 +41,42 @@ def split_config_path(tokens: list[str]) -> tuple[str | None, list[str]]:
 
 
 def _resolve_auto(cfg):
-    """engine.strategy='auto': the planner's choice, printed once, by the process that trains as rank 0."""
+    """engine.strategy='auto': the planner's choice, printed once, by the process that trains as rank 0.
+
+    Returns the config that runs the choice and the command-line overrides that hand it to the ranks
+    this process may start (they then run it without planning again)."""
     from ..engine.devices import launched_externally
-    from ..train.planned_config import resolve_auto_config
+    from ..train.planned_config import choice_overrides, resolve_auto_config
 
     planned, choice = resolve_auto_config(cfg)
     if cfg.engine.auto_trials:
-        return _confirm_by_trials(cfg, choice)
-    if os.environ.get("RANK", "0") == "0" and (launched_externally() or choice.world_size == 1):
+        planned = _confirm_by_trials(cfg, choice)
+    elif os.environ.get("RANK", "0") == "0" and (launched_externally() or choice.world_size == 1):
         print(choice, flush=True)
-    return planned
+    return planned, choice_overrides(planned)
 
 
 def _confirm_by_trials(cfg, choice):
     """engine.auto_trials: time the best predicted configurations, train with the fastest measured.
 
-    Note: the launching process runs the trials and hands the winner's rank in the prediction to the
-    ranks it starts (they re-run this command and plan identically) through TRIAL_CHOICE_ENV.
+    Note: the launching process runs the trials; the ranks it starts get the winner as command-line
+    overrides (`_resolve_auto`), so they never plan or time again.
     """
     from ..engine.devices import launched_externally
     from ..train.planned_config import apply_choice
-    from ..train.trials import TRIAL_CHOICE_ENV, fastest, run_trials
+    from ..train.trials import fastest, run_trials
 
-    candidates = choice.alternatives()[: cfg.engine.auto_trials]
     if launched_externally():
-        if TRIAL_CHOICE_ENV not in os.environ:
-            raise ValueError(
-                "engine.auto_trials needs `shardtrain train` to start its own processes (each trial runs "
-                "in fresh ones); run it without torchrun, or set --engine.auto_trials 0"
-            )
-        return apply_choice(cfg, candidates[int(os.environ[TRIAL_CHOICE_ENV])])
+        raise ValueError(
+            "engine.auto_trials needs `shardtrain train` to start its own processes (each trial runs "
+            "in fresh ones); run it without torchrun, or set --engine.auto_trials 0"
+        )
+    candidates = choice.alternatives()[: cfg.engine.auto_trials]
     print(choice, flush=True)
     print(f"timing {len(candidates)} configuration(s) for a few steps each:", flush=True)
     trials = run_trials(cfg, candidates)
     best = fastest(trials)
     print(f"training with the fastest measured: {best.describe()}", flush=True)
-    os.environ[TRIAL_CHOICE_ENV] = str(next(i for i, t in enumerate(trials) if t is best))
     return apply_choice(cfg, best.choice)
 
 
@@ -114,14 +114,15 @@ def run(args: argparse.Namespace) -> int:
     from ..engine import Engine
     from ..train.loop import run as train
 
+    chosen: list[str] = []
     try:
         if cfg.engine.strategy == "auto":
-            cfg = _resolve_auto(cfg)
+            cfg, chosen = _resolve_auto(cfg)
         engine = Engine(**engine_options(cfg))
     except ValueError as exc:
         print(f"shardtrain train: error: {exc}", file=sys.stderr)
         return 2
-    engine.launch()
+    engine.launch(relaunch_args=chosen)
     try:
         summary = train(cfg, engine)
     except ValueError as exc:

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from . import collectives
-from .average import mean_of_chunks
+from .chunk_mean import mean_of_chunks
 
 
 class GatherMode(enum.Enum):
@@ -100,7 +100,7 @@ class UnitComm:
         # Note: Gloo before torch 2.13 lacks ReduceOp.AVG; SUM then divide works everywhere.
         self.native_avg = backend == "nccl"
         if self.cuda:
-            high = torch.cuda.Stream.priority_range()[1]
+            high = torch.cuda.Stream.priority_range()[1]  # type: ignore[call-arg]  # a static method torch's stub misses
             self.gather_stream = torch.cuda.Stream(device=device, priority=high)
             self.reduce_stream = torch.cuda.Stream(device=device, priority=high)
             # Note: the elementwise work gets streams of its own so that the next collective never
@@ -156,10 +156,10 @@ class UnitComm:
         the flat gather, one all-gather per flat group, and a grouped override issues each job alone.
         """
         if not self.groups_collectives:
-            works = [
+            ungrouped = [
                 collectives.all_gather_tensor(job.out, job.inp, group=self.shard, async_op=async_op) for job in jobs
             ]
-            return works if async_op else []
+            return ungrouped if async_op else []
         by_dtype: dict[torch.dtype, list[GatherJob]] = {}
         for job in jobs:
             by_dtype.setdefault(job.inp.dtype, []).append(job)
@@ -251,7 +251,7 @@ class UnitComm:
         )
 
     def _average_exchanged(self, received: torch.Tensor, reduce_dtype: torch.dtype) -> torch.Tensor:
-        """Average what the exchange delivered over the shard group here (core/average.py), then across replicas."""
+        """Average what the exchange delivered over the shard group here (core/chunk_mean.py), then across replicas."""
         return self.average_over_replicas(mean_of_chunks(received, self.shard_world, reduce_dtype))
 
     def average_over_replicas(self, shard_grad: torch.Tensor) -> torch.Tensor:

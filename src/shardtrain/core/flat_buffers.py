@@ -14,10 +14,12 @@ its unsharded buffer and nothing is gathered.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 from .comm import GatherJob, GatherMode
-from .layout import FlatGroup, ParamShard
+from .param_layout import FlatGroup, ParamShard
 
 
 class FlatBuffers:
@@ -45,7 +47,7 @@ class FlatBuffers:
             self._unsharded = self._target = shard
         else:
             self._unsharded = torch.empty(group.unsharded_numel, dtype=group.compute_dtype, device=device)
-            self._target = torch.empty(0, dtype=group.compute_dtype, device=device).set_(
+            self._target = torch.empty(0, dtype=group.compute_dtype, device=device).set_(  # type: ignore[call-overload]
                 self._unsharded.untyped_storage(), 0, self._unsharded.shape
             )
             self.free()
@@ -77,14 +79,15 @@ class FlatBuffers:
 
     def grad_views(self) -> list[torch.Tensor]:
         """Each trainable member's real rows in the sharded gradient (in `group.trainable` order)."""
+        grad = cast(torch.Tensor, self.grad)  # called only while the gradient exists
         views = []
         for index, start in zip(self.group.trainable, self.group.grad_offsets):
             m = self.members[self.group.members.index(index)]
             if not m.shape:
-                views.append(self.grad[start : start + 1].view(()))
+                views.append(grad[start : start + 1].view(()))
                 continue
             rows = m.held_shape(self.rank)
-            views.append(self.grad[start : start + rows[0] * m.row_numel].view(rows))
+            views.append(grad[start : start + rows[0] * m.row_numel].view(rows))
         return views
 
     # ------------------------------------------------------------------ unshard / free

@@ -32,7 +32,7 @@ class _ParamViews(torch.autograd.Function):
     """Hands out the unsharded parameter views; its backward is the unit's post-backward."""
 
     @staticmethod
-    def forward(ctx, anchor: torch.Tensor, unit: GatheredUnit):  # noqa: ARG004 - anchor links the graph
+    def forward(ctx, anchor: torch.Tensor, unit: GatheredUnit):
         ctx.unit = unit
         ctx.set_materialize_grads(False)
         views = unit.cut_views()
@@ -122,7 +122,7 @@ class GatheredUnit(ShardUnit):
         self.state = UnitState.GATHERING
 
     def wait_unshard(self) -> None:
-        if self.state is UnitState.GATHERING:
+        if self.state is UnitState.GATHERING and self._pending_gather is not None:
             self._pending_gather.wait()
             self._pending_gather = None
             self.state = UnitState.UNSHARDED
@@ -167,8 +167,8 @@ class GatheredUnit(ShardUnit):
     # ------------------------------------------------------------------ gradients
     def post_backward(self, grads: tuple[torch.Tensor | None, ...]) -> None:
         """All gradients of this unit are ready: reduce them (or keep them under no_sync), reshard."""
-        for i, g in enumerate(grads):
-            if g is not None:
+        for i, grad in enumerate(grads):
+            if grad is not None:
                 self.used[i] = True
         # Note: release the unsharded parameters before allocating the reduction buffers, so the
         # two never coexist (the root's are the largest of the step).

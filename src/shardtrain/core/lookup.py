@@ -16,6 +16,8 @@ runs its lookup where the rows are:
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -37,7 +39,7 @@ class _Lookup(torch.autograd.Function):
     """Rows of `tokens` from the sharded table; its backward hands the gradient to the unit."""
 
     @staticmethod
-    def forward(ctx, anchor: torch.Tensor, tokens: torch.Tensor, unit: LookupUnit):  # noqa: ARG004
+    def forward(ctx, anchor: torch.Tensor, tokens: torch.Tensor, unit: LookupUnit):
         out, ctx.rows = unit.look_up(tokens)
         ctx.unit = unit
         return out
@@ -66,7 +68,7 @@ class LookupUnit(ShardUnit):
         self._rows = shard.local_rows  # this rank's rows, the padding rows at the table's end included
         self._first_row = self.comm.shard_rank * self._rows
         self._wire = shard.compute_dtype if dist.get_backend(self.comm.shard) == "nccl" else shard.dtype
-        module.forward = self.forward  # Note: an instance attribute; hooks run around it as before
+        module.forward = self.forward  # type: ignore[method-assign]  # Note: an instance attribute; hooks run around it as before
 
     # ------------------------------------------------------------------ the runtime's protocol
     def begin_compute(self, *, in_backward: bool) -> None:
@@ -154,7 +156,7 @@ class LookupUnit(ShardUnit):
                 False,
             )
             summed = part.to(reduce_dtype) if summed is None else summed.add_(part)
-        shard_grad = summed[: self._rows].reshape(-1).div_(world)
+        shard_grad = cast(torch.Tensor, summed)[: self._rows].reshape(-1).div_(world)
         self.used[0] = True
         kept = self._accumulated.pop(0, None)
         if not self.runtime.sync_gradients:  # no_sync: keep the shard group's average until the synchronising backward

@@ -11,12 +11,13 @@ error that names it: its tensors would otherwise hold whatever memory they were 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .layout import FlatGroup, UnitLayout
+from .param_layout import FlatGroup, UnitLayout
 from .partition import Occurrence, UnitSpec
 
 
@@ -51,7 +52,7 @@ class Materializer:
                     occ.module._parameters[occ.attr] = new
                 self.occurrences[id(new)] = self.occurrences[id(p)]
             for name in meta_buffers:
-                module._buffers[name] = torch.empty_like(module._buffers[name], device=self.device)
+                module._buffers[name] = torch.empty_like(cast(torch.Tensor, module._buffers[name]), device=self.device)
             self._initialise(module, state=[n for n, _ in meta_params] + meta_buffers)
 
     def _initialise(self, module: nn.Module, *, state: list[str]) -> None:
@@ -74,7 +75,7 @@ class DefaultInit:
         if id(module) in self._hf_owner:
             self._hf_owner[id(module)]._init_weights(module)
         elif hasattr(module, "reset_parameters"):
-            module.reset_parameters()
+            cast(Any, module).reset_parameters()
         else:
             path = self._paths.get(id(module), "?") or "<root>"
             state = state if state is not None else [*module._parameters, *module._buffers]
@@ -84,7 +85,7 @@ class DefaultInit:
             )
 
 
-def _hugging_face_owners(root: nn.Module) -> dict[int, nn.Module]:
+def _hugging_face_owners(root: nn.Module) -> dict[int, Any]:
     """Each module inside a Hugging Face model (one with `config` and `_init_weights`), mapped to the
     innermost such model holding it."""
     owners: dict[int, nn.Module] = {}
@@ -103,7 +104,7 @@ def _hugging_face_owners(root: nn.Module) -> dict[int, nn.Module]:
 
 def current_tensors(spec: UnitSpec) -> list[torch.Tensor]:
     """The unit's parameters as currently registered (after materialisation replaced them)."""
-    return [occ[0].module._parameters[occ[0].attr] for occ in spec.occurrences]
+    return [cast(torch.Tensor, occ[0].module._parameters[occ[0].attr]) for occ in spec.occurrences]
 
 
 def cut_shards(

@@ -37,7 +37,7 @@ def apply_activation_checkpointing(model: nn.Module, modules: list[nn.Module]) -
             return _inner(*args, **kwargs)
 
         module.forward = forward
-        module._shardtrain_checkpointed = True
+        module.__dict__["_shardtrain_checkpointed"] = True  # a plain attribute (what nn.Module sets for a bool)
 
 
 def _no_cache_while_training(model: nn.Module) -> None:

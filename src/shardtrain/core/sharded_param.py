@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from .layout import ParamShard
+from .param_layout import ParamShard
 from .tensor_parallel import TensorParallel
 
 

@@ -50,7 +50,7 @@ class StepQueue:
             *_, run, future = heapq.heappop(self._heap)
         try:
             run()
-        except BaseException as error:  # noqa: BLE001 - handed to whoever waits for this step
+        except BaseException as error:
             future.set_exception(error)
         else:
             future.set_result(None)

@@ -39,7 +39,7 @@ from ..tp import (
     resolve_plan,
     split_of,
 )
-from .layout import ParamShard
+from .param_layout import ParamShard
 from .process_groups import derived, subgroup
 
 if TYPE_CHECKING:

@@ -16,18 +16,33 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol, cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .comm import Pending, UnitComm
 from .flat_buffers import FlatBuffers
-from .layout import UnitLayout
+from .order_check import Collective
+from .param_layout import UnitLayout
+from .pinned import PinnedBuffers
 from .sharded_param import ParamFactory
 
-if TYPE_CHECKING:
-    from .runtime import Runtime
+
+class UnitHost(Protocol):
+    """What a unit asks of the runtime that drives it (runtime.py's `Runtime`): the units know this
+    much of it and no more, so `unit`, `gathered` and `lookup` do not import the runtime."""
+
+    pinned: PinnedBuffers | None  # host buffers of the offloaded units
+    control_group: dist.ProcessGroup | None  # a CPU (Gloo) group for host-side agreement
+    sync_gradients: bool  # False inside no_sync
+
+    def track_reduce(self, unit: Any, pending: Pending) -> None: ...
+
+    def defer_reduce(self, unit: Any, flats: list) -> None: ...
+
+    def check_one(self, what: Collective, unit: Any) -> None: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,7 +69,7 @@ class ShardUnit(ABC):
         buffers: list[FlatBuffers],
         comm: UnitComm,
         behaviour: UnitBehaviour,
-        runtime: Runtime,
+        runtime: UnitHost,
         factory: ParamFactory,
     ) -> None:
         self.index = index
@@ -138,7 +153,8 @@ class ShardUnit(ABC):
                 return
             for v in stale:
                 v.zero_()
-            target.add_(shard_grad.to(target.device))
+            held = cast(torch.Tensor, target)  # not overwriting: the gradient exists
+            held.add_(shard_grad.to(held.device))
 
         return accumulate
 
@@ -146,7 +162,7 @@ class ShardUnit(ABC):
         buf = self.buffers[g]
         if buf.offload:
             if buf.grad is None:
-                buf.grad = self.runtime.pinned.empty((buf.group.grad_numel,), buf.group.dtype)
+                buf.grad = cast(PinnedBuffers, self.runtime.pinned).empty((buf.group.grad_numel,), buf.group.dtype)
             buf.grad.copy_(shard_grad, non_blocking=True)  # on the reduce stream; waited on at the end of backward
         else:
             buf.grad = shard_grad if shard_grad.dtype == buf.group.dtype else shard_grad.to(buf.group.dtype)
@@ -174,10 +190,6 @@ class ShardUnit(ABC):
     def owns_grads(self) -> bool:
         """Whether every published `.grad` is still the view of a flat sharded gradient."""
         return all(self.params[i].grad is self._grads[i] for i, s in enumerate(self.layout.params) if s.requires_grad)
-
-    def flat_grads(self) -> list[torch.Tensor]:
-        """The flat sharded gradients that hold this unit's `.grad` (valid while `owns_grads()`)."""
-        return [buf.grad for buf in self.buffers if buf.grad is not None]
 
     def publish_grads(self, used: list[bool]) -> None:
         """Point `.grad` of every parameter that got a gradient on any rank at its sharded gradient."""

@@ -64,7 +64,7 @@ def load_rows(path: str, *, key: str = "data.path", pattern: str = "**/*", cache
             cache_dir=None if cache_dir is None else str(Path(cache_dir) / "datasets"),
             **extra,
         )
-    except Exception as exc:  # noqa: BLE001 - datasets and pyarrow raise many types; one line names the file
+    except Exception as exc:
         raise ValueError(
             f"{key}={path!r}: cannot read it as {builder} ({_first_line(exc)}); check the file is complete "
             "and of the kind its suffix says"
@@ -74,7 +74,7 @@ def load_rows(path: str, *, key: str = "data.path", pattern: str = "**/*", cache
 def _saved(datasets, root: Path, *, key: str):
     try:
         loaded = datasets.load_from_disk(str(root))
-    except Exception as exc:  # noqa: BLE001 - as above
+    except Exception as exc:
         raise ValueError(f"{key}={str(root)!r}: cannot load the saved dataset ({_first_line(exc)})") from exc
     if isinstance(loaded, datasets.DatasetDict):
         if "train" not in loaded:

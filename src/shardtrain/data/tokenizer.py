@@ -25,7 +25,7 @@ def load_tokenizer(path: str, *, key: str):
         raise ValueError(f"{key}={path!r} does not exist; pass a folder holding tokenizer.json / tokenizer_config.json")
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-    except Exception as exc:  # noqa: BLE001 - transformers raises many types; report them in one line
+    except Exception as exc:
         raise ValueError(
             f"{key}={path!r} holds no tokenizer transformers can load ({type(exc).__name__}: "
             f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}); pass --data.tokenizer FOLDER"

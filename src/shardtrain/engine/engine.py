@@ -10,10 +10,11 @@ saving/loading sharded checkpoints.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import random
 import sys
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -22,9 +23,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..core.replaced import rebind
-from ..policy import is_auto, parse_cpu_offload, parse_mixed_precision, resolve_module_policy
-from ..strategy import parse_strategy
+from ..core.rebind_optimizers import rebind
+from ..core.shard_module import runtime_of
+from ..options import is_auto, precision_name, resolve_options
+from ..policy import AutoPolicy, MixedPrecision
+from ..sharding import shard_with
 from . import launch as _launch
 from .devices import (
     RankInfo,
@@ -44,7 +47,8 @@ class Engine:
     Args (all keyword-only):
         devices: "auto" (every visible GPU, else 2 CPU processes) or a number of local processes.
         accelerator: "auto", "cuda" or "cpu".
-        strategy: a sharding strategy name accepted by `st.shard` ("full_shard", "shard_grad_op", ...).
+        strategy: a sharding strategy name accepted by `st.shard` ("full_shard", "shard_grad_op", ...), or
+            `st.AutoPolicy(micro_batch=..., seq_len=...)`: planned at setup by `st.shard_auto`.
         precision: "auto" (bf16-mixed on CUDA, 32-true on CPU, where bf16 matmuls are slow),
             "bf16-mixed", "32-true", or anything `st.shard(mixed_precision=...)` accepts.
         wrap, activation_checkpointing, cpu_offload, param_init_fn, sync_module_states: passed to `st.shard`.
@@ -73,38 +77,42 @@ class Engine:
         self._compile = compile
         self._devices = devices
         self._topology: Topology = resolve_topology(accelerator=accelerator, devices=devices)
-        # "auto" / st.AutoPolicy is resolved by st.shard at setup, when the model is known.
-        self._strategy = strategy if is_auto(strategy) else parse_strategy(strategy)
-        if precision == "auto":
-            precision = "bf16-mixed" if self._topology.accelerator == "cuda" else "32-true"
-        self._mixed_precision = parse_mixed_precision(precision)
-        self.precision = precision
+        self.precision = precision_name(precision, accelerator=self._topology.accelerator)
         # fp16 needs dynamic loss scaling; the scaler is made once the device is known (setup).
         self.grad_scaler = None
-        for what, policy in (("wrap", wrap), ("activation_checkpointing", activation_checkpointing)):
-            resolve_module_policy(policy, what=what)
+        # st.AutoPolicy is planned at setup, when the model is known (st.shard_auto); the other
+        # options are read once, here.
+        self._auto = strategy if isinstance(strategy, AutoPolicy) else None
+        if is_auto(strategy) and self._auto is None:
+            raise ValueError(
+                f"Engine(strategy={strategy!r}) needs the batch it will be fed to plan: pass "
+                "strategy=st.AutoPolicy(micro_batch=..., seq_len=...)"
+            )
         self._shard_kwargs = dict(
-            strategy=self._strategy,
+            strategy="full_shard" if self._auto else strategy,
             wrap=wrap,
-            mixed_precision=self._mixed_precision,
+            mixed_precision=self.precision,
             activation_checkpointing=activation_checkpointing,
-            cpu_offload=parse_cpu_offload(cpu_offload) or False,
+            cpu_offload=cpu_offload,
             param_init_fn=param_init_fn,
             sync_module_states=sync_module_states,
         )
+        self._options = resolve_options(**self._shard_kwargs)
+        self._strategy: Any = self._auto or self._options.strategy
         self._timeout = timeout
         self._info: RankInfo | None = None
         self._device: torch.device | None = None
 
     # ----------------------------------------------------------------------------------- launching
 
-    def launch(self, fn: Callable[..., Any] | None = None, *args: Any) -> Any:
+    def launch(self, fn: Callable[..., Any] | None = None, *args: Any, relaunch_args: Sequence[str] = ()) -> Any:
         """Start the processes and join the process group.
 
         - Under torchrun (RANK/WORLD_SIZE set) or in a world of one: join in this process, then run
           `fn(self, *args)` if given and return its result.
         - Launched plainly with several devices and no `fn`: re-run this script in one process per
-          device and exit with their exit code when they finish (this process does not return).
+          device, with `relaunch_args` appended to its command line, and exit with their exit code
+          when they finish (this process does not return).
         - Launched plainly with `fn`: spawn the processes, run `fn(engine, *args)` on each, return
           rank 0's result. `fn` and `args` must be picklable (a module-level function).
         """
@@ -114,7 +122,7 @@ class Engine:
             self._join()
             return fn(self, *args) if fn is not None else None
         if fn is None:
-            sys.exit(_launch.relaunch_script(nprocs=self._topology.num_processes))
+            sys.exit(_launch.relaunch_script(nprocs=self._topology.num_processes, extra_args=relaunch_args))
         return _launch.spawn(_run_on_rank, (self, fn, args), nprocs=self._topology.num_processes)[0]
 
     def _join(self) -> None:
@@ -159,7 +167,13 @@ class Engine:
 
     @property
     def strategy(self):
+        """The sharding strategy (an `st.AutoPolicy` until setup has planned it)."""
         return self._strategy
+
+    @property
+    def mixed_precision(self) -> MixedPrecision:
+        """The engine's `precision` as `st.shard` runs it."""
+        return self._options.precision
 
     # ------------------------------------------------------------------------------ model & optim
 
@@ -180,19 +194,26 @@ class Engine:
         replace the engine's `st.shard` settings for this model only.
         """
         self._require_launch()
-        from .. import shard
-
         unknown = set(overrides) - set(self._shard_kwargs)
         if unknown:
             raise TypeError(
                 f"Engine.setup got unknown settings {sorted(unknown)}; it accepts {sorted(self._shard_kwargs)}"
             )
-        shard(model, device=self.device, **{**self._shard_kwargs, **overrides})
+        options = resolve_options(**{**self._shard_kwargs, **overrides}) if overrides else self._options
+        options = dataclasses.replace(options, device=self.device)
+        if self._auto is not None:
+            from ..planning.shard_auto import shard_auto_with
+
+            _, choice = shard_auto_with(model, self._auto, options)
+            self.print(choice)  # the plan and its reasons, once (rank 0)
+        else:
+            shard_with(model, options)
+        self._strategy = runtime_of(model, settle=False).strategy
         if self._compile:
             from ..ops.compile import compile_blocks
 
             compile_blocks(model)
-        fp16 = self._mixed_precision.param_dtype is torch.float16
+        fp16 = options.precision.param_dtype is torch.float16
         if optimizer is None:
             if fp16:
                 raise ValueError(

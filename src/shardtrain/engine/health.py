@@ -42,7 +42,7 @@ def _put(key: str, value: dict) -> None:
     if store is not None:
         try:
             store.set(key, json.dumps(value))
-        except Exception:  # noqa: BLE001 - best effort: the store may be gone with its host
+        except Exception:
             pass
 
 
@@ -54,7 +54,7 @@ def _read(prefix: str, ranks: list[int]) -> dict[int, dict]:
         try:
             if store is not None and store.check([key]):
                 found[rank] = json.loads(store.get(key))
-        except Exception:  # noqa: BLE001 - best effort
+        except Exception:
             return found
     return found
 

@@ -19,7 +19,7 @@ import contextlib
 import logging
 import sys
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from .lifeline import mark_launcher
@@ -78,8 +78,8 @@ def script_command() -> list[str]:
     return list(sys.orig_argv[1:])
 
 
-def relaunch_script(*, nprocs: int) -> int:
-    """Run the current command in `nprocs` processes; return the exit code to leave with.
+def relaunch_script(*, nprocs: int, extra_args: Sequence[str] = ()) -> int:
+    """Run the current command, `extra_args` appended, in `nprocs` processes; return the exit code to leave with.
 
     Ctrl-C (or SIGTERM) stops every rank and returns 128 + the signal number, as a shell would.
     """
@@ -91,7 +91,7 @@ def relaunch_script(*, nprocs: int) -> int:
     mark_launcher()
     try:
         with _quiet_launcher():
-            elastic_launch(_launch_config(nprocs), sys.executable)(*command)
+            elastic_launch(_launch_config(nprocs), sys.executable)(*command, *extra_args)
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
         print(

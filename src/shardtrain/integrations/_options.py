@@ -7,14 +7,15 @@ refuses them, naming the host's own setting, instead of letting two settings dis
 
 from __future__ import annotations
 
-import inspect
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from ..compat import translate_torch_options
-from ..policy import is_auto, resolve_module_policy
-from ..sharding import shard
-from ..strategy import parse_strategy
+import torch
+from torch import nn
+
+from ..options import ShardOptions, resolve_options
+from ..sharding import shard_with
 
 # st.shard options that the host framework decides, and where the user sets them instead.
 _OWNED_BY_HOST = {
@@ -25,27 +26,24 @@ _OWNED_BY_HOST = {
     "process_group": "the framework's devices / num_nodes settings",
 }
 
-_SHARD_ARGS = set(inspect.signature(shard).parameters) - {"model", "torch_options"}
-
 # Host precision names -> st.shard(mixed_precision=...). "bf16-true" builds the model in bf16 (the
 # host's own plugin casts it) and shards it as it is; "16-mixed" also steps through st.GradScaler.
 SHARD_PRECISION = {"32-true": None, "bf16-true": None, "bf16-mixed": "bf16", "16-mixed": "fp16"}
 
 
-def shard_options(owner: str, options: dict[str, Any]) -> dict[str, Any]:
-    """Check `options` (keyword arguments of `st.shard`) for `owner` (the adapter's name); return them."""
+def shard_options(owner: str, options: dict[str, Any]) -> ShardOptions:
+    """`options` (keyword arguments of `st.shard`) for `owner` (the adapter's name), read once: an unknown
+    name, a bad value or an option given in both spellings fails here rather than at setup."""
     for name, where in _OWNED_BY_HOST.items():
         if name in options:
             raise ValueError(f"{owner}({name}=...): the framework sets this; use {where}")
-    if "strategy" in options and not is_auto(options["strategy"]):
-        parse_strategy(options["strategy"])
-    for what in ("wrap", "activation_checkpointing"):
-        resolve_module_policy(options.get(what), what=what)
-    # An unknown name, or an option given in both spellings, fails here rather than at setup.
-    translate_torch_options(
-        {k: v for k, v in options.items() if k not in _SHARD_ARGS}, given=set(options) & _SHARD_ARGS
-    )
-    return dict(options)
+    return resolve_options(**options)
+
+
+def shard_hosted(module: nn.Module, options: ShardOptions, *, device: torch.device, precision: str) -> nn.Module:
+    """Shard `module` with an adapter's `options` on the host's `device` under the host's `precision` name."""
+    host = resolve_options(device=device, mixed_precision=shard_precision("ShardtrainStrategy", precision))
+    return shard_with(module, dataclasses.replace(options, device=host.device, precision=host.precision))
 
 
 def shard_precision(owner: str, name: str) -> str | None:
@@ -70,7 +68,7 @@ HOST_ARGS = (
 
 def strategy_args(
     *, state_dict_type: str, checkpoint_io: Any, kwargs: dict[str, Any], host_args: tuple[str, ...]
-) -> tuple[dict[str, Any], dict[str, Any]]:
+) -> tuple[dict[str, Any], ShardOptions]:
     """Split a Lightning ShardtrainStrategy's keyword arguments into its DDP base's (`host_args`) and
     `st.shard`'s (checked here)."""
     if state_dict_type not in STATE_DICT_TYPES:

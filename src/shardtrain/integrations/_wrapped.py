@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core.shard import RUNTIME_ATTR
+from ..core.shard_module import RUNTIME_ATTR
 from ..core.sharded_param import local_of
 
 

@@ -26,7 +26,7 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from torch import nn
 
-from ._options import HOST_ARGS, convert_precision, register, shard_precision, strategy_args
+from ._options import HOST_ARGS, convert_precision, register, shard_hosted, strategy_args
 from ._wrapped import ShardedModule, clip_by_value, sharded_root
 
 
@@ -109,10 +109,7 @@ class ShardtrainStrategy(DDPStrategy):
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Shard `module` in place; return it behind a forward wrapper, so that methods Fabric
         redirects through forward (`training_step`, `mark_forward_method`) gather the root's parameters."""
-        from .. import shard
-
-        mixed = shard_precision("ShardtrainStrategy", self.precision.precision)
-        shard(module, device=self.root_device, mixed_precision=mixed, **self._shard_options)
+        shard_hosted(module, self._shard_options, device=self.root_device, precision=self.precision.precision)
         return ShardedModule(module)
 
     def setup_module_and_optimizers(self, module: nn.Module, optimizers: list, scheduler: Any = None):
@@ -122,7 +119,7 @@ class ShardtrainStrategy(DDPStrategy):
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """An optimizer built before sharding (e.g. over meta parameters) is re-pointed at the shards now,
         so that the loss scaler and clipping see its real gradients from the first step."""
-        from ..core.replaced import rebind
+        from ..core.rebind_optimizers import rebind
 
         rebind(optimizer)
         return optimizer

@@ -26,7 +26,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.strategies.ddp import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
-from ._options import HOST_ARGS, register, shard_precision, strategy_args
+from ._options import HOST_ARGS, register, shard_hosted, strategy_args
 from ._wrapped import ShardedModule, sharded_root
 from .lightning_precision import ShardtrainPrecision, shardtrain_precision
 
@@ -98,16 +98,15 @@ class ShardtrainStrategy(DDPStrategy):
             yield
 
     def setup(self, trainer: Any) -> None:
-        from .. import shard
-
         if self._layer_sync is not None:
             raise ValueError("Trainer(sync_batchnorm=True) is not supported by ShardtrainStrategy; drop it")
         self.accelerator.setup(trainer)
         module = self.lightning_module
         if not _is_sharded(module):
             module = self.precision_plugin.convert_module(module)
-            mixed = shard_precision("ShardtrainStrategy", self.precision_plugin.precision)
-            shard(module, device=self.root_device, mixed_precision=mixed, **self._shard_options)
+            shard_hosted(
+                module, self._shard_options, device=self.root_device, precision=self.precision_plugin.precision
+            )
         self.model = ShardedModule(module)
         self.precision_plugin.sharded = module
         self.barrier()

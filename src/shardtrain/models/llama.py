@@ -124,7 +124,7 @@ def document_mask(position_ids: torch.Tensor, kind: PackedAttention) -> torch.Te
     batch, seq = doc.shape
     if kind is PackedAttention.FLEX:
 
-        def same_document(b, h, q, k):  # noqa: ARG001 - flex's mask_mod signature
+        def same_document(b, h, q, k):
             return (doc[b, q] == doc[b, k]) & (k <= q)
 
         return create_block_mask(same_document, batch, None, seq, seq, device=doc.device)

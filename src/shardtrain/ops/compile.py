@@ -14,7 +14,7 @@ from torch import nn
 
 from ..core.gathered import GatheredUnit
 from ..core.partition import clean_name, repeated_blocks
-from ..core.shard import runtime_of
+from ..core.shard_module import runtime_of
 
 
 def compile_blocks(model: nn.Module, **compile_options: Any) -> list[str]:

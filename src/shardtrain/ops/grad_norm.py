@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..core.shard import runtime_of
+from ..core.shard_module import runtime_of
 from ..core.sharded_param import local_of
 from ..core.tensor_parallel import tensor_parallel_of
 

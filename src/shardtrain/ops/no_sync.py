@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 from torch import nn
 
-from ..core.shard import runtime_of
+from ..core.shard_module import runtime_of
 
 
 @contextlib.contextmanager

@@ -7,9 +7,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ..core.collectives import all_gather_tensor
+from ..core.held import held_params
 from ..core.partition import clean_name
-from ..core.shard import runtime_of
-from ..core.tensor_parallel import global_shape, held_box_of
+from ..core.shard_module import runtime_of
 from ..core.unit import ShardUnit
 
 
@@ -85,28 +85,26 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], 
     missing = sorted(expected - state_dict.keys())
     unexpected = sorted(state_dict.keys() - expected)
     mis_shaped = []
-    for unit in runtime.units:
-        for shard in unit.layout.params:
-            value = state_dict.get(shard.fqn)
-            if value is not None and tuple(value.shape) != global_shape(unit, shard):
-                mis_shaped.append(f"{shard.fqn}: checkpoint {tuple(value.shape)} vs model {global_shape(unit, shard)}")
+    held = list(held_params(runtime))
+    for h in held:
+        value = state_dict.get(h.name)
+        if value is not None and tuple(value.shape) != h.shape:
+            mis_shaped.append(f"{h.name}: checkpoint {tuple(value.shape)} vs model {h.shape}")
     if strict and (missing or unexpected or mis_shaped):
         raise ValueError(
             f"state dict does not match the model: missing {missing}, unexpected {unexpected}, "
             f"mis-shaped {mis_shaped}; pass strict=False to load the matching part"
         )
     with torch.no_grad():
-        for unit in runtime.units:
-            for i, shard in enumerate(unit.layout.params):
-                value = state_dict.get(shard.fqn)
-                if value is None or tuple(value.shape) != global_shape(unit, shard):
-                    continue
-                held = unit.held(i)
-                if shard.shape:
-                    box = held_box_of(unit, i)
-                    value = value[box.rows[0] : box.rows[1]]
-                    value = value if box.cols is None else value[:, box.cols[0] : box.cols[1]]
-                held.copy_(value)
+        for h in held:
+            value = state_dict.get(h.name)
+            if value is None or tuple(value.shape) != h.shape:
+                continue
+            if h.shape:
+                box = h.box
+                value = value[box.rows[0] : box.rows[1]]
+                value = value if box.cols is None else value[:, box.cols[0] : box.cols[1]]
+            h.local.copy_(value)
         buffers = {clean_name(n): b for n, b in model.named_buffers()}
         for name, value in state_dict.items():
             if name in buffers:

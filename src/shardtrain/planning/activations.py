@@ -113,12 +113,12 @@ def activation_bill(
     micro_batch: int,
     seq_len: int,
     compute_bytes: int,
-    checkpoint_every: int,
+    recompute_every: int,
     trained: TrainedParts = FULL_TRAINING,
 ) -> ActivationBill:
     tokens = micro_batch * seq_len
     block = block_bytes(shape, tokens=tokens, seq_len=seq_len, compute_bytes=compute_bytes, trained=trained)
-    n_ckpt = checkpointed_blocks(shape.n_layers, checkpoint_every)
+    n_ckpt = checkpointed_blocks(shape.n_layers, recompute_every)
     checkpoint = compute_bytes * tokens * shape.dim
     final_norm = tokens * (
         norm_input_bytes(shape, compute_bytes=compute_bytes, trained=trained) + compute_bytes * shape.dim * trained.head

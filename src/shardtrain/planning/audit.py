@@ -1,6 +1,6 @@
 """Precision audit: the dtype of every tensor class of every unit, as `st.shard` will really make them.
 
-Derived from the same objects `st.shard` uses (`parse_mixed_precision`, `parse_cpu_offload`,
+Derived from the same objects `st.shard` uses (`resolve_options`'s `ShardOptions`,
 `Strategy`, the unit partition), following what it does with them:
 
   stored       the sharded parameter the optimizer updates: the dtype the model was built in, except
@@ -29,10 +29,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core.layout import layout_of_unit
+from ..core.param_layout import layout_of_unit
 from ..core.partition import partition
-from ..policy import MixedPrecision, parse_cpu_offload, parse_mixed_precision
-from ..strategy import Strategy, parse_strategy
+from ..options import resolve_options
+from ..policy import MixedPrecision
+from ..strategy import Strategy
 
 _NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
 _LOW = (torch.bfloat16, torch.float16)
@@ -215,9 +216,8 @@ def audit_precision(
     returns what st.shard would produce from them (see the module docstring). Raises ValueError for
     what st.shard refuses: an unknown strategy or precision.
     """
-    strategy = parse_strategy(strategy)
-    precision = parse_mixed_precision(mixed_precision)
-    offload_policy = parse_cpu_offload(cpu_offload)
+    options = resolve_options(strategy=strategy, mixed_precision=mixed_precision, cpu_offload=cpu_offload, wrap=wrap)
+    strategy, precision, offload_policy = options.strategy, options.precision, options.offload
     parts = partition(model, wrap)
     on_host = offload_policy.select(spec.numel for spec in parts.units) if offload_policy else []
     buffers = _buffers_by_unit(model, {spec.name for spec in parts.units}, precision.buffer_dtype)

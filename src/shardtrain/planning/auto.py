@@ -13,9 +13,8 @@ Safety margin: 5% of the device's memory on top of the estimator's own reserve (
 5% fragmentation), because the estimator errs low against this engine's measured peaks (BENCHMARKS.md,
 'Memory estimator against measured peaks (2 × H200)').
 
-`resolve_auto(model, ...)` is the form `st.shard(strategy="auto")` needs: the caller's loop fixes the
-micro-batch, so only the strategy, checkpointing and offload are chosen, and the answer comes as
-`st.shard` keyword arguments (`AutoChoice.shard_kwargs`).
+`st.shard_auto` (planning/shard_auto.py) plans a built model for the batch its caller's loop feeds
+and shards it with the choice (`AutoChoice.applied_to`).
 """
 
 from __future__ import annotations
@@ -25,13 +24,12 @@ from typing import Any
 
 from torch import nn
 
-from ..policy import CPUOffload
+from ..options import ShardOptions, offload_setting, resolve_options
 from ..strategy import Strategy
 from .candidates import Candidate, batch_splits, evaluate, offload_label, parse_strategies
-from .checkpointing import checkpoint_policy
+from .checkpointing import recompute_policy
 from .estimate import MemoryEstimate, estimate_memory, positive_int
 from .explain import explain
-from .machine import local_device_memory, local_processes
 from .report import checkpointing_label
 from .sizes import format_gib, parse_bytes
 from .speed import StepTime, step_time
@@ -48,7 +46,7 @@ class AutoChoice:
     """The chosen configuration, what it is predicted to need and cost, and why it was chosen."""
 
     strategy: Strategy
-    checkpoint_every: int  # 0: none, 1: every block, k: blocks 0, k, 2k, ... (as estimate_memory counts)
+    recompute_every: int  # 0: none, 1: every block, k: blocks 0, k, 2k, ... (as estimate_memory counts)
     checkpointed_blocks: int
     cpu_offload: float  # the share of the parameters offloaded to the host (whole units); 0.0: none
     micro_batch: int  # sequences per rank per micro-step
@@ -69,7 +67,7 @@ class AutoChoice:
             replace(
                 self,
                 strategy=c.strategy,
-                checkpoint_every=c.checkpoint_every,
+                recompute_every=c.recompute_every,
                 checkpointed_blocks=c.checkpointed_blocks,
                 cpu_offload=c.cpu_offload,
                 micro_batch=c.micro_batch,
@@ -91,20 +89,29 @@ class AutoChoice:
     @property
     def activation_checkpointing(self) -> bool | int:
         """As estimate_memory and the train config take it: False, True (every block) or k."""
-        return {0: False, 1: True}.get(self.checkpoint_every, self.checkpoint_every)
+        return {0: False, 1: True}.get(self.recompute_every, self.recompute_every)
 
     def shard_kwargs(self, model: nn.Module, *, wrap: Any) -> dict[str, Any]:
         """strategy, activation_checkpointing and cpu_offload for `st.shard(model, wrap=wrap, ...)`."""
-        offload = CPUOffload(fraction=self.cpu_offload) if 0 < self.cpu_offload < 1 else bool(self.cpu_offload)
         return {
             "strategy": self.strategy,
-            "cpu_offload": offload,
-            "activation_checkpointing": checkpoint_policy(model, wrap=wrap, every=self.checkpoint_every),
+            "cpu_offload": offload_setting(self.cpu_offload),
+            "activation_checkpointing": recompute_policy(model, wrap=wrap, every=self.recompute_every),
         }
+
+    def applied_to(self, options: ShardOptions, model: nn.Module) -> ShardOptions:
+        """`options` with this choice's strategy, activation checkpointing and offload."""
+        chosen = resolve_options(wrap=options.wrap, **self.shard_kwargs(model, wrap=options.wrap))
+        return replace(
+            options,
+            strategy=chosen.strategy,
+            activation_checkpointing=chosen.activation_checkpointing,
+            offload=chosen.offload,
+        )
 
     def __str__(self) -> str:
         offload = offload_label(self.cpu_offload)
-        checkpointing = checkpointing_label(self.checkpoint_every)
+        checkpointing = checkpointing_label(self.recompute_every)
         head = (
             f"automatic plan: {self.estimate.inputs.label}, activation checkpointing {checkpointing}{offload}, "
             f"micro-batch {self.micro_batch} x {self.grad_accum} accumulation step{'s' * (self.grad_accum > 1)}, "
@@ -308,7 +315,7 @@ def choose_plan(
     )
     return AutoChoice(
         strategy=best.strategy,
-        checkpoint_every=best.checkpoint_every,
+        recompute_every=best.recompute_every,
         checkpointed_blocks=best.checkpointed_blocks,
         cpu_offload=best.cpu_offload,
         micro_batch=best.micro_batch,
@@ -322,50 +329,4 @@ def choose_plan(
         reasons=reasons,
         estimate=best.estimate,
         runners_up=tuple(ranked[1 : RUNNERS_UP + 1]),
-    )
-
-
-def resolve_auto(
-    model: nn.Module,
-    *,
-    world_size: int,
-    micro_batch: int,
-    seq_len: int,
-    wrap: Any,
-    device_memory: int | str | None = None,
-    grad_accum: int = 1,
-    mixed_precision: Any = "bf16",
-    optimizer: Any = "adamw",
-    allow_offload: bool = True,
-    safety_margin: float = SAFETY_MARGIN,
-) -> AutoChoice:
-    """strategy="auto" for `st.shard(model, wrap=wrap, ...)`: strategy, checkpointing and offload.
-
-    The micro-batch stays as the caller's loop feeds it (`micro_batch` sequences of `seq_len` tokens
-    per device, `grad_accum` micro-batches per step). `device_memory` defaults to the local GPU's.
-    Apply the answer with `st.shard(model, wrap=wrap, **choice.shard_kwargs(model, wrap=wrap), ...)`.
-    """
-    if wrap is None:
-        raise ValueError(
-            "strategy='auto' needs wrap= (e.g. the transformer block class): with the whole model as "
-            "one unit every strategy gathers all parameters at once and checkpointing has no blocks"
-        )
-    host_memory = None
-    if device_memory is None:  # planning for this machine: its GPUs and its host memory
-        device_memory, _ = local_device_memory(accelerator="cuda", processes=1)
-        host_memory, _ = local_device_memory(accelerator="cpu", processes=local_processes(world_size))
-    return choose_plan(
-        model,
-        world_size=world_size,
-        device_memory=device_memory,
-        seq_len=seq_len,
-        micro_batch=micro_batch,
-        grad_accum=grad_accum,
-        precision=mixed_precision,
-        optimizer=optimizer,
-        split_batch=False,
-        allow_offload=allow_offload,
-        safety_margin=safety_margin,
-        host_memory=host_memory,
-        wrap=wrap,
     )

@@ -30,7 +30,7 @@ class Candidate:
     """One configuration: what it is, what it needs per device, how long its step is predicted to take."""
 
     strategy: Strategy
-    checkpoint_every: int  # 0: none, 1: every block, k: blocks 0, k, 2k, ...
+    recompute_every: int  # 0: none, 1: every block, k: blocks 0, k, 2k, ...
     checkpointed_blocks: int
     cpu_offload: float  # the share of the parameters offloaded (whole units); 0.0: none
     micro_batch: int
@@ -47,11 +47,11 @@ class Candidate:
     @property
     def checkpointing(self) -> str:
         layers = self.estimate.inputs.model.shape.n_layers if self.estimate.inputs.model.shape else 0
-        if self.checkpoint_every == 0:
+        if self.recompute_every == 0:
             return "no activation checkpointing"
         if self.checkpointed_blocks == layers:
             return "every block checkpointed"
-        return f"1 block in {self.checkpoint_every} checkpointed ({self.checkpointed_blocks} of {layers})"
+        return f"1 block in {self.recompute_every} checkpointed ({self.checkpointed_blocks} of {layers})"
 
     def describe(self) -> str:
         return (
@@ -120,7 +120,7 @@ def evaluate(
                 out.append(
                     Candidate(
                         strategy=strategy,
-                        checkpoint_every=every,
+                        recompute_every=every,
                         checkpointed_blocks=count,
                         cpu_offload=cpu_offload,
                         micro_batch=micro_batch,

@@ -9,7 +9,7 @@ from torch import nn
 from ..core.partition import matching_paths, repeated_blocks
 
 
-def checkpoint_policy(model: nn.Module, *, wrap: Any, every: bool | int) -> Any:
+def recompute_policy(model: nn.Module, *, wrap: Any, every: bool | int) -> Any:
     """The `activation_checkpointing=` policy for checkpointing 1 in `every` of the model's blocks.
 
     The blocks are the modules `wrap` selects whose class occurs more than once among them (all of
@@ -17,7 +17,7 @@ def checkpoint_policy(model: nn.Module, *, wrap: Any, every: bool | int) -> Any:
     (`models.llama.SHARD_UNITS`) does not checkpoint those — the head would recompute its large
     matmul and a checkpointed embedding cannot look its rows up sharded. 0 / False: None; 1 / True:
     every block; k >= 2: the blocks at positions 0, k, 2k, ... in module order (the blocks
-    estimate_memory counts for checkpoint_every=k).
+    estimate_memory counts for recompute_every=k).
     """
     if isinstance(every, bool):
         every = int(every)

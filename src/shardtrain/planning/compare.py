@@ -47,9 +47,10 @@ def compare_strategies(
     """
     world_size = positive_int(world_size, "world_size")
     group = default_shard_size(world_size) if shard_size is None else shard_size
+    parsed = [parse_strategy(s) for s in (DEFAULT_STRATEGIES if strategies is None else strategies)]
     if strategies is None:
-        strategies = [s for s in DEFAULT_STRATEGIES if group > 1 or not parse_strategy(s).is_hybrid]
-    if not strategies:
+        parsed = [s for s in parsed if group > 1 or not s.is_hybrid]
+    if not parsed:
         raise ValueError(f"strategies={strategies!r} is empty; name at least one, e.g. ('full_shard',)")
     estimates = tuple(
         estimate_memory(
@@ -57,10 +58,10 @@ def compare_strategies(
             world_size=world_size,
             strategy=s,
             device_memory=device_memory,
-            shard_size=group if parse_strategy(s).is_hybrid else None,
+            shard_size=group if s.is_hybrid else None,
             **kwargs,
         )
-        for s in strategies
+        for s in parsed
     )
     return StrategyComparison(
         estimates=estimates, device_memory=None if device_memory is None else parse_bytes(device_memory)

@@ -13,10 +13,10 @@ from typing import Any
 
 from torch import nn
 
-from ..core.layout import layout_of_unit
+from ..core.param_layout import layout_of_unit
 from ..core.partition import partition
-from ..policy import parse_mixed_precision
-from ..strategy import Strategy, parse_strategy
+from ..options import resolve_options
+from ..strategy import Strategy
 
 MIB = 1024 * 1024
 DOMINANT_FRACTION = 0.5
@@ -90,8 +90,8 @@ def plan(
     """Units, parameters and bytes per unit for `model` sharded over `world_size` ranks."""
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"plan: world_size={world_size!r} must be a positive int")
-    strategy = parse_strategy(strategy)
-    precision = parse_mixed_precision(mixed_precision)
+    options = resolve_options(strategy=strategy, mixed_precision=mixed_precision, wrap=wrap)
+    strategy, precision = options.strategy, options.precision
     parts = partition(model, wrap)
     shard_world = 1 if strategy is Strategy.NO_SHARD else world_size
     looks_up = shard_world > 1 and not strategy.keeps_params_resident

@@ -55,11 +55,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..policy import CPUOffload, MixedPrecision, parse_cpu_offload, parse_mixed_precision
-from ..strategy import parse_strategy
+from ..options import resolve_options
+from ..policy import CPUOffload, MixedPrecision
 from .activations import ActivationBill, activation_bill
 from .finetune import fine_tune_spec
-from .inputs import EstimateInputs, checkpoint_every, optimizer_bytes, positive_int, shard_size_of
+from .inputs import EstimateInputs, optimizer_bytes, positive_int, recompute_every_of, shard_size_of
 from .model_spec import ModelSpec, resolve_model
 from .report import format_estimate
 from .sizes import GiB, parse_bytes
@@ -181,7 +181,8 @@ def estimate_memory(
     (`planning.finetune`). Frozen parameters are billed in their stored dtype, with no gradient and
     no optimizer state, and their layers save only what backward needs through them.
     """
-    strategy = parse_strategy(strategy)
+    options = resolve_options(strategy=strategy, mixed_precision=precision, cpu_offload=cpu_offload)
+    strategy = options.strategy
     world_size = positive_int(world_size, "world_size")
     optimizer_name, optimizer_state_bytes = optimizer_bytes(optimizer)
     inputs = EstimateInputs(
@@ -194,9 +195,9 @@ def estimate_memory(
         world_size=world_size,
         strategy=strategy,
         shard_size=shard_size_of(strategy, world_size, shard_size),
-        precision=parse_mixed_precision(precision),
-        checkpoint_every=checkpoint_every(activation_checkpointing),
-        offload=parse_cpu_offload(cpu_offload),
+        precision=options.precision,
+        recompute_every=recompute_every_of(activation_checkpointing),
+        offload=options.offload,
         micro_batch=positive_int(micro_batch, "micro_batch"),
         seq_len=positive_int(seq_len, "seq_len"),
         optimizer=optimizer_name,
@@ -217,7 +218,7 @@ def _activations(inputs: EstimateInputs) -> ActivationBill:
         micro_batch=inputs.micro_batch,
         seq_len=inputs.seq_len,
         compute_bytes=inputs.param_bytes,
-        checkpoint_every=inputs.checkpoint_every,
+        recompute_every=inputs.recompute_every,
         trained=inputs.model.trained,
     )
 
@@ -239,7 +240,7 @@ def _estimate(inputs: EstimateInputs) -> MemoryEstimate:
     params_alias = p == MASTER_BYTES and (n == 1 or resident)  # unsharded params are views of the master
     frozen_alias = frozen_size == p and (n == 1 or resident)  # ... or of the frozen shards
     grads_alias = p == GRAD_BYTES and n == 1  # unsharded grads land in the fp32 gradient itself
-    # Each parameter's rows are padded to a multiple of the shard group (core.layout).
+    # Each parameter's rows are padded to a multiple of the shard group (core.param_layout).
     padding, trainable_padding = m.padding(n)
     trainable = m.trainable_params + trainable_padding
     frozen_stored = int((m.frozen_params + padding - trainable_padding) * frozen_size) // n

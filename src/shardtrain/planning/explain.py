@@ -33,7 +33,7 @@ def _compare(other: Candidate, best: Candidate) -> str:
 
 
 def _same(a: Candidate, b: Candidate, *, but: str) -> bool:
-    keys = {"strategy", "checkpoint_every", "cpu_offload", "micro_batch"} - {but}
+    keys = {"strategy", "recompute_every", "cpu_offload", "micro_batch"} - {but}
     return all(getattr(a, k) == getattr(b, k) for k in keys)
 
 
@@ -46,7 +46,7 @@ def _checkpointing(best: Candidate, candidates: list[Candidate]) -> str:
     fewer = [
         c
         for c in candidates
-        if _same(c, best, but="checkpoint_every") and c.checkpointed_blocks < best.checkpointed_blocks
+        if _same(c, best, but="recompute_every") and c.checkpointed_blocks < best.checkpointed_blocks
     ]
     extra = best.time.recompute / best.time.compute
     line = (

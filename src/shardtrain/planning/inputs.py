@@ -24,7 +24,7 @@ class EstimateInputs:
     strategy: Strategy
     shard_size: int  # ranks one shard spans: world_size, the hybrid group, or 1 for no_shard
     precision: MixedPrecision
-    checkpoint_every: int  # 0: no activation checkpointing, 1: every block, k: every k-th block
+    recompute_every: int  # 0: no activation checkpointing, 1: every block, k: every k-th block
     offload: CPUOffload | None
     micro_batch: int
     seq_len: int
@@ -55,7 +55,7 @@ def positive_int(value: Any, name: str) -> int:
     return value
 
 
-def checkpoint_every(value: Any) -> int:
+def recompute_every_of(value: Any) -> int:
     if value is None or value is False:
         return 0
     if value is True:

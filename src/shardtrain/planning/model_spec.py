@@ -116,7 +116,7 @@ class ModelSpec:
 
     def padding(self, shard_size: int) -> tuple[int, int]:
         """(all, trainable) padding elements when every parameter's rows are padded to a multiple of
-        `shard_size` (core.layout); 0 when the parameters' shapes are not known (a count or a shape)."""
+        `shard_size` (core.param_layout); 0 when the parameters' shapes are not known (a count or a shape)."""
         pads = [((-(-rows // shard_size) * shard_size - rows) * row, trains) for rows, row, trains in self.param_rows]
         return sum(p for p, _ in pads), sum(p for p, t in pads if t)
 

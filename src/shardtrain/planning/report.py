@@ -5,15 +5,65 @@ Plain text rather than `rich` so the output reads the same in logs, pipes and te
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
+from .inputs import EstimateInputs
 from .sizes import format_count, format_gib
 
-if TYPE_CHECKING:
-    from .estimate import MemoryEstimate, StrategyComparison
-    from .inputs import EstimateInputs
+
+class MemoryEstimate(Protocol):
+    """What a bill printed here reads of `estimate.MemoryEstimate` (this module does not import it,
+    which imports this one to print itself)."""
+
+    @property
+    def inputs(self) -> EstimateInputs: ...
+    @property
+    def parameters(self) -> int: ...
+    @property
+    def gradients(self) -> int: ...
+    @property
+    def optimizer_state(self) -> int: ...
+    @property
+    def unsharded_params(self) -> int: ...
+    @property
+    def unsharded_grads(self) -> int: ...
+    @property
+    def reduce_buffers(self) -> int: ...
+    @property
+    def activations(self) -> int: ...
+    @property
+    def logits(self) -> int: ...
+    @property
+    def overhead(self) -> int: ...
+    @property
+    def total(self) -> int: ...
+    @property
+    def reserve(self) -> int: ...
+    @property
+    def host(self) -> int: ...
+    @property
+    def peak_phase(self) -> str: ...
+    @property
+    def phase_totals(self) -> Sequence[tuple[str, int]]: ...
+    @property
+    def notes(self) -> Sequence[str]: ...
+
+    def fits(self, device_memory: int) -> bool: ...
+
+    def largest_micro_batch(self, device_memory: int) -> int: ...
+
+
+class StrategyComparison(Protocol):
+    """What a side-by-side table reads of `compare.StrategyComparison`."""
+
+    @property
+    def estimates(self) -> Sequence[MemoryEstimate]: ...
+    @property
+    def device_memory(self) -> int | None: ...
+
 
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -47,7 +97,7 @@ def describe_setup(inputs: EstimateInputs) -> str:
         f"{model.name}: {format_count(model.num_params)} parameters{shape}\n"
         f"{inputs.world_size} ranks, {_dtype(mp.param_dtype)} params / {_dtype(mp.reduce_dtype)} reduce, "
         f"{inputs.optimizer}, micro-batch {inputs.micro_batch} x seq {inputs.seq_len}, "
-        f"activation checkpointing: {checkpointing_label(inputs.checkpoint_every)}{offload}"
+        f"activation checkpointing: {checkpointing_label(inputs.recompute_every)}{offload}"
     )
 
 

@@ -31,14 +31,14 @@ import torch.distributed as dist
 from torch import nn
 
 from ..checkpoint.collective import Comm
-from ..checkpoint.local import persistent_buffers
 from ..checkpoint.tensorfile import SafetensorsWriter, TensorSpec, writing
-from ..core.shard import runtime_of
+from ..checkpoint.this_rank import persistent_buffers
+from ..core.shard_module import runtime_of
 from ..core.tensor_parallel import global_shape
 from ..ops.state_dict import gather_params
+from .file_split import FilePlan, index_of, parse_size, split_files, stale_files
 from .files import CONFIG_FILE, INDEX_FILE
 from .keys import adapter_params, base_name, hf_model
-from .layout import FilePlan, index_of, parse_size, split_files, stale_files
 from .merge import LoraMerge, lora_merges
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -239,7 +239,7 @@ class _Rank0Writer:
             self._left[k] -= 1
             if self._left[k] == 0:
                 self._open.pop(k).close()
-        except Exception as exc:  # noqa: BLE001 - raised by finish(), after the loop over units
+        except Exception as exc:
             self._error = exc
 
     def finish(self, model: nn.Module) -> None:

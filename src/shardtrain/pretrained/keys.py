@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..core.layout import ParamShard
+from ..core.param_layout import ParamShard
 from ..core.partition import clean_name
 
 PEFT_PREFIX = "base_model.model."

@@ -13,6 +13,7 @@ tables) keep the values the model's own initialisation computed when `st.shard` 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,8 +24,9 @@ from torch import nn
 
 from ..checkpoint.collective import Comm
 from ..checkpoint.format import short_list
-from ..checkpoint.local import held_range, persistent_buffers
-from ..core.shard import runtime_of
+from ..checkpoint.this_rank import persistent_buffers
+from ..core.held import held_params
+from ..core.shard_module import runtime_of
 from ..core.tensor_parallel import tensor_parallel_of
 from .export import install_save_pretrained
 from .files import TensorEntry, WeightFiles, resolve_weights
@@ -74,26 +76,26 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike, *, strict: bool =
     def load() -> LoadReport:
         weights = resolve_weights(path)
         buffers = persistent_buffers(model)
-        params = [s for unit in runtime.units for s in unit.layout.params]
+        held = list(held_params(runtime))
+        params = [h.layout for h in held]
         match = match_keys(params=params, buffers=buffers, file_keys=weights.tensors, model=model)
         _check(weights, match, params=params, buffers=buffers, strict=strict)
         with torch.no_grad():
-            for unit in runtime.units:
-                with _Handles() as handles:
-                    for i, shard in enumerate(unit.layout.params):
-                        key = match.params.get(shard.fqn)
-                        held = unit.held(i)
-                        if key is None or held.numel() == 0:
+            for _, of_unit in itertools.groupby(held, key=lambda h: h.unit):
+                with _Handles() as handles:  # the files stay open for one unit at a time
+                    for h in of_unit:
+                        key = match.params.get(h.name)
+                        local = h.local
+                        if key is None or local.numel() == 0:
                             continue
-                        start, numel = held_range(unit, i)
-                        rows = _read_rows(
-                            handles, weights.tensors[key], start // shard.row_numel, numel // shard.row_numel
-                        ).view(held.shape)
+                        start, numel = h.flat_range
+                        row = h.layout.row_numel
+                        rows = _read_rows(handles, weights.tensors[key], start // row, numel // row).view(local.shape)
                         # Note: the rows cross to the device in the file's dtype and are converted there
                         # (copy_ would convert on the host first: twice the bytes over the bus for bf16
                         # -> fp32, and a host temporary). An in-place copy bumps the shard's version, so
                         # a resident unsharded copy (no_shard, optimizer_only) is gathered again.
-                        held.copy_(rows.to(held.device) if rows.device != held.device else rows)
+                        local.copy_(rows.to(local.device) if rows.device != local.device else rows)
             with _Handles() as handles:
                 for name, key in match.buffers.items():
                     value = handles.open(weights.tensors[key].file).get_tensor(key)

@@ -55,7 +55,7 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, threads: int)
         fn, args, kwargs = task
         try:
             results.put((rank, True, fn(*args, **kwargs)))
-        except BaseException:  # noqa: BLE001 - report everything to the parent
+        except BaseException:
             results.put((rank, False, traceback.format_exc()))
     dist.destroy_process_group()
 

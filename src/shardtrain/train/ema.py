@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from ..core.shard import RUNTIME_ATTR
+from ..core.shard_module import RUNTIME_ATTR
 from ..core.sharded_param import local_of
 
 

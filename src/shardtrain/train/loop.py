@@ -25,8 +25,7 @@ from torch import nn
 
 from ..engine import Engine
 from ..engine.health import heartbeat
-from ..planning.checkpointing import checkpoint_policy
-from ..policy import parse_mixed_precision
+from ..planning.checkpointing import recompute_policy
 from .config import save_config
 from .data import ByteTokenizer
 from .ema import WeightEMA
@@ -34,7 +33,7 @@ from .finetune import build_dtype, check_finetune_config, export, load_base, wit
 from .finite import NonFiniteGuard
 from .inputs import DataPlan, build_data, plan_data
 from .metrics import MetricsLog, Summary, format_bytes, memory_bytes, plot_metrics
-from .models import BuiltModel, build_model
+from .model_builder import BuiltModel, build_model
 from .schedule import make_scheduler
 from .sections import Config
 from .step import Job
@@ -81,9 +80,7 @@ def _prepare(cfg: Config, engine: Engine) -> tuple[BuiltModel, int, DataPlan]:
             "(runs/<name>/checkpoints/step_NNNNNN, or runs/<name>/checkpoints for the latest)"
         )
     engine.seed_everything(cfg.train.seed)
-    built = build_model(
-        cfg.model, init_context=engine.init_module, dtype=build_dtype(cfg, parse_mixed_precision(engine.precision))
-    )
+    built = build_model(cfg.model, init_context=engine.init_module, dtype=build_dtype(cfg, engine.mixed_precision))
     if built.notice and engine.rank == 0:
         print(f"note: {built.notice}", flush=True)
     if built.max_seq_len is not None and cfg.data.seq_len > built.max_seq_len:
@@ -134,7 +131,7 @@ def build_job(cfg: Config, engine: Engine) -> tuple[Job, str]:
         model,
         optimizer,
         wrap=built.wrap,
-        activation_checkpointing=checkpoint_policy(model, wrap=built.wrap, every=cfg.model.activation_checkpointing),
+        activation_checkpointing=recompute_policy(model, wrap=built.wrap, every=cfg.model.activation_checkpointing),
         **({"param_init_fn": adapter_init} if adapter_init else {}),
     )
     loaded = load_base(cfg, model)

@@ -17,18 +17,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 from dataclasses import dataclass
 
 import torch
 
 from ..engine.devices import launched_externally, resolve_topology
+from ..options import offload_setting, precision_name, resolve_options
 from ..planning.auto import AutoChoice, choose_plan
 from ..planning.machine import local_device_memory, local_processes
-from ..policy import parse_mixed_precision
 from .finetune import build_dtype, check_finetune_config, with_lora
 from .loop import check_batch
-from .models import BuiltModel, build_model
+from .model_builder import BuiltModel, build_model
 from .sections import Config, ConfigError, EngineConfig
 
 AUTO = "auto"
@@ -70,9 +71,7 @@ def _target(engine: EngineConfig) -> tuple[str, int]:
 def planned_setup(cfg: Config) -> PlannedSetup:
     """The per-device setup of `cfg` (see the module docstring); ConfigError for a batch that cannot split."""
     accelerator, world_size = _target(cfg.engine)
-    precision = cfg.engine.precision
-    if precision == AUTO:
-        precision = "bf16-mixed" if accelerator == "cuda" else "32-true"
+    precision = precision_name(cfg.engine.precision, accelerator=accelerator)
     try:
         global_micro_batch = check_batch(cfg, world_size)
     except ValueError as exc:
@@ -101,7 +100,7 @@ def build_on_meta(cfg: Config, *, precision: str) -> BuiltModel:
         built = build_model(
             cfg.model,
             init_context=lambda empty_init=True: contextlib.nullcontext(),
-            dtype=build_dtype(cfg, parse_mixed_precision(precision)),
+            dtype=build_dtype(cfg, resolve_options(mixed_precision=precision).precision),
         )
     if not cfg.lora.rank:
         return built
@@ -122,11 +121,28 @@ def apply_choice(cfg: Config, choice: AutoChoice) -> Config:
         engine=dataclasses.replace(
             cfg.engine,
             strategy=choice.strategy.value,
-            cpu_offload=choice.cpu_offload if 0 < choice.cpu_offload < 1 else bool(choice.cpu_offload),
+            cpu_offload=offload_setting(choice.cpu_offload),
         ),
         model=dataclasses.replace(cfg.model, activation_checkpointing=choice.activation_checkpointing),
         train=dataclasses.replace(cfg.train, grad_accum=choice.grad_accum),
     )
+
+
+def choice_overrides(cfg: Config) -> list[str]:
+    """`--section.key value` overrides that set what `apply_choice` set in `cfg` (and no timed trials):
+    appended to the command the ranks re-run, they train the choice without planning again."""
+    values = {
+        "engine.strategy": cfg.engine.strategy,
+        "engine.cpu_offload": cfg.engine.cpu_offload,
+        "engine.auto_trials": 0,
+        "model.activation_checkpointing": cfg.model.activation_checkpointing,
+        "train.grad_accum": cfg.train.grad_accum,
+    }
+    return [arg for key, value in values.items() for arg in (f"--{key}", _command_line(value))]
+
+
+def _command_line(value: str | bool | int | float) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
 
 
 def resolve_auto_config(

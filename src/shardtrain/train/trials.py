@@ -24,7 +24,6 @@ from .config import save_config
 from .sections import Config
 
 TRIAL_STEPS = 4  # 1 untimed + 3 timed
-TRIAL_CHOICE_ENV = "SHARDTRAIN_AUTO_TRIAL_CHOICE"  # the winner's index among the alternatives, for the ranks
 TRIAL_TIMEOUT_S = 900.0
 
 
@@ -38,7 +37,7 @@ class Trial:
 
     def describe(self) -> str:
         what = (
-            f"{self.choice.strategy.value}, checkpointing {checkpointing_label(self.choice.checkpoint_every)}"
+            f"{self.choice.strategy.value}, checkpointing {checkpointing_label(self.choice.recompute_every)}"
             f"{', CPU offload' if self.choice.cpu_offload else ''}, micro-batch {self.choice.micro_batch} x "
             f"{self.choice.grad_accum}"
         )

@@ -1,9 +1,9 @@
-"""The narrow wire's mean (core/average.py): exact for two bf16 chunks, the same on CPU and in Triton."""
+"""The narrow wire's mean (core/chunk_mean.py): exact for two bf16 chunks, the same on CPU and in Triton."""
 
 import pytest
 import torch
 
-from shardtrain.core.average import mean_of_chunks
+from shardtrain.core.chunk_mean import mean_of_chunks
 
 
 def _chunks(chunks: int, n: int, dtype: torch.dtype, device: str) -> torch.Tensor:

@@ -187,7 +187,7 @@ def _build_hf(cfg: ModelConfig) -> BuiltModel:
 def _from_config(transformers, hf_cfg, *, dtype: torch.dtype | None = None) -> BuiltModel:
     try:
         module = transformers.AutoModelForCausalLM.from_config(hf_cfg, **({"dtype": dtype} if dtype else {}))
-    except Exception as exc:  # noqa: BLE001 - transformers raises many types; report them in one line
+    except Exception as exc:
         raise ValueError(f"{type(exc).__name__}: {exc}".replace("\n", " ")) from exc
     no_split = getattr(module, "_no_split_modules", None) or []
     wrap = classes_by_name(module, tuple(no_split)) if no_split else None
@@ -211,7 +211,7 @@ def _build_factory(spec: str, kwargs: dict[str, Any]) -> BuiltModel:
         ) from exc
     try:
         module = factory(**kwargs)
-    except Exception as exc:  # noqa: BLE001 - the user's factory may raise anything
+    except Exception as exc:
         raise ValueError(f"{spec}(**{kwargs!r}) raised {type(exc).__name__}: {exc}".replace("\n", " ")) from exc
     if not isinstance(module, nn.Module):
         raise ValueError(f"{spec} returned {type(module).__name__}, not an nn.Module")

@@ -11,19 +11,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..core.held import held_params
 from ..core.partition import clean_name
 from ..core.runtime import Runtime
-from ..core.shard import runtime_of
-from ..core.unit import ShardUnit
-
-
-def held_range(unit: ShardUnit, index: int) -> tuple[int, int]:
-    """(start, numel): the elements of parameter `index`, flattened, that this rank holds."""
-    shard = unit.layout.params[index]
-    if not shard.shape:
-        return 0, 1
-    start, stop = shard.held_rows(unit.comm.shard_rank if shard.world > 1 else 0)
-    return start * shard.row_numel, (stop - start) * shard.row_numel
+from ..core.shard_module import runtime_of
 
 
 def writes_shards(runtime: Runtime) -> bool:
@@ -33,7 +24,7 @@ def writes_shards(runtime: Runtime) -> bool:
 
 
 def param_names(runtime: Runtime) -> set[str]:
-    return {name for unit in runtime.units for s in unit.layout.params for name in (s.fqn, *s.aliases)}
+    return {name for held in held_params(runtime) for name in held.names}
 
 
 def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:

@@ -2,28 +2,25 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any
+from typing import cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
-from ..policy import CPUOffload, MixedPrecision, WrapPolicy
-from ..strategy import Strategy
-from . import replaced
+from ..options import ShardOptions
+from . import rebind_optimizers
 from .comm import UnitComm
 from .disk_state import attach_disk_state
 from .flat_buffers import FlatBuffers
 from .gathered import GatheredUnit
 from .host_step import StepMode, overlap_host_steps
-from .layout import layout_of_unit
 from .lookup import LookupUnit, runs_sharded_lookup
 from .materialize import Materializer, current_tensors, cut_shards
+from .param_layout import layout_of_unit
 from .partition import Occurrence, UnitSpec, matching_paths, partition
 from .pinned import PinnedBuffers
-from .process_groups import control_group, order_group, resolve_groups
+from .process_groups import control_group, order_group, resolve_device, resolve_groups
 from .recompute import apply_activation_checkpointing
 from .runtime import Runtime
 from .sharded_param import ParamFactory
@@ -33,49 +30,41 @@ from .unit import ShardUnit, UnitBehaviour
 RUNTIME_ATTR = "_shardtrain_runtime"
 
 
-def shard_module(
-    model: nn.Module,
-    *,
-    strategy: Strategy,
-    wrap: WrapPolicy | None,
-    precision: MixedPrecision,
-    activation_checkpointing: WrapPolicy | None,
-    offload: CPUOffload | None,
-    mesh: DeviceMesh | tuple[int, int] | None,
-    device: torch.device,
-    process_group: dist.ProcessGroup | None,
-    prefetch: int,
-    param_init_fn: Callable[[nn.Module], None] | None,
-    sync_module_states: bool,
-    tp_plan: Mapping[str, Any] | None = None,
-) -> nn.Module:
-    """Shard `model` in place with every option resolved (the public `st.shard` in shardtrain/sharding.py
-    parses them): partition into units, materialise and cut each unit, build its buffers and the
-    parameters the optimizer sees, install the runtime's hooks. A mesh with a "tp" dimension first
-    splits the model over it (`tp_plan`, or a model already through `parallelize_module`), then
-    shards each TP-local tensor over the data-parallel dimension (core/tensor_parallel.py)."""
-    offload_policy = offload
-    if offload_policy and (offload_policy.threads or torch.get_num_threads() < offload_policy.host_threads()):
+def shard_module(model: nn.Module, options: ShardOptions) -> nn.Module:
+    """Shard `model` in place with every option resolved (`options.resolve_options`, called by the public
+    `st.shard` in shardtrain/sharding.py): partition into units, materialise and cut each unit, build
+    its buffers and the parameters the optimizer sees, install the runtime's hooks. A mesh with a "tp"
+    dimension first splits the model over it (`options.tp_plan`, or a model already through
+    `parallelize_module`), then shards each TP-local tensor over the data-parallel dimension
+    (core/tensor_parallel.py)."""
+    strategy, precision, prefetch = options.strategy, options.precision, options.prefetch
+    process_group, param_init_fn = options.process_group, options.param_init_fn
+    device = resolve_device(options.device)
+    # Note: on a CPU device everything already lives in host memory.
+    offload = options.offload if device.type == "cuda" else None
+    if offload and (offload.threads or torch.get_num_threads() < offload.host_threads()):
         # Note: the optimizer steps the offloaded shards with torch's intra-op threads; one thread
         # per process (torchrun's default) made the host AdamW most of the step at 8B.
-        torch.set_num_threads(offload_policy.host_threads())
-    tp = prepare_tensor_parallel(model, mesh=mesh, plan=tp_plan, strategy=strategy, process_group=process_group)
-    if tp is not None and sync_module_states:
+        torch.set_num_threads(offload.host_threads())
+    tp = prepare_tensor_parallel(
+        model, mesh=options.mesh, plan=options.tp_plan, strategy=strategy, process_group=process_group
+    )
+    if tp is not None and options.sync_module_states:
         raise ValueError("sync_module_states with a tensor-parallel mesh: build the model identically on every rank")
     if tp is not None and offload is not None:
         raise ValueError(
             f"cpu_offload={offload} with a tensor-parallel mesh is not supported: drop cpu_offload, or shard "
             "without a 'tp' mesh dimension"
         )
-    groups = resolve_groups(strategy, process_group=process_group, mesh=mesh, device=device)
+    groups = resolve_groups(strategy, process_group=process_group, mesh=options.mesh, device=device)
     comm = UnitComm(shard=groups.shard, replicate=groups.replicate, device=device)
     factory = ParamFactory(mesh=groups.mesh, tp=tp)
 
-    plan = partition(model, wrap)
-    offloaded = offload_policy.select(s.numel for s in plan.units) if offload_policy else [False] * len(plan.units)
+    plan = partition(model, options.wrap)
+    offloaded = offload.select(s.numel for s in plan.units) if offload else [False] * len(plan.units)
     ac_paths = (
-        matching_paths(model, activation_checkpointing, what="activation_checkpointing")
-        if activation_checkpointing is not None
+        matching_paths(model, options.activation_checkpointing, what="activation_checkpointing")
+        if options.activation_checkpointing is not None
         else set()
     )
     modules = dict(model.named_modules())
@@ -93,7 +82,7 @@ def shard_module(
     occurrences = {id(p): occ for spec in plan.units for p, occ in zip(spec.params, spec.occurrences)}
     materializer = Materializer(root=model, device=device, param_init_fn=param_init_fn, occurrences=occurrences)
     unit_modules = {id(spec.module) for spec in plan.units}
-    broadcast_group = (process_group or dist.group.WORLD) if sync_module_states else None
+    broadcast_group = (process_group or dist.group.WORLD) if options.sync_module_states else None
     for index, spec in enumerate(plan.units):
         originals = list(spec.params)
         materializer.materialize(
@@ -114,7 +103,7 @@ def shard_module(
             offload=offloaded[index],
         )
         shards = cut_shards(layout, tensors, rank=comm.shard_rank, device=device, broadcast_group=broadcast_group)
-        if behaviour.offload:
+        if behaviour.offload and runtime.pinned is not None:
             shards = [runtime.pinned.empty(s.shape, s.dtype).copy_(s) for s in shards]
         buffers = [
             FlatBuffers(
@@ -142,20 +131,22 @@ def shard_module(
         if runs_sharded_lookup(spec, world=comm.shard_world, behaviour=behaviour) and not (
             tp and tp.splits_any(layout.params)
         ):
-            unit = LookupUnit(module=spec.module, **common)
+            unit = LookupUnit(module=cast(nn.Embedding, spec.module), **common)
         else:
             unit = GatheredUnit(installs=_installs(spec.occurrences), **common)
         _register_params(spec.occurrences, unit.params)
         for old, new, s in zip(originals, unit.params, layout.params):
-            replaced.record(old, new, s.fqn)
+            rebind_optimizers.record(old, new, s.fqn)
         runtime.register(unit, spec.module)
     _place_buffers(model, device, precision.buffer_dtype, broadcast_group)
     setattr(model, RUNTIME_ATTR, runtime)
     offloaded_units = [u for u in runtime.units if u.behaviour.offload]
-    if offloaded_units and StepMode.from_env() is StepMode.OVERLAPPED:
-        overlap_host_steps(model, runtime, offloaded_units, in_backward=offload_policy.step_in_backward)
-    if offloaded_units and offload_policy.disk_dir is not None:
-        attach_disk_state(runtime.host_steps, offload_policy, rank=dist.get_rank() if dist.is_initialized() else 0)
+    if offload is None or not offloaded_units:
+        return model
+    if StepMode.from_env() is StepMode.OVERLAPPED:
+        overlap_host_steps(model, runtime, offloaded_units, in_backward=offload.step_in_backward)
+    if offload.disk_dir is not None:
+        attach_disk_state(runtime.host_steps, offload, rank=dist.get_rank() if dist.is_initialized() else 0)
     return model
 
 

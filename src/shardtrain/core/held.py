@@ -1,0 +1,102 @@
+"""What this rank holds of a sharded model, one read-only record per original parameter.
+
+`ops/`, `checkpoint/` and `pretrained/` read and write a rank's rows through these records instead
+of walking the runtime's units and layouts, so a change inside `core` (a field of `ParamShard`, how
+a unit stores its buffers) stays inside `core`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..tp import Box
+from .param_layout import ParamShard
+from .runtime import Runtime
+from .shard_module import runtime_of
+from .tensor_parallel import global_shape, held_box_of, split_in
+from .unit import ShardUnit
+
+
+@dataclass(frozen=True, kw_only=True)
+class HeldParam:
+    """One original parameter as this rank holds it.
+
+    `rows` are the real (not padding) rows `[start, stop)` of the original this rank holds (every
+    rank holds a 0-dim parameter, or any parameter under no_shard, whole); `unit` owns it, at
+    position `index`; `layout` is how it is cut (global shape, dtypes, `requires_grad`).
+    """
+
+    name: str
+    aliases: tuple[str, ...]
+    rows: tuple[int, int]
+    unit: ShardUnit
+    index: int
+    layout: ParamShard
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every name of the parameter: the canonical one, then those it is tied under."""
+        return (self.name, *self.aliases)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The original (global) shape: under tensor parallelism the whole tensor's, not the TP-local
+        one `layout` cuts over the data-parallel ranks."""
+        return global_shape(self.unit, self.layout)
+
+    @property
+    def split(self) -> str | None:
+        """How tensor parallelism splits the parameter ("rows", "cols"); None: not split, or no TP."""
+        return split_in(self.unit, self.layout)
+
+    @property
+    def box(self) -> Box:
+        """The block of the global tensor this rank holds (`local` has its shape; without tensor
+        parallelism, `rows` of the original)."""
+        return held_box_of(self.unit, self.index)
+
+    @property
+    def requires_grad(self) -> bool:
+        return self.layout.requires_grad
+
+    @property
+    def param(self) -> nn.Parameter:
+        """The parameter the optimizer sees (a DTensor of this rank's rows under sharding)."""
+        return self.unit.params[self.index]
+
+    def wrap(self, rows: torch.Tensor) -> torch.Tensor:
+        """`rows` (laid out like `local`) as the kind of tensor `param` is: the optimizer's state
+        must be one (a DTensor of the same placement), or its step would mix DTensors and plain tensors."""
+        return self.unit.factory.wrap(rows, self.layout)
+
+    @property
+    def local(self) -> torch.Tensor:
+        """This rank's rows, as a view of the unit's shard (writes go into the shard)."""
+        return self.unit.held(self.index)
+
+    @property
+    def flat_range(self) -> tuple[int, int]:
+        """(start, numel): the elements of the flattened original that this rank holds."""
+        if not self.layout.shape:
+            return 0, 1
+        start, stop = self.rows
+        return start * self.layout.row_numel, (stop - start) * self.layout.row_numel
+
+
+def held_params(model: nn.Module | Runtime) -> Iterator[HeldParam]:
+    """This rank's record of every original parameter of the sharded `model`, in unit order."""
+    runtime = model if isinstance(model, Runtime) else runtime_of(model)
+    for unit in runtime.units:
+        for index, shard in enumerate(unit.layout.params):
+            yield HeldParam(
+                name=shard.fqn,
+                aliases=shard.aliases,
+                rows=shard.held_rows(unit.comm.shard_rank if shard.world > 1 else 0) if shard.shape else (0, 1),
+                unit=unit,
+                index=index,
+                layout=shard,
+            )

@@ -40,6 +40,7 @@ import torch
 
 from .aio import ALIGN, AsyncFile, Request, aligned_empty, direct_supported
 from .disk_layout import (
+    Piece,
     Region,
     aliases,
     elementwise,
@@ -78,14 +79,15 @@ class DiskState:
         path = os.path.join(directory, prefix + os.urandom(4).hex() + ".state")
         self.file = AsyncFile(path, direct=self.direct, threads=threads)
         weakref.finalize(self, _close, self.file)
-        self._optimizer: weakref.ref | None = None
+        self._optimizer: weakref.ref[torch.optim.Optimizer] | None = None
         self._regions: dict[int, Region] = {}  # unit index -> its region
         self._end = 0  # bytes of the file given to regions
         self._pool: BufferRing | None = None
         self._queue: deque[int] = deque()  # units to read ahead, in step order
         self._reads: dict[int, tuple[torch.Tensor, Request]] = {}
         self._writes: list[Request] = []
-        self._views: dict[int, list[tuple[dict, str, torch.Tensor]]] = {}  # unit -> (view entries, key, slot view)
+        # unit -> (a state dict of its view, key, the entry's piece of the region, the entry's shape)
+        self._views: dict[int, list[tuple[dict, str, Piece, torch.Size]]] = {}
         self._held: dict[int, torch.Tensor] = {}  # unit -> its slot while it steps
         self._fresh: dict[int, tuple[Any, list]] = {}  # unit -> (view, [(parameter, alias)]) on its first step
         self._ready = threading.Condition()
@@ -272,7 +274,8 @@ class DiskState:
     def _write_created(self, index: int, view: Any, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """A unit's first step created its state in the view: write it to a new region (waiting, so at
         most one unit's new state is in host memory) and give the user's optimizer empty-storage entries."""
-        optimizer = self._optimizer()
+        optimizer = self._bound_optimizer()
+        assert optimizer is not None, "the disk tier steps units only for the optimizer bound in begin()"
         entries = [
             ((id(p), key), view.state[alias][key])
             for p, alias in pairs
@@ -312,7 +315,7 @@ class DiskState:
 
     def materialize(self, units: list[int] | None = None) -> None:
         """Read the state of `units` (default: all) back into the optimizer's tensors, in host memory."""
-        optimizer = self._optimizer() if self._optimizer is not None else None
+        optimizer = self._bound_optimizer()
         if optimizer is None:
             return
         self.drain()
@@ -324,14 +327,19 @@ class DiskState:
         }
         for index in self._regions if units is None else units:
             region = self._regions.get(index)
-            targets = [(by_key.get(piece.key), piece) for piece in region.pieces] if region is not None else []
-            targets = [(t, piece) for t, piece in targets if t is not None and on_disk(t)]
+            if region is None:
+                continue
+            targets = [(t, piece) for piece in region.pieces if (t := by_key.get(piece.key)) is not None and on_disk(t)]
             if not targets:
                 continue
             slot = self._scratch(region.nbytes)
             self._check(self.file.read(region.offset, slot[: region.nbytes]))
             for tensor, piece in targets:
                 restore(tensor, region.piece_view(slot, piece, tensor.shape))
+
+    def _bound_optimizer(self) -> torch.optim.Optimizer | None:
+        """The optimizer the first step bound, while it lives (None before that)."""
+        return self._optimizer() if self._optimizer is not None else None
 
     def _bind(self, optimizer: torch.optim.Optimizer, flush: Any) -> None:
         """The first step: read the state back before anything reads it outside the unit steps."""
@@ -383,6 +391,7 @@ def attach_disk_state(steps: HostSteps | None, policy: CPUOffload, *, rank: int)
             f"CPUOffload(disk_dir={policy.disk_dir!r}) with {ENV}=sequential: the disk tier streams the state "
             f"through the per-unit host step; unset {ENV}"
         )
+    assert policy.disk_dir is not None, "attach_disk_state is for a policy with a disk_dir"
     steps.store = DiskState(directory=os.fspath(policy.disk_dir), rank=rank, buffer_bytes=policy.disk_buffer_bytes)
     return steps.store
 

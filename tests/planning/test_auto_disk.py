@@ -8,9 +8,12 @@ of host memory per process, 29.92 GiB of it the AdamW state that the disk tier m
 from dataclasses import replace
 
 import pytest
+import torch
 
 import shardtrain as st
+from shardtrain.models.llama import Block, Llama, llama_config
 from shardtrain.planning.auto import choose_plan
+from shardtrain.planning.shard_auto import resolve_auto
 from shardtrain.train import planned_config
 from shardtrain.train.config import load_config
 from shardtrain.train.planned_config import choice_overrides, resolve_auto_config
@@ -73,6 +76,26 @@ def test_fits_nowhere_names_what_was_weighed(tmp_path):
     # without a directory, the disk tier is one of the remedies
     with pytest.raises(ValueError, match=r"a disk directory for the offloaded optimizer state \(disk_dir="):
         _plan("10GiB", "40GiB", None)
+
+
+def test_shard_auto_takes_the_disk_directory_from_its_policy(tmp_path):
+    """st.AutoPolicy(disk_dir=..., host_memory=...) as st.shard_auto passes it: st.shard gets the disk tier."""
+    with torch.device("meta"):
+        model = Llama(llama_config("8b", n_layers=16, vocab_size=8192))  # host: 26.5 GiB all offloaded
+    policy = st.AutoPolicy(
+        micro_batch=1, seq_len=4096, device_memory="10GiB", host_memory="24GiB", disk_dir=str(tmp_path)
+    )
+    choice = resolve_auto(
+        model,
+        world_size=2,
+        micro_batch=policy.micro_batch,
+        seq_len=policy.seq_len,
+        wrap={Block},
+        device_memory=policy.device_memory,
+        host_memory=policy.host_memory,
+        disk_dir=policy.disk_dir,
+    )
+    assert choice.shard_kwargs(model, wrap={Block})["cpu_offload"] == st.CPUOffload(disk_dir=str(tmp_path))
 
 
 def test_train_config_keeps_offload_dir_only_for_the_disk_tier(tmp_path, monkeypatch):

@@ -179,13 +179,17 @@ class AutoPolicy:
     batch the planner picks strategy, checkpointing and offload for.
 
     `micro_batch` sequences of `seq_len` tokens per device and step, as the training loop feeds them;
-    `device_memory` (bytes or "80GiB") defaults to the local GPU's.
+    `device_memory` (bytes or "80GiB") defaults to the local GPU's. `disk_dir` (an existing directory on
+    a local disk) lets the plan keep a fully offloaded model's optimizer state there, only when nothing
+    fits with device and host memory; `host_memory` (per process) defaults to this host's share then.
     """
 
     micro_batch: int
     seq_len: int
     device_memory: int | str | None = None
     grad_accum: int = 1
+    disk_dir: str | None = None
+    host_memory: int | str | None = None
 
 
 _PRECISION_NAMES = {

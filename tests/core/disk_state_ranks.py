@@ -97,6 +97,11 @@ def expected_file_bytes(run: Run) -> int:
     return total
 
 
+def region_bytes(unit) -> int:
+    """A unit's region, at most: two fp32 moments per parameter's local rows, each on 64 bytes, aligned."""
+    return aio.align_up(sum(-(-local_of(p).numel() * 4 // 64) * 64 * 2 for p in unit.params))
+
+
 def check_on_disk(run: Run) -> int:
     """Every moment is in the file (empty storage); the file has the expected size. The file's bytes."""
     runtime_of(run.model)  # completes the pending steps
@@ -152,10 +157,7 @@ def disk_equals_memory(directory: str, disk: str, steps: int = STEPS) -> dict:
     kw = {}
     state_dir = f"{directory}/state-{dist.get_rank()}"
     if disk == "buffered":
-        largest = max(
-            aio.align_up(sum(-(-local_of(p).numel() * 4 // 64) * 64 * 2 for p in u.params))
-            for u in runtime_of(build(None).model).units
-        )
+        largest = max(region_bytes(u) for u in runtime_of(build(None).model).units)
         kw = {"direct": False, "buffer_bytes": largest}
     results = {}
     for name, where in (("memory", None), (disk, state_dir)):
@@ -372,3 +374,63 @@ def closure_step_equals_memory(directory: str) -> int:
         results[where is None] = final(run)
     assert_same(results[False], results[True], "a closure step on the disk tier")
     return len(results[True])
+
+
+# ------------------------------------------------------------------------------------ read-ahead
+class Funnel(nn.Module):
+    """8 narrow layers, then a wide one: units whose state differs 16-fold in size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.narrow = nn.ModuleList(nn.Linear(64, 64) for _ in range(8))
+        self.wide = nn.Linear(64, 1024)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.narrow:
+            x = torch.tanh(layer(x))
+        return self.wide(x)
+
+
+def _funnel(directory: str | None) -> tuple[nn.Module, torch.optim.Optimizer, DiskState | None]:
+    torch.manual_seed(0)
+    model = Funnel()
+    st.shard(model, strategy="full_shard", wrap={nn.Linear})
+    runtime = runtime_of(model)
+    steps = overlap_host_steps(model, runtime, runtime.units)
+    store = None
+    if directory is not None:  # a pool of the wide unit's region: room for all 8 narrow ones at once
+        os.makedirs(directory, exist_ok=True)
+        pool = max(region_bytes(u) for u in runtime.units)
+        store = attach_disk_state(
+            steps, st.CPUOffload(disk_dir=directory, disk_buffer_bytes=pool), rank=dist.get_rank()
+        )
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), store
+
+
+def read_ahead_depth(directory: str) -> list[tuple[int, int]]:
+    """Each step issues the reads of as many units, in step order, as fit in the pool at once (not as
+    many as it holds of the largest), and trains bitwise as the state in host memory. Per step after
+    the first: (reads issued before the first unit steps, units whose regions fit the pool together)."""
+    runs = {where: _funnel(where) for where in (None, f"{directory}/state-{dist.get_rank()}")}
+    store = next(s for _, _, s in runs.values() if s is not None)
+    depths = []
+    begin = store.begin
+
+    def counting_begin(optimizer, flush, tasks) -> None:
+        begin(optimizer, flush, tasks)  # the step's tasks are not submitted yet: nothing is fetched
+        sizes = [store._regions[u.index].nbytes for u, _ in tasks if u.index in store._regions]
+        fit = next((k for k in range(len(sizes), -1, -1) if sum(sizes[:k]) <= store.pool_bytes()), 0)
+        depths.append((len(store._reads), fit if sizes else 0))
+
+    store.begin = counting_begin
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(dist.get_rank()))
+    for model, optimizer, _ in runs.values():
+        for _ in range(3):
+            model(x).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        runtime_of(model)
+    (memory, _, _), (disk, _, _) = runs.values()
+    for (name, want), got in zip(memory.state_dict().items(), disk.state_dict().values()):
+        assert torch.equal(local_of(want), local_of(got)), f"{name} differs with the state on disk"
+    return depths[1:]

@@ -18,12 +18,14 @@ import torch.multiprocessing as mp
 
 import shardtrain as st
 from shardtrain.core import aio
+from shardtrain.core.disk_pool import BufferRing
 from tests.core.disk_state_ranks import (
     closure_step_equals_memory,
     crash,
     disk_equals_memory,
     full_disk,
     peak_rss,
+    read_ahead_depth,
     resume_after_kill,
 )
 
@@ -53,6 +55,32 @@ def test_buffered_one_slot_is_bitwise_host_memory(pools, tmp_path):
         assert all(size > 0 for size in pools(2).run(disk_equals_memory, buffered, "buffered", 5))
     finally:
         shutil.rmtree(buffered, ignore_errors=True)
+
+
+def test_read_ahead_fills_the_pool_with_small_units(pools, tmp_path):
+    """A pool sized for the largest unit holds 8 smaller ones: all their reads are in flight at once."""
+    for depths in pools(2).run(read_ahead_depth, str(tmp_path)):
+        assert depths == [(8, 8), (8, 8)], depths
+
+
+def test_buffer_ring_lends_in_order_and_reuses_what_came_back():
+    ring = BufferRing(10 * aio.ALIGN)
+    a, b, c = (ring.take(3 * aio.ALIGN) for _ in range(3))
+    assert ring.take(2 * aio.ALIGN) is None  # 1 block left at the end
+    assert [v.data_ptr() - ring.buffer.data_ptr() for v in (a, b, c)] == [0, 3 * aio.ALIGN, 6 * aio.ALIGN]
+    ring.give(b)  # out of order: reused only once `a` is back too
+    assert ring.take(3 * aio.ALIGN) is None and ring.lent == 2
+    ring.give(a)
+    d = ring.take(5 * aio.ALIGN)  # wraps to the start, up to `c`
+    assert d.data_ptr() == ring.buffer.data_ptr() and d.numel() == 5 * aio.ALIGN
+    assert ring.take(aio.ALIGN + 1) is None  # [5, 6) blocks free: 1 block, less than 2 aligned ones
+    e = ring.take(aio.ALIGN)
+    assert e.data_ptr() - ring.buffer.data_ptr() == 5 * aio.ALIGN
+    for view in (c, d, e):
+        ring.give(view)
+    assert ring.lent == 0 and ring.take(10 * aio.ALIGN) is not None
+    with pytest.raises(ValueError, match="no view at byte"):
+        ring.give(e)
 
 
 def test_async_file_round_trip_both_modes(tmp_path, monkeypatch):

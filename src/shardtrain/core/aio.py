@@ -54,7 +54,7 @@ def direct_supported(directory: str) -> bool:
     finally:
         os.unlink(path)
     try:
-        os.pwritev(direct, [memoryview(aligned_empty(ALIGN).numpy())], 0)
+        os.pwritev(direct, [aligned_empty(ALIGN).numpy().data], 0)
         return True
     except OSError as e:
         if e.errno in (errno.EINVAL, errno.EOPNOTSUPP):
@@ -135,7 +135,7 @@ class AsyncFile:
                 f"O_DIRECT I/O on {self.path} needs offset, length and address aligned to {ALIGN} bytes; "
                 f"got offset {offset}, length {buffer.numel()}, address {buffer.data_ptr():#x}"
             )
-        view = memoryview(buffer.numpy())
+        view = buffer.numpy().data  # a memoryview of the tensor's bytes
         starts = range(0, len(view), CHUNK)
         request = Request(len(starts))
         for start in starts:

@@ -66,7 +66,7 @@ def evict(tensor: torch.Tensor) -> None:
     """Give the tensor a storage of its own and empty it (the old one may be shared with the caller's
     state dict, which must keep its values)."""
     holder = torch.empty(tensor.shape, dtype=tensor.dtype)  # never touched: no pages are committed
-    tensor.set_(holder)
+    tensor.set_(holder.untyped_storage(), 0, holder.shape, holder.stride())
     tensor.untyped_storage().resize_(0)
 
 

@@ -3,10 +3,11 @@
 With `st.CPUOffload(disk_dir=DIR)` the elementwise optimizer state of the offloaded units (AdamW's
 `exp_avg` and `exp_avg_sq`) lives in one file per rank under DIR instead of host memory. Each unit owns
 one region of the file; the deferred per-unit host step (core/host_step.py) streams the units through a
-bounded pool of aligned host buffers ("slots", `buffer_bytes` in all): before unit k steps its region
-is read into a slot (read-ahead: the next units' reads are issued as soon as slots free up), the
-optimizer view steps the slot in place, and the slot is written back (write-behind) and returns to the
-pool when the write completes (docs/design.md, Note [Disk tier]).
+bounded ring of aligned host memory (`buffer_bytes`, core/disk_pool.py): before unit k steps its region
+is read into a buffer taken from the ring (read-ahead: the next units' reads are issued as soon as
+their bytes are free, as many as fit), the optimizer view steps the buffer in place, and the buffer is
+written back (write-behind) and returns to the ring when the write completes (docs/design.md, Note
+[Disk tier]).
 
 The user's optimizer keeps its state entries: an entry on disk is its own tensor with the right shape
 and an empty storage, so the optimizer's structure, scalars (`step`) and hyperparameters stay where
@@ -39,6 +40,7 @@ import torch
 
 from .aio import ALIGN, AsyncFile, Request, aligned_empty, direct_supported
 from .disk_layout import (
+    Piece,
     Region,
     aliases,
     elementwise,
@@ -49,6 +51,7 @@ from .disk_layout import (
     predicted_bytes,
     restore,
 )
+from .disk_pool import BufferRing
 from .host_step import ENV
 from .sharded_param import local_of
 
@@ -57,7 +60,7 @@ if TYPE_CHECKING:
     from .host_step import HostSteps
     from .unit import ShardUnit
 
-DEFAULT_SLOTS = 4  # pool size when no budget is given: one unit stepping, one writing, two read ahead
+DEFAULT_SLOTS = 4  # pool size when no budget is given, in the largest unit's regions (smaller ones: more)
 
 
 class DiskFullError(OSError):
@@ -76,15 +79,15 @@ class DiskState:
         path = os.path.join(directory, prefix + os.urandom(4).hex() + ".state")
         self.file = AsyncFile(path, direct=self.direct, threads=threads)
         weakref.finalize(self, _close, self.file)
-        self._optimizer: weakref.ref | None = None
+        self._optimizer: weakref.ref[torch.optim.Optimizer] | None = None
         self._regions: dict[int, Region] = {}  # unit index -> its region
         self._end = 0  # bytes of the file given to regions
-        self._slots: list[torch.Tensor] = []
-        self._free: list[torch.Tensor] = []
+        self._pool: BufferRing | None = None
         self._queue: deque[int] = deque()  # units to read ahead, in step order
         self._reads: dict[int, tuple[torch.Tensor, Request]] = {}
         self._writes: list[Request] = []
-        self._views: dict[int, list[tuple[dict, str, torch.Tensor]]] = {}  # unit -> (view entries, key, slot view)
+        # unit -> (a state dict of its view, key, the entry's piece of the region, the entry's shape)
+        self._views: dict[int, list[tuple[dict, str, Piece, torch.Size]]] = {}
         self._held: dict[int, torch.Tensor] = {}  # unit -> its slot while it steps
         self._fresh: dict[int, tuple[Any, list]] = {}  # unit -> (view, [(parameter, alias)]) on its first step
         self._ready = threading.Condition()
@@ -95,10 +98,20 @@ class DiskState:
         return self._end
 
     def slot_count(self) -> int:
-        return len(self._slots)
+        """How many of the largest unit's regions the pool holds at once."""
+        return self._pool.nbytes // self._largest() if self._pool is not None else 0
 
     def pool_bytes(self) -> int:
-        return sum(s.numel() for s in self._slots)
+        return self._pool.nbytes if self._pool is not None else 0
+
+    def _largest(self) -> int:
+        return max([ALIGN, *(r.nbytes for r in self._regions.values())])
+
+    def _scratch(self, nbytes: int) -> torch.Tensor:
+        """The pool's first `nbytes`, for a transfer outside the step's pipeline (the pool is idle)."""
+        self._size_pool()
+        assert self._pool is not None and not self._pool.lent, "the disk tier's pool is in use"
+        return self._pool.buffer[:nbytes]
 
     # ------------------------------------------------------------------ one step (main thread)
     def begin(self, optimizer: torch.optim.Optimizer, flush: Any, tasks: list[tuple[ShardUnit, Any]]) -> None:
@@ -168,10 +181,9 @@ class DiskState:
             regions[index] = Region(offset=offset, nbytes=nbytes, pieces=pieces)
         self._reserve(end)
         self._regions.update(regions)
-        self._size_pool()
-        slot = self._slots[0]
         for index, ents in stale.items():
             region = self._regions[index]
+            slot = self._scratch(region.nbytes)
             for (_, tensor), piece in zip(ents, region.pieces):
                 region.piece_view(slot, piece, tensor.shape).copy_(tensor)
             self._check(self.file.write(region.offset, slot[: region.nbytes]))
@@ -203,32 +215,34 @@ class DiskState:
         )
 
     def _size_pool(self) -> None:
-        """Slots as large as the largest region, as many as the budget holds (the pool is idle)."""
-        slot_bytes = max([ALIGN, *(r.nbytes for r in self._regions.values())])
-        if self._slots and self._slots[0].numel() >= slot_bytes:
-            return
-        budget = self.buffer_bytes if self.buffer_bytes is not None else DEFAULT_SLOTS * slot_bytes
-        if budget < slot_bytes:
+        """The ring: `buffer_bytes`, else `DEFAULT_SLOTS` x the largest region (resized while idle)."""
+        largest = self._largest()
+        budget = self.buffer_bytes if self.buffer_bytes is not None else DEFAULT_SLOTS * largest
+        if budget < largest:
             raise ValueError(
                 f"CPUOffload(disk_buffer_bytes={budget}): the largest unit's optimizer state needs a "
-                f"{slot_bytes}-byte buffer; give at least {slot_bytes} (3 or more times that overlaps reads, "
+                f"{largest}-byte buffer; give at least {largest} (3 or more times that overlaps reads, "
                 "steps and writes)"
             )
-        self._slots = [aligned_empty(slot_bytes) for _ in range(budget // slot_bytes)]
-        self._free = list(self._slots)
+        if self._pool is None or self._pool.nbytes < budget // ALIGN * ALIGN:
+            self._pool = BufferRing(budget)
 
     # ------------------------------------------------------------------ the pipeline (worker and I/O threads)
     def _pump(self) -> None:
-        """Under `_ready`: issue the reads of queued units while slots are free."""
-        while self._queue and self._free:
-            index = self._queue.popleft()
-            slot, region = self._free.pop(), self._regions[index]
-            self._reads[index] = (slot, self.file.read(region.offset, slot[: region.nbytes]))
+        """Under `_ready`: issue the reads of queued units, in order, while the ring has room for them."""
+        assert self._pool is not None
+        while self._queue:
+            region = self._regions[self._queue[0]]
+            slot = self._pool.take(region.nbytes)
+            if slot is None:
+                return
+            self._reads[self._queue.popleft()] = (slot, self.file.read(region.offset, slot))
             self._ready.notify_all()
 
     def _slot_done(self, slot: torch.Tensor) -> None:
         with self._ready:
-            self._free.append(slot)
+            assert self._pool is not None
+            self._pool.give(slot)
             self._pump()
 
     def fetch(self, unit: ShardUnit) -> None:
@@ -260,7 +274,8 @@ class DiskState:
     def _write_created(self, index: int, view: Any, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """A unit's first step created its state in the view: write it to a new region (waiting, so at
         most one unit's new state is in host memory) and give the user's optimizer empty-storage entries."""
-        optimizer = self._optimizer()
+        optimizer = self._bound_optimizer()
+        assert optimizer is not None, "the disk tier steps units only for the optimizer bound in begin()"
         entries = [
             ((id(p), key), view.state[alias][key])
             for p, alias in pairs
@@ -300,7 +315,7 @@ class DiskState:
 
     def materialize(self, units: list[int] | None = None) -> None:
         """Read the state of `units` (default: all) back into the optimizer's tensors, in host memory."""
-        optimizer = self._optimizer() if self._optimizer is not None else None
+        optimizer = self._bound_optimizer()
         if optimizer is None:
             return
         self.drain()
@@ -312,15 +327,19 @@ class DiskState:
         }
         for index in self._regions if units is None else units:
             region = self._regions.get(index)
-            targets = [(by_key.get(piece.key), piece) for piece in region.pieces] if region is not None else []
-            targets = [(t, piece) for t, piece in targets if t is not None and on_disk(t)]
+            if region is None:
+                continue
+            targets = [(t, piece) for piece in region.pieces if (t := by_key.get(piece.key)) is not None and on_disk(t)]
             if not targets:
                 continue
-            self._size_pool()
-            slot = self._slots[0]
+            slot = self._scratch(region.nbytes)
             self._check(self.file.read(region.offset, slot[: region.nbytes]))
             for tensor, piece in targets:
                 restore(tensor, region.piece_view(slot, piece, tensor.shape))
+
+    def _bound_optimizer(self) -> torch.optim.Optimizer | None:
+        """The optimizer the first step bound, while it lives (None before that)."""
+        return self._optimizer() if self._optimizer is not None else None
 
     def _bind(self, optimizer: torch.optim.Optimizer, flush: Any) -> None:
         """The first step: read the state back before anything reads it outside the unit steps."""
@@ -372,6 +391,7 @@ def attach_disk_state(steps: HostSteps | None, policy: CPUOffload, *, rank: int)
             f"CPUOffload(disk_dir={policy.disk_dir!r}) with {ENV}=sequential: the disk tier streams the state "
             f"through the per-unit host step; unset {ENV}"
         )
+    assert policy.disk_dir is not None, "attach_disk_state is for a policy with a disk_dir"
     steps.store = DiskState(directory=os.fspath(policy.disk_dir), rank=rank, buffer_bytes=policy.disk_buffer_bytes)
     return steps.store
 

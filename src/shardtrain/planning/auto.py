@@ -7,7 +7,11 @@ with the memory estimator (`candidates`) and the cost model (`speed`), and retur
 device memory stays within the device's memory less a safety margin; equal predicted times go to the
 one that needs less memory, then to the earlier in `strategies`. CPU offload is weighed only when
 nothing fits without it, of a quarter, half, three quarters or all of the model (whole units); its
-host step is priced per offloaded parameter, so the smallest share that fits usually wins.
+host step is priced per offloaded parameter, so the smallest share that fits usually wins. Given a
+disk directory (`disk_dir`), the disk tier (all units offloaded, their optimizer state in files there,
+core/disk_state.py) is weighed only when nothing fits with device and host memory either: a
+configuration fits the host when the estimator's host bytes (and the disk tier's buffers) stay within
+`host_memory` less the safety margin.
 
 Safety margin: 5% of the device's memory on top of the estimator's own reserve (CUDA context, NCCL,
 5% fragmentation), because the estimator errs low against this engine's measured peaks (BENCHMARKS.md,
@@ -25,6 +29,7 @@ from typing import Any
 from torch import nn
 
 from ..options import ShardOptions, offload_setting, resolve_options
+from ..policy import CPUOffload
 from ..strategy import Strategy
 from .candidates import Candidate, batch_splits, evaluate, offload_label, parse_strategies
 from .checkpointing import recompute_policy
@@ -49,6 +54,7 @@ class AutoChoice:
     recompute_every: int  # 0: none, 1: every block, k: blocks 0, k, 2k, ... (as estimate_memory counts)
     checkpointed_blocks: int
     cpu_offload: float  # the share of the parameters offloaded to the host (whole units); 0.0: none
+    disk_dir: str | None  # the disk tier's directory for the offloaded optimizer state; None: host memory
     micro_batch: int  # sequences per rank per micro-step
     grad_accum: int
     seq_len: int
@@ -70,6 +76,7 @@ class AutoChoice:
                 recompute_every=c.recompute_every,
                 checkpointed_blocks=c.checkpointed_blocks,
                 cpu_offload=c.cpu_offload,
+                disk_dir=c.disk_dir,
                 micro_batch=c.micro_batch,
                 grad_accum=c.grad_accum,
                 predicted_bytes=c.needed,
@@ -93,9 +100,10 @@ class AutoChoice:
 
     def shard_kwargs(self, model: nn.Module, *, wrap: Any) -> dict[str, Any]:
         """strategy, activation_checkpointing and cpu_offload for `st.shard(model, wrap=wrap, ...)`."""
+        offload = offload_setting(self.cpu_offload)
         return {
             "strategy": self.strategy,
-            "cpu_offload": offload_setting(self.cpu_offload),
+            "cpu_offload": offload if self.disk_dir is None else CPUOffload(fraction=1.0, disk_dir=self.disk_dir),
             "activation_checkpointing": recompute_policy(model, wrap=wrap, every=self.recompute_every),
         }
 
@@ -110,7 +118,7 @@ class AutoChoice:
         )
 
     def __str__(self) -> str:
-        offload = offload_label(self.cpu_offload)
+        offload = offload_label(self.cpu_offload, disk=self.disk_dir is not None)
         checkpointing = checkpointing_label(self.recompute_every)
         head = (
             f"automatic plan: {self.estimate.inputs.label}, activation checkpointing {checkpointing}{offload}, "
@@ -173,6 +181,7 @@ def _nothing_fits(
     offload: bool,
     kwargs: dict[str, Any],
     host_usable: int | None = None,
+    disk_dir: str | None = None,
 ) -> ValueError:
     """What to change when no candidate fits: more devices, shorter sequences, or bigger devices."""
     smallest = min(candidates, key=lambda c: c.needed)
@@ -182,6 +191,8 @@ def _nothing_fits(
             f"more host memory per process (offloading more of the model needs more than the "
             f"{format_gib(host_usable)} GiB usable here)"
         )
+        if disk_dir is None:
+            remedies.append("a disk directory for the offloaded optimizer state (disk_dir=, --engine.offload_dir)")
     for step in range(1, _SEARCH_STEPS + 1):
         world = world_size << step
         if _smallest_needed(model, world_size=world, seq_len=seq_len, offload=offload, kwargs=kwargs) <= usable:
@@ -201,10 +212,13 @@ def _nothing_fits(
     remedies.append(f"use devices with at least {format_gib(smallest.needed / (1 - safety_margin))} GiB")
     if not offload:
         remedies.append("allow CPU offload")
+    weighed = "the device alone" + ", CPU offload to the host" * offload
+    if offload and disk_dir is not None:
+        weighed += f", CPU offload with the optimizer state on disk in {disk_dir}"
     return ValueError(
         f"nothing fits in {format_gib(memory)} GiB per device ({format_gib(usable)} GiB usable with the "
-        f"{safety_margin:.0%} safety margin): the smallest configuration weighed, {smallest.describe()}, "
-        f"needs {format_gib(smallest.needed)} GiB. To fit: {'; or '.join(remedies)}"
+        f"{safety_margin:.0%} safety margin; weighed: {weighed}): the smallest configuration weighed, "
+        f"{smallest.describe()}, needs {format_gib(smallest.needed)} GiB. To fit: {'; or '.join(remedies)}"
     )
 
 
@@ -225,6 +239,7 @@ def choose_plan(
     allow_offload: bool = True,
     safety_margin: float = SAFETY_MARGIN,
     host_memory: int | str | None = None,
+    disk_dir: str | None = None,
     wrap: Any = None,
     **shape_hints: Any,
 ) -> AutoChoice:
@@ -237,7 +252,9 @@ def choose_plan(
     The batch: `global_batch_tokens` (over all devices, per optimizer step), or `micro_batch` sequences
     per device with `grad_accum`. With `split_batch`, each device's sequences may be regrouped into
     any micro_batch x grad_accum of the same product; without, the given split is kept. `host_memory`
-    (per process) bounds what CPU offload may put on the host (None: not checked).
+    (per process) bounds what CPU offload may put on the host (None: not checked). `disk_dir` (an
+    existing directory) lets the plan keep the optimizer state of a fully offloaded model there, when
+    nothing fits with device and host memory alone.
     Raises ValueError naming what to change (more devices, shorter sequences, ...) if nothing fits.
     """
     world_size = positive_int(world_size, "world_size")
@@ -269,11 +286,16 @@ def choose_plan(
         None if host_memory is None else int(parse_bytes(host_memory, what="host_memory") * (1 - safety_margin))
     )
     candidates = evaluate(model_spec, cpu_offload=0.0, **common)
-    too_big_for_host = []  # offloaded configurations whose host share does not fit the host
-    if allow_offload and all(c.needed > usable for c in candidates):
-        for fraction in OFFLOAD_FRACTIONS:
-            for c in evaluate(model_spec, cpu_offload=fraction, **common):
-                fits_host = host_usable is None or c.estimate.host <= host_usable
+    too_big_for_host: list[Candidate] = []  # offloaded configurations whose host share does not fit the host
+    stages = [[dict(cpu_offload=fraction) for fraction in OFFLOAD_FRACTIONS]]  # host memory, every share at once
+    if disk_dir is not None:  # then the disk tier: only when nothing fits with device and host memory
+        stages.append([dict(cpu_offload=1.0, disk_dir=disk_dir)])
+    for stage in stages if allow_offload else ():
+        if any(c.needed <= usable for c in candidates):
+            break
+        for tier in stage:
+            for c in evaluate(model_spec, **tier, **common):
+                fits_host = host_usable is None or c.host_bytes <= host_usable
                 (candidates if fits_host else too_big_for_host).append(c)
     fits = [c for c in candidates if c.needed <= usable]
     if not fits:
@@ -288,6 +310,7 @@ def choose_plan(
             offload=allow_offload,
             kwargs=kwargs,
             host_usable=host_usable if too_big_for_host else None,
+            disk_dir=disk_dir,
         )
     ranked = sorted(fits, key=lambda c: (c.time.total, c.needed))  # stable: ties keep the strategies' order
     best = ranked[0]
@@ -312,12 +335,15 @@ def choose_plan(
         global_tokens=sequences * world_size * seq_len,
         fixed_batch=len(splits) == 1,
         baseline=baseline,
+        host_rejected=too_big_for_host,
+        host_usable=host_usable,
     )
     return AutoChoice(
         strategy=best.strategy,
         recompute_every=best.recompute_every,
         checkpointed_blocks=best.checkpointed_blocks,
         cpu_offload=best.cpu_offload,
+        disk_dir=best.disk_dir,
         micro_batch=best.micro_batch,
         grad_accum=best.grad_accum,
         seq_len=seq_len,

@@ -1,12 +1,15 @@
 """The configurations the automatic plan weighs: each with its memory bill and predicted step time.
 
 A candidate fixes a strategy, activation checkpointing (none, every k-th block, every block), the share
-of the model CPU offload moves to the host, and a split of each rank's batch into micro_batch x
+of the model CPU offload moves to the host (with or without the disk tier for its optimizer state), and a split of each rank's batch into micro_batch x
 grad_accum sequences. Its device memory is the estimator's peak plus reserve (`MemoryEstimate.total +
 reserve`), plus, with gradient accumulation, the unsharded gradients `no_sync` keeps between
 micro-batches: every unit's full flat gradient in the reduce dtype (`ShardUnit.accumulate_or_reduce`),
 held from the first micro-batch's backward to the last one's. Counting them on top of the peak is an
 upper bound (the last backward frees them unit by unit while it reduces).
+
+Host memory: the estimator's host bytes, plus with the disk tier its pool of read/write buffers
+(`DEFAULT_SLOTS` slots, each the largest unit's optimizer state per rank, as core/disk_state.py sizes it).
 
 Gradients are assumed released by `zero_grad(set_to_none=True)` between steps (keep_grads=False), as
 the training loop does; the engine then frees the cleared sharded gradients before the next forward.
@@ -17,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..core.disk_state import DEFAULT_SLOTS
 from ..policy import CPUOffload
 from ..strategy import Strategy, parse_strategy
 from .activations import checkpointed_blocks
@@ -38,6 +42,13 @@ class Candidate:
     estimate: MemoryEstimate
     accumulation_bytes: int  # unsharded gradients held by no_sync between micro-batches
     time: StepTime
+    disk_dir: str | None = None  # the disk tier's directory for the offloaded optimizer state; None: host memory
+    disk_pool_bytes: int = 0  # the disk tier's host buffers
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory per process: the estimator's host bytes and the disk tier's buffer pool."""
+        return self.estimate.host + self.disk_pool_bytes
 
     @property
     def needed(self) -> int:
@@ -55,16 +66,18 @@ class Candidate:
 
     def describe(self) -> str:
         return (
-            f"{self.estimate.inputs.label}, {self.checkpointing}{offload_label(self.cpu_offload)}, "
+            f"{self.estimate.inputs.label}, {self.checkpointing}{offload_label(self.cpu_offload, disk=self.disk_dir is not None)}, "
             f"micro-batch {self.micro_batch} x {self.grad_accum} accumulation step{'s' * (self.grad_accum > 1)}"
         )
 
 
-def offload_label(fraction: float) -> str:
-    """ ", CPU offload" (everything), ", CPU offload of 50%" (partial), or "" (none)."""
+def offload_label(fraction: float, *, disk: bool = False) -> str:
+    """ ", CPU offload" (everything), ", CPU offload of 50%" (partial), or "" (none); with the disk tier
+    ", CPU offload, optimizer state on disk"."""
     if not fraction:
         return ""
-    return ", CPU offload" if fraction == 1 else f", CPU offload of {fraction:.0%}"
+    label = ", CPU offload" if fraction == 1 else f", CPU offload of {fraction:.0%}"
+    return label + ", optimizer state on disk" * disk
 
 
 def accumulation_bytes(estimate: MemoryEstimate, *, grad_accum: int) -> int:
@@ -95,11 +108,13 @@ def evaluate(
     seq_len: int,
     cpu_offload: float,
     estimate_kwargs: dict[str, Any],
+    disk_dir: str | None = None,
 ) -> list[Candidate]:
-    """Every (strategy, checkpointing, split) candidate with the given share offloaded (0.0: none)."""
+    """Every (strategy, checkpointing, split) candidate with the given share offloaded (0.0: none), its
+    optimizer state in files under `disk_dir` when one is given."""
     probe = estimate_memory(model, world_size=world_size, seq_len=seq_len, **estimate_kwargs)
     spec = probe.inputs.model
-    policy = CPUOffload(fraction=cpu_offload) if cpu_offload else None
+    policy = CPUOffload(fraction=cpu_offload, disk_dir=disk_dir) if cpu_offload else None
     options = checkpoint_options(spec.shape.n_layers) if spec.shape else [(0, 0)]
     out = []
     for strategy in strategies:
@@ -127,6 +142,8 @@ def evaluate(
                         grad_accum=grad_accum,
                         estimate=estimate,
                         accumulation_bytes=accumulation_bytes(estimate, grad_accum=grad_accum),
+                        disk_dir=disk_dir if policy else None,
+                        disk_pool_bytes=disk_pool_bytes(estimate) if policy and disk_dir is not None else 0,
                         time=step_time(
                             model=spec,
                             strategy=strategy,
@@ -142,6 +159,13 @@ def evaluate(
                     )
                 )
     return out
+
+
+def disk_pool_bytes(estimate: MemoryEstimate) -> int:
+    """The disk tier's default buffer pool per process: `DEFAULT_SLOTS` x the largest unit's optimizer state."""
+    spec, inputs = estimate.inputs.model, estimate.inputs
+    largest = max([spec.root_params, *spec.unit_params])
+    return DEFAULT_SLOTS * int(largest * inputs.optimizer_bytes / inputs.shard_size)
 
 
 def parse_strategies(strategies: Any) -> list[Strategy]:

@@ -7,7 +7,10 @@ or cost. The numbers come from the same candidates the choice was made from.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from .candidates import Candidate
+from .offload_time import DISK_READ_BYTES_PER_S, DISK_WRITE_BYTES_PER_S
 from .sizes import GiB, format_gib
 from .speed import GATHER_EXPOSED_FRACTION, REFERENCE_TOKENS, StepTime
 
@@ -33,7 +36,7 @@ def _compare(other: Candidate, best: Candidate) -> str:
 
 
 def _same(a: Candidate, b: Candidate, *, but: str) -> bool:
-    keys = {"strategy", "recompute_every", "cpu_offload", "micro_batch"} - {but}
+    keys = {"strategy", "recompute_every", "cpu_offload", "disk_dir", "micro_batch"} - {but}
     return all(getattr(a, k) == getattr(b, k) for k in keys)
 
 
@@ -91,6 +94,26 @@ def _batch(best: Candidate, candidates: list[Candidate], global_tokens: int, fix
     )
 
 
+def _disk(best: Candidate, host_rejected: list[Candidate], usable: int, host_usable: int | None) -> str:
+    """Why the disk tier: the configurations that fit the device needed more host memory than there is."""
+    on_device = [c for c in host_rejected if c.needed <= usable and c.disk_dir is None]
+    why = "nothing fits with device and host memory"
+    if on_device and host_usable is not None:
+        least = min(on_device, key=lambda c: c.host_bytes)
+        why += (
+            f" (the least host memory a configuration fitting the device needs, {least.describe()}, is "
+            f"{_gib(least.host_bytes)} per process, {_gib(host_usable)} usable)"
+        )
+    disk = best.estimate.disk
+    seconds = disk / DISK_READ_BYTES_PER_S + disk / DISK_WRITE_BYTES_PER_S
+    return (
+        f"disk tier: all units offloaded, their optimizer state in files under {best.disk_dir}: chosen because "
+        f"{why}; {_gib(disk)} per process on disk, {_gib(best.host_bytes)} in host memory with the disk "
+        f"buffers; reading and writing it takes at least {seconds:.1f} s per step at "
+        f"{DISK_READ_BYTES_PER_S / 1e9:.2f} / {DISK_WRITE_BYTES_PER_S / 1e9:.2f} GB/s (planning/offload_time.py)"
+    )
+
+
 def _offload(best: Candidate, candidates: list[Candidate]) -> str:
     if not best.cpu_offload:
         return "CPU offload: not needed (weighed only when nothing fits on the device)"
@@ -124,8 +147,11 @@ def explain(
     global_tokens: int,
     fixed_batch: bool,
     baseline: StepTime | None,
+    host_rejected: Sequence[Candidate] = (),
+    host_usable: int | None = None,
 ) -> tuple[str, ...]:
-    """The reasons for `best` among `candidates` (everything weighed), as lines for a person."""
+    """The reasons for `best` among `candidates` (everything weighed), as lines for a person;
+    `host_rejected` are the offloaded configurations whose host share exceeds `host_usable`."""
     fits = [c for c in candidates if c.needed <= usable]
     lines = [
         f"fits: predicted {_gib(best.needed)} per device of {_gib(memory)} "
@@ -133,7 +159,11 @@ def explain(
         f"fastest of the {len(fits)} configurations predicted to fit, of {len(candidates)} weighed; "
         f"step time {best.time.describe()}",
     ]
-    faster = [c for c in candidates if c.time.total < best.time.total and c.cpu_offload == best.cpu_offload]
+    faster = [
+        c
+        for c in candidates
+        if c.time.total < best.time.total and (c.cpu_offload, c.disk_dir) == (best.cpu_offload, best.disk_dir)
+    ]
     if faster:
         top = min(faster, key=lambda c: c.time.total)
         lines.append(
@@ -149,6 +179,7 @@ def explain(
         _strategies(best, candidates, usable),
         _batch(best, candidates, global_tokens, fixed_batch),
         _offload(best, candidates),
+        *([_disk(best, list(host_rejected), usable, host_usable)] if best.disk_dir is not None else []),
         *_baseline(best, baseline),
         f"cost model (planning/speed.py): compute ~ tokens x FLOPs per token / efficiency t/(t+256) per "
         f"micro-batch, recomputation = each checkpointed block's forward, full_shard's second all-gather "

@@ -49,6 +49,8 @@ def shard_auto_with(model: nn.Module, policy: AutoPolicy, options: ShardOptions)
         grad_accum=policy.grad_accum,
         wrap=options.wrap,
         device_memory=policy.device_memory,
+        host_memory=policy.host_memory,
+        disk_dir=policy.disk_dir,
         mixed_precision=options.precision,
     )
     return shard_with(model, choice.applied_to(options, model)), choice
@@ -62,6 +64,8 @@ def resolve_auto(
     seq_len: int,
     wrap: Any,
     device_memory: int | str | None = None,
+    host_memory: int | str | None = None,
+    disk_dir: str | None = None,
     grad_accum: int = 1,
     mixed_precision: Any = "bf16",
     optimizer: Any = "adamw",
@@ -71,7 +75,9 @@ def resolve_auto(
     """The automatic plan for `st.shard(model, wrap=wrap, ...)`: strategy, checkpointing and offload.
 
     The micro-batch stays as the caller's loop feeds it (`micro_batch` sequences of `seq_len` tokens
-    per device, `grad_accum` micro-batches per step). `device_memory` defaults to the local GPU's.
+    per device, `grad_accum` micro-batches per step). `device_memory` defaults to the local GPU's;
+    `host_memory` (per process) to this host's share when planning for the local GPUs or when `disk_dir`
+    offers the disk tier (weighed only when nothing fits with device and host memory).
     Apply the answer with `choice.applied_to(options, model)` or `choice.shard_kwargs(model, wrap=wrap)`.
     """
     if wrap is None:
@@ -79,10 +85,10 @@ def resolve_auto(
             "the automatic plan needs wrap= (e.g. the transformer block class): with the whole model as "
             "one unit every strategy gathers all parameters at once and checkpointing has no blocks"
         )
-    host_memory = None
-    if device_memory is None:  # planning for this machine: its GPUs and its host memory
-        device_memory, _ = local_device_memory(accelerator="cuda", processes=1)
+    if host_memory is None and (device_memory is None or disk_dir is not None):  # this machine's host memory
         host_memory, _ = local_device_memory(accelerator="cpu", processes=local_processes(world_size))
+    if device_memory is None:  # planning for this machine's GPUs
+        device_memory, _ = local_device_memory(accelerator="cuda", processes=1)
     return choose_plan(
         model,
         world_size=world_size,
@@ -96,5 +102,6 @@ def resolve_auto(
         allow_offload=allow_offload,
         safety_margin=safety_margin,
         host_memory=host_memory,
+        disk_dir=disk_dir,
         wrap=wrap,
     )

@@ -6,8 +6,10 @@ precision="auto" follow the Engine's rules, the micro-batch follows the loop's `
 `shardtrain plan` describes the run that `shardtrain train` starts, from the same config.
 
 `resolve_auto_config(cfg)` replaces strategy "auto" by `planning.auto.choose_plan`'s choice, keeping
-the global batch: engine.strategy, model.activation_checkpointing, engine.cpu_offload and
-train.grad_accum change; nothing else does. A fine-tune (lora.rank > 0) is planned as one: the
+the global batch: engine.strategy, model.activation_checkpointing, engine.cpu_offload,
+engine.offload_dir and train.grad_accum change; nothing else does. engine.offload_dir offers the
+disk tier: the plan keeps it only when nothing fits with device and host memory (this host's share
+per process), and clears it otherwise. A fine-tune (lora.rank > 0) is planned as one: the
 model is built on the meta device with its adapters, so the frozen base is billed without gradients
 or optimizer state and with the activations backward needs through it. The returned config is what the run saves as its
 config.yaml, so rerunning that file repeats the choice without planning again.
@@ -115,13 +117,14 @@ def build_on_meta(cfg: Config, *, precision: str) -> BuiltModel:
 
 
 def apply_choice(cfg: Config, choice: AutoChoice) -> Config:
-    """`cfg` with the automatic plan's strategy, checkpointing, offload and accumulation."""
+    """`cfg` with the automatic plan's strategy, checkpointing, offload (and disk tier) and accumulation."""
     return dataclasses.replace(
         cfg,
         engine=dataclasses.replace(
             cfg.engine,
             strategy=choice.strategy.value,
             cpu_offload=offload_setting(choice.cpu_offload),
+            offload_dir=choice.disk_dir,
         ),
         model=dataclasses.replace(cfg.model, activation_checkpointing=choice.activation_checkpointing),
         train=dataclasses.replace(cfg.train, grad_accum=choice.grad_accum),
@@ -134,6 +137,7 @@ def choice_overrides(cfg: Config) -> list[str]:
     values = {
         "engine.strategy": cfg.engine.strategy,
         "engine.cpu_offload": cfg.engine.cpu_offload,
+        "engine.offload_dir": cfg.engine.offload_dir,
         "engine.auto_trials": 0,
         "model.activation_checkpointing": cfg.model.activation_checkpointing,
         "train.grad_accum": cfg.train.grad_accum,
@@ -141,8 +145,8 @@ def choice_overrides(cfg: Config) -> list[str]:
     return [arg for key, value in values.items() for arg in (f"--{key}", _command_line(value))]
 
 
-def _command_line(value: str | bool | int | float) -> str:
-    return value if isinstance(value, str) else json.dumps(value)
+def _command_line(value: str | bool | int | float | None) -> str:
+    return value if isinstance(value, str) else json.dumps(value)  # None: "null", which the reader takes
 
 
 def resolve_auto_config(
@@ -162,9 +166,10 @@ def resolve_auto_config(
             "give them with --model.wrap ClassName"
         )
     host_memory = None
-    if device_memory is None:  # planning for this machine: its devices and its host memory
-        device_memory, _ = local_device_memory(accelerator=setup.accelerator, processes=setup.world_size)
+    if device_memory is None or cfg.engine.offload_dir is not None:  # this machine's host memory
         host_memory, _ = local_device_memory(accelerator="cpu", processes=local_processes(setup.world_size))
+    if device_memory is None:  # planning for this machine's devices
+        device_memory, _ = local_device_memory(accelerator=setup.accelerator, processes=setup.world_size)
     choice = choose_plan(
         built.module,
         world_size=setup.world_size,
@@ -174,6 +179,7 @@ def resolve_auto_config(
         grad_accum=setup.grad_accum,
         precision=setup.precision,
         host_memory=host_memory,
+        disk_dir=cfg.engine.offload_dir,
         wrap=built.wrap,
     )
     return apply_choice(cfg, choice), choice

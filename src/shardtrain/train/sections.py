@@ -223,7 +223,8 @@ class EngineConfig:
     )
     offload_dir: str | None = _help(
         "with engine.cpu_offload: keep the offloaded units' optimizer state in per-rank files in this "
-        "directory on a local disk (the disk tier), streamed through the host optimizer step",
+        "directory on a local disk (the disk tier), streamed through the host optimizer step; with "
+        "strategy 'auto': only when nothing fits in device and host memory",
         None,
     )
     precision: str = _help("'auto' (bf16-mixed on GPU, 32-true on CPU), 'bf16-mixed' or '32-true'", "auto")
@@ -248,10 +249,11 @@ class EngineConfig:
             "use true, false, or a share of the parameters in (0, 1]",
         )
         _require(
-            self.offload_dir is None or bool(self.cpu_offload),
+            self.offload_dir is None or bool(self.cpu_offload) or self.strategy == "auto",
             "engine.offload_dir",
             self.offload_dir,
-            "the disk tier holds offloaded state: also give --engine.cpu_offload true (or a share)",
+            "the disk tier holds offloaded state: also give --engine.cpu_offload true (or a share), "
+            "or --engine.strategy auto to use it only when nothing fits otherwise",
         )
 
 

@@ -62,6 +62,8 @@ def test_plan_and_estimate_commands_know_tp(capsys):
     assert "micro-batch 8 x 1 accumulation step" in out and ", tp 2 (sequence parallel)" in out
     assert "strategy full_shard, tp 2 (sequence parallel), shard group of 1" in out
     assert "2 all-gathers + 2 reduce-scatters over tp" in out
-    assert cli.main(["estimate", "--model", "8b", "--gpus", "8", "--tp", "2", "--strategy", "full_shard"]) == 0
+    # 12 GPUs, tp 4: 3 data-parallel ranks, too few for a hybrid group (the default strategies drop it)
+    assert cli.main(["estimate", "--model", "8b", "--gpus", "12", "--tp", "4"]) == 0
     out = capsys.readouterr().out
-    assert "full_shard, tp 2, shard group of 4" in out and "2 all-reduces over tp of 32.0 MiB" in out
+    assert "full_shard, tp 4" in out and "hybrid" not in out and "2 all-reduces over tp of 32.0 MiB" in out
+    assert "/ 3 = " in out  # the model states' arithmetic: the TP-local model over 3 ranks

@@ -67,6 +67,10 @@ def register(subparsers) -> None:
     parser.add_argument(
         "--strategy", help=f"comma-separated strategies to compare (default: {','.join(DEFAULT_STRATEGIES)})"
     )
+    parser.add_argument("--tp", type=int, default=1, help="tensor parallelism: ranks each layer is split over")
+    parser.add_argument(
+        "--sequence-parallel", action="store_true", help="with --tp: norms and residual split along the sequence"
+    )
     parser.add_argument("--shard-size", type=int, help="hybrid_shard group size (default: up to 8, below --gpus)")
     parser.add_argument("--seq", type=int, default=4096, help="sequence length (default 4096)")
     parser.add_argument("--batch", type=int, default=1, help="micro-batch per device (default 1)")
@@ -154,6 +158,8 @@ def run(args: argparse.Namespace) -> int:
             lora_rank=args.lora_rank,
             lora_targets=args.lora_targets.split(","),
             trainable_fraction=args.trainable,
+            tp=args.tp,
+            sequence_parallel=args.sequence_parallel,
             **hints,
         )
     except ValueError as exc:

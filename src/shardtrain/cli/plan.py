@@ -79,6 +79,7 @@ def _header(description: str, setup: PlannedSetup) -> str:
         f"{setup.precision}, micro-batch {setup.micro_batch} x {setup.grad_accum} accumulation "
         f"step{'s' * (setup.grad_accum > 1)}, seq "
         f"{setup.seq_len}, activation checkpointing {checkpointing}{offload}"
+        + (f", tp {setup.tp}{' (sequence parallel)' * setup.sequence_parallel}" if setup.tp > 1 else "")
     )
 
 
@@ -110,6 +111,8 @@ def report(args: argparse.Namespace) -> str:
         micro_batch=setup.micro_batch,
         seq_len=setup.seq_len,
         device_memory=memory,
+        tp=setup.tp,
+        sequence_parallel=setup.sequence_parallel,
     )
     held = accumulation_bytes(estimate, grad_accum=setup.grad_accum)
     bill = str(estimate)

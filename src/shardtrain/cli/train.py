@@ -90,7 +90,25 @@ def engine_options(cfg: Config) -> dict[str, Any]:
         cpu_offload=cpu_offload_option(cfg),
         timeout=timedelta(seconds=cfg.engine.timeout),
         compile=cfg.train.compile,
+        tp=cfg.engine.tp,
     )
+
+
+def check_tensor_parallel(cfg: Config) -> None:
+    """engine.tp > 1 against the other sections (the Engine refuses offload and hybrid sharding itself)."""
+    tp = cfg.engine.tp
+    if tp == 1:
+        return
+    if cfg.engine.strategy == "auto":
+        raise ValueError(
+            f"engine.tp={tp} with engine.strategy='auto': the automatic plan does not plan tensor parallelism; "
+            "give --engine.strategy full_shard (or shard_grad_op), or drop --engine.tp"
+        )
+    if cfg.model.pretrained is not None:
+        raise ValueError(
+            f"engine.tp={tp} with model.pretrained={cfg.model.pretrained!r}: loading pretrained weights into a "
+            "tensor-parallel model is not supported yet; fine-tune with --engine.tp 1"
+        )
 
 
 def cpu_offload_option(cfg: Config) -> Any:
@@ -116,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
 
     chosen: list[str] = []
     try:
+        check_tensor_parallel(cfg)
         if cfg.engine.strategy == "auto":
             cfg, chosen = _resolve_auto(cfg)
         engine = Engine(**engine_options(cfg))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import cast
 
 import torch
@@ -18,7 +19,7 @@ from .host_step import StepMode, overlap_host_steps
 from .lookup import LookupUnit, runs_sharded_lookup
 from .materialize import Materializer, current_tensors, cut_shards
 from .param_layout import layout_of_unit
-from .partition import Occurrence, UnitSpec, matching_paths, partition
+from .partition import Occurrence, Partition, UnitSpec, matching_paths, partition
 from .pinned import PinnedBuffers
 from .process_groups import control_group, order_group, resolve_device, resolve_groups
 from .recompute import apply_activation_checkpointing
@@ -79,15 +80,11 @@ def shard_module(model: nn.Module, options: ShardOptions) -> nn.Module:
         order_group=order_group(process_group),
         pinned=PinnedBuffers() if any(offloaded) else None,
     )
-    occurrences = {id(p): occ for spec in plan.units for p, occ in zip(spec.params, spec.occurrences)}
-    materializer = Materializer(root=model, device=device, param_init_fn=param_init_fn, occurrences=occurrences)
-    unit_modules = {id(spec.module) for spec in plan.units}
+    materialize_unit = _unit_materializer(model, plan, device=device, param_init_fn=param_init_fn)
     broadcast_group = (process_group or dist.group.WORLD) if options.sync_module_states else None
     for index, spec in enumerate(plan.units):
         originals = list(spec.params)
-        materializer.materialize(
-            _scope_modules(spec, unit_modules) + [o.module for occ in spec.occurrences for o in occ]
-        )
+        materialize_unit(spec)
         tensors = current_tensors(spec) if tp is None else local_tensors(current_tensors(spec))
         layout = layout_of_unit(
             [(occ[0].fqn, tuple(o.fqn for o in occ[1:]), t) for occ, t in zip(spec.occurrences, tensors)],
@@ -148,6 +145,33 @@ def shard_module(model: nn.Module, options: ShardOptions) -> nn.Module:
     if offload.disk_dir is not None:
         attach_disk_state(runtime.host_steps, offload, rank=dist.get_rank() if dist.is_initialized() else 0)
     return model
+
+
+def materialize_whole(model: nn.Module, options: ShardOptions, *, device: torch.device) -> None:
+    """Materialise a model built on the meta device, whole, on `device`, with the values `shard_module`
+    gives it (the same units, initialised in the same order): tensor parallelism splits whole weights,
+    so a model built on the meta device is materialised here before the split."""
+    plan = partition(model, options.wrap)
+    materialize_unit = _unit_materializer(model, plan, device=device, param_init_fn=options.param_init_fn)
+    for spec in plan.units:
+        materialize_unit(spec)
+
+
+def _unit_materializer(
+    model: nn.Module, plan: Partition, *, device: torch.device, param_init_fn: Callable[[nn.Module], None] | None
+) -> Callable[[UnitSpec], None]:
+    """A function that materialises one unit of `plan` (its modules that no nested unit claims, and the
+    modules its parameters are registered in)."""
+    occurrences = {id(p): occ for spec in plan.units for p, occ in zip(spec.params, spec.occurrences)}
+    materializer = Materializer(root=model, device=device, param_init_fn=param_init_fn, occurrences=occurrences)
+    unit_modules = {id(spec.module) for spec in plan.units}
+
+    def materialize_unit(spec: UnitSpec) -> None:
+        materializer.materialize(
+            _scope_modules(spec, unit_modules) + [o.module for occ in spec.occurrences for o in occ]
+        )
+
+    return materialize_unit
 
 
 def _scope_modules(spec: UnitSpec, unit_modules: set[int]) -> list[nn.Module]:

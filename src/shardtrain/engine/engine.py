@@ -4,7 +4,8 @@ A user's own training script keeps its loop; the engine owns what is tedious and
 wrong around it: starting one process per device, joining the process group, building the model on
 the meta device, sharding it, rebinding an optimizer that was built before sharding, clipping
 gradients with the true global norm, skipping gradient sync on accumulation micro-batches, and
-saving/loading sharded checkpoints.
+saving/loading sharded checkpoints. With `tp=N` it also splits each layer over N ranks (tensor
+parallelism on a ("dp", "tp") mesh); the data-parallel ranks are then `world_size // N`.
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..core.rebind_optimizers import rebind
-from ..core.shard_module import runtime_of
-from ..options import is_auto, precision_name, resolve_options
+from ..core.rebind_optimizers import rebind, record
+from ..core.shard_module import materialize_whole, runtime_of
+from ..options import ShardOptions, is_auto, precision_name, resolve_options
 from ..policy import AutoPolicy, MixedPrecision
 from ..sharding import shard_with
 from . import launch as _launch
@@ -55,6 +56,10 @@ class Engine:
         compile: after sharding, `module.compile()` on each repeated block (`ops.compile.compile_blocks`),
             after activation checkpointing, as torch.compile pays on a sharded model.
         timeout: the process group's collective timeout (None: torch's default).
+        tp: tensor parallelism: each layer split over `tp` ranks, parameters sharded over the
+            `world_size // tp` data-parallel ranks (a ("dp", "tp") mesh); 1: none.
+        tp_plan: with tp > 1, the plan `st.shard` applies (default: `st.tp.plan_for(model)`, the built-in
+            Llama's or the transformers model's own).
     """
 
     def __init__(
@@ -71,9 +76,15 @@ class Engine:
         sync_module_states: bool = False,
         timeout: timedelta | None = None,
         compile: bool = False,
+        tp: int = 1,
+        tp_plan: Any = None,
     ) -> None:
         if not isinstance(compile, bool):
             raise TypeError(f"Engine(compile={compile!r}): use True or False")
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"Engine(tp={tp!r}): give the number of ranks each layer is split over (1: none)")
+        self._tp = tp
+        self._mesh: Any = None
         self._compile = compile
         self._devices = devices
         self._topology: Topology = resolve_topology(accelerator=accelerator, devices=devices)
@@ -96,8 +107,13 @@ class Engine:
             cpu_offload=cpu_offload,
             param_init_fn=param_init_fn,
             sync_module_states=sync_module_states,
+            tp_plan=tp_plan,
         )
         self._options = resolve_options(**self._shard_kwargs)
+        if tp > 1:
+            self._check_tensor_parallel()
+            if not launched_externally():
+                self._check_world(self._topology.num_processes)
         self._strategy: Any = self._auto or self._options.strategy
         self._timeout = timeout
         self._info: RankInfo | None = None
@@ -129,6 +145,7 @@ class Engine:
         if launched_externally():
             die_with_launcher()  # a killed launcher (ours or torchrun's agent) takes its ranks along
             info = rank_info_from_env()
+            self._check_world(info.world_size)
             if self._devices != "auto" and self._devices != info.local_world_size:
                 raise ValueError(
                     f"Engine(devices={self._devices}) but the launcher started {info.local_world_size} "
@@ -138,6 +155,33 @@ class Engine:
             info = RankInfo(rank=0, world_size=1, local_rank=0, local_world_size=1)
         self._device = join_process_group(self._topology, info, timeout=self._timeout)
         self._info = info
+
+    def _check_tensor_parallel(self) -> None:
+        """What tp > 1 refuses, before any process starts."""
+        tp, options = self._tp, self._options
+        if self._auto is not None:
+            raise ValueError(
+                f"Engine(tp={tp}) with strategy=st.AutoPolicy: the automatic plan does not plan tensor "
+                "parallelism; pass strategy='full_shard' (or 'shard_grad_op') with tp, or drop tp"
+            )
+        if options.strategy.is_hybrid:
+            raise ValueError(
+                f"Engine(tp={tp}) with strategy={options.strategy.value!r}: the engine builds a ('dp', 'tp') "
+                "mesh; use 'full_shard' or 'shard_grad_op', or call st.shard(model, mesh=<('replicate', "
+                "'shard', 'tp') DeviceMesh>) yourself"
+            )
+        if options.offload is not None:
+            raise ValueError(
+                f"Engine(tp={tp}) with cpu_offload={self._shard_kwargs['cpu_offload']!r}: offload is not supported with tensor "
+                "parallelism; drop cpu_offload or tp"
+            )
+
+    def _check_world(self, world_size: int) -> None:
+        if world_size % self._tp:
+            raise ValueError(
+                f"Engine(tp={self._tp}) with {world_size} processes: the world must be a multiple of tp "
+                f"(data-parallel ranks = world / tp); use tp in {[d for d in range(1, world_size + 1) if world_size % d == 0]}"
+            )
 
     def _require_launch(self) -> RankInfo:
         if self._info is None:
@@ -155,6 +199,21 @@ class Engine:
     @property
     def local_rank(self) -> int:
         return self._require_launch().local_rank
+
+    @property
+    def tp(self) -> int:
+        """The ranks each layer is split over (1: no tensor parallelism)."""
+        return self._tp
+
+    @property
+    def data_parallel_size(self) -> int:
+        """The ranks that read different data: world_size // tp (the ranks of one tp group read the same)."""
+        return self.world_size // self._tp
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """This rank's coordinate on "dp" (init_device_mesh puts the tp ranks of one group next to each other)."""
+        return self.rank // self._tp
 
     @property
     def is_global_zero(self) -> bool:
@@ -201,6 +260,9 @@ class Engine:
             )
         options = resolve_options(**{**self._shard_kwargs, **overrides}) if overrides else self._options
         options = dataclasses.replace(options, device=self.device)
+        before = dict(model.named_parameters()) if self._tp > 1 else {}
+        if self._tp > 1:
+            options = self._with_tensor_parallel(model, options)
         if self._auto is not None:
             from ..planning.shard_auto import shard_auto_with
 
@@ -208,6 +270,10 @@ class Engine:
             self.print(choice)  # the plan and its reasons, once (rank 0)
         else:
             shard_with(model, options)
+        for name, new in model.named_parameters():
+            # tensor parallelism replaced the parameters before st.shard saw them: rebind from the originals
+            if name in before and before[name] is not new:
+                record(before[name], new, name)
         self._strategy = runtime_of(model, settle=False).strategy
         if self._compile:
             from ..ops.compile import compile_blocks
@@ -236,6 +302,20 @@ class Engine:
             self.grad_scaler = self.grad_scaler or GradScaler(self.device.type)
             _step_through_scaler(optimizer, self.grad_scaler)
         return model, optimizer
+
+    def _with_tensor_parallel(self, model: nn.Module, options: ShardOptions) -> ShardOptions:
+        """`options` on the ("dp", "tp") mesh (built once) with the model's plan; a model built on the
+        meta device is materialised first, whole, with the values st.shard would give it."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from ..tp import FLAT_NAMES, plan_for
+
+        if self._mesh is None:
+            shape = (self.data_parallel_size, self._tp)
+            self._mesh = init_device_mesh(self.device.type, shape, mesh_dim_names=FLAT_NAMES)
+        if any(p.is_meta for p in model.parameters()):
+            materialize_whole(model, options, device=self.device)
+        return dataclasses.replace(options, mesh=self._mesh, tp_plan=options.tp_plan or plan_for(model))
 
     def backward(self, loss: torch.Tensor) -> None:
         """`loss.backward()`, with the loss scaled first under fp16."""

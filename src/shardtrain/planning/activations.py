@@ -30,6 +30,10 @@ what a small model's checkpointed peak lacked without them. Checkpointing every 
 
 The final norm keeps its input and output (the head's input): 2 * c * T * h.
 
+Tensor parallelism (planning/tensor_parallel.py) bills the TP-local shape; sequence parallelism over
+`sequence_split` ranks then divides what the norms keep and the checkpointed residual by that count,
+while the projections' inputs, gathered along the sequence before them, stay whole.
+
 A fine-tune with a frozen base saves less (`trained.TrainedParts`): a frozen projection's input is
 kept only where something else needs it, so LoRA on q_proj and v_proj drops the second copy of the
 attention output, the feed-forward-norm output, the final norm's output and the w2 input (q + h + f
@@ -74,7 +78,13 @@ def norm_input_bytes(shape: LlamaShape, *, compute_bytes: int, trained: TrainedP
 
 
 def block_bytes(
-    shape: LlamaShape, *, tokens: int, seq_len: int, compute_bytes: int, trained: TrainedParts = FULL_TRAINING
+    shape: LlamaShape,
+    *,
+    tokens: int,
+    seq_len: int,
+    compute_bytes: int,
+    trained: TrainedParts = FULL_TRAINING,
+    sequence_split: int = 1,
 ) -> int:
     """What one block saves for backward without checkpointing (see the module docstring)."""
     q, kv, h, f = shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim, shape.dim, shape.ffn_dim
@@ -89,7 +99,8 @@ def block_bytes(
         + f * trained.mlp_out  # the product, input of w2
         + trained.adapter_rank
     )
-    per_token = compute_bytes * elements + 2 * norm_input_bytes(shape, compute_bytes=compute_bytes, trained=trained)
+    norms = 2 * norm_input_bytes(shape, compute_bytes=compute_bytes, trained=trained) // sequence_split
+    per_token = compute_bytes * elements + norms
     if compute_bytes >= FP32:
         per_token += attention_matrix_bytes(shape, seq_len=seq_len)
     else:
@@ -115,13 +126,23 @@ def activation_bill(
     compute_bytes: int,
     recompute_every: int,
     trained: TrainedParts = FULL_TRAINING,
+    sequence_split: int = 1,
 ) -> ActivationBill:
+    """`sequence_split`: the tp ranks sequence parallelism splits the norms and the residual over (1: none)."""
     tokens = micro_batch * seq_len
-    block = block_bytes(shape, tokens=tokens, seq_len=seq_len, compute_bytes=compute_bytes, trained=trained)
+    block = block_bytes(
+        shape,
+        tokens=tokens,
+        seq_len=seq_len,
+        compute_bytes=compute_bytes,
+        trained=trained,
+        sequence_split=sequence_split,
+    )
     n_ckpt = checkpointed_blocks(shape.n_layers, recompute_every)
-    checkpoint = compute_bytes * tokens * shape.dim
+    checkpoint = compute_bytes * tokens * shape.dim // sequence_split
     final_norm = tokens * (
-        norm_input_bytes(shape, compute_bytes=compute_bytes, trained=trained) + compute_bytes * shape.dim * trained.head
+        norm_input_bytes(shape, compute_bytes=compute_bytes, trained=trained) // sequence_split
+        + compute_bytes * shape.dim * trained.head
     )
     saved = (shape.n_layers - n_ckpt) * block + n_ckpt * checkpoint + final_norm
     # a checkpointed block's recomputed activations, and beside them its backward's gradients of the

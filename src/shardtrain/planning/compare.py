@@ -46,7 +46,9 @@ def compare_strategies(
     DEFAULT_STRATEGIES, less hybrid_shard where the world has no group size between 1 and itself.
     """
     world_size = positive_int(world_size, "world_size")
-    group = default_shard_size(world_size) if shard_size is None else shard_size
+    tp = kwargs.get("tp", 1)  # (checked by estimate_memory) hybrid groups form among the world / tp data-parallel ranks
+    data_parallel = world_size // tp if isinstance(tp, int) and tp >= 1 else world_size
+    group = default_shard_size(data_parallel) if shard_size is None else shard_size
     parsed = [parse_strategy(s) for s in (DEFAULT_STRATEGIES if strategies is None else strategies)]
     if strategies is None:
         parsed = [s for s in parsed if group > 1 or not s.is_hybrid]

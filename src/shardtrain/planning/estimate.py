@@ -20,6 +20,9 @@ unit, p / r the param / reduce dtype sizes, o the optimizer's bytes per paramete
                    16 B/param / N plus p + r bytes per root parameter (embedding and head).
   optimizer step   the states alone, 16 B/param / N for AdamW (fused: no temporaries).
 
+Tensor parallelism (`tp` ranks per layer, `tensor_parallel`): the bill is that of the model one tp
+rank holds, sharded over the world / tp data-parallel ranks, with a note naming the collectives.
+
 A fine-tune (`finetune`, or a module's requires_grad): P splits into trainable parameters, billed as
 above, and frozen ones, billed only in the dtype they are stored in (bf16 for a LoRA base built in
 the compute dtype: 2 B/param / N, no master, no gradient, no optimizer state, and at N = 1 no
@@ -63,6 +66,7 @@ from .inputs import EstimateInputs, optimizer_bytes, positive_int, recompute_eve
 from .model_spec import ModelSpec, resolve_model
 from .report import format_estimate
 from .sizes import GiB, parse_bytes
+from .tensor_parallel import tp_collectives, tp_local_spec
 
 MASTER_BYTES = 4  # fp32 master weights
 GRAD_BYTES = 4  # fp32 sharded gradients
@@ -165,6 +169,8 @@ def estimate_memory(
     lora_rank: int | None = None,
     lora_targets: Any = ("q_proj", "v_proj"),
     trainable_fraction: float | None = None,
+    tp: int = 1,
+    sequence_parallel: bool = False,
     **shape_hints: Any,
 ) -> MemoryEstimate:
     """Estimate one device's peak memory for a training step (see the module docstring for the bill).
@@ -180,21 +186,31 @@ def estimate_memory(
     forms take `lora_rank` with `lora_targets` (adapters on a frozen base) or `trainable_fraction`
     (`planning.finetune`). Frozen parameters are billed in their stored dtype, with no gradient and
     no optimizer state, and their layers save only what backward needs through them.
+
+    `tp`: each layer split over `tp` ranks (the world a multiple of it), the TP-local tensors sharded
+    over the world / tp data-parallel ranks; `sequence_parallel`: the norms and the residual split
+    along the sequence over them too.
     """
     options = resolve_options(strategy=strategy, mixed_precision=precision, cpu_offload=cpu_offload)
     strategy = options.strategy
     world_size = positive_int(world_size, "world_size")
+    tp = positive_int(tp, "tp")
+    if world_size % tp:
+        raise ValueError(f"tp={tp} must divide world_size={world_size}; use a divisor of {world_size}")
+    if sequence_parallel and tp == 1:
+        raise ValueError("sequence_parallel=True splits activations over the tp ranks: also give tp > 1")
     optimizer_name, optimizer_state_bytes = optimizer_bytes(optimizer)
+    model = fine_tune_spec(
+        resolve_model(model_or_spec, params=params, wrap=wrap, **shape_hints),
+        lora_rank=lora_rank,
+        lora_targets=lora_targets,
+        trainable_fraction=trainable_fraction,
+    )
     inputs = EstimateInputs(
-        model=fine_tune_spec(
-            resolve_model(model_or_spec, params=params, wrap=wrap, **shape_hints),
-            lora_rank=lora_rank,
-            lora_targets=lora_targets,
-            trainable_fraction=trainable_fraction,
-        ),
+        model=tp_local_spec(model, tp=tp),
         world_size=world_size,
         strategy=strategy,
-        shard_size=shard_size_of(strategy, world_size, shard_size),
+        shard_size=shard_size_of(strategy, world_size // tp, shard_size),
         precision=options.precision,
         recompute_every=recompute_every_of(activation_checkpointing),
         offload=options.offload,
@@ -205,6 +221,8 @@ def estimate_memory(
         in_flight=positive_int(in_flight, "in_flight"),
         keep_grads=bool(keep_grads),
         device_memory=None if device_memory is None else parse_bytes(device_memory),
+        tp=tp,
+        sequence_parallel=bool(sequence_parallel),
     )
     return _estimate(inputs)
 
@@ -220,6 +238,7 @@ def _activations(inputs: EstimateInputs) -> ActivationBill:
         compute_bytes=inputs.param_bytes,
         recompute_every=inputs.recompute_every,
         trained=inputs.model.trained,
+        sequence_split=inputs.tp if inputs.sequence_parallel else 1,
     )
 
 
@@ -342,6 +361,17 @@ def _estimate(inputs: EstimateInputs) -> MemoryEstimate:
     totals = {name: sum(items.values()) for name, items in phases.items()}
     peak = max(totals, key=totals.__getitem__)
     notes = m.notes
+    if inputs.tp > 1 and m.shape is not None:
+        tokens = inputs.micro_batch * inputs.seq_len
+        notes += (
+            tp_collectives(
+                tp=inputs.tp,
+                sequence_parallel=inputs.sequence_parallel,
+                tokens=tokens,
+                dim=m.shape.dim,
+                compute_bytes=p,
+            ),
+        )
     if m.trainable_params < m.num_params:
         notes += (
             f"{m.frozen_params:,} frozen parameters ({frozen_size:g} B each as stored): no gradients or optimizer state",

@@ -33,6 +33,8 @@ class EstimateInputs:
     in_flight: int
     keep_grads: bool
     device_memory: int | None
+    tp: int = 1  # ranks each layer is split over; `model` is then what one of them holds (tensor_parallel.py)
+    sequence_parallel: bool = False
 
     @property
     def param_bytes(self) -> int:
@@ -44,9 +46,8 @@ class EstimateInputs:
 
     @property
     def label(self) -> str:
-        if self.strategy.is_hybrid:
-            return f"{self.strategy.value}({self.shard_size})"
-        return self.strategy.value
+        label = f"{self.strategy.value}({self.shard_size})" if self.strategy.is_hybrid else self.strategy.value
+        return label + (f", tp {self.tp}" + (" (sequence parallel)" if self.sequence_parallel else "")) * (self.tp > 1)
 
 
 def positive_int(value: Any, name: str) -> int:

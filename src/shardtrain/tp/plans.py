@@ -22,6 +22,8 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+from ..models.llama import Llama
+
 TpPlan = dict[str, ParallelStyle]
 
 
@@ -116,6 +118,19 @@ def hf_plan(model: nn.Module) -> TpPlan:
     base = getattr(model, "base_model_prefix", "")
     prefix = f"{base}." if base and getattr(model, base, None) is not None else ""
     return translate_hf_plan(strings, prefix=prefix)
+
+
+def plan_for(model: nn.Module, *, sequence_parallel: bool = False) -> TpPlan:
+    """The plan of `model`: `llama_plan` for the built-in Llama, else the transformers model's own
+    (`hf_plan`); sequence parallelism is in the built-in Llama's plan only."""
+    if isinstance(model, Llama):
+        return llama_plan(sequence_parallel=sequence_parallel)
+    if sequence_parallel:
+        raise ValueError(
+            f"sequence_parallel=True with {type(model).__name__}: only the built-in Llama's plan has sequence "
+            "parallelism; drop it, or pass your own tp_plan with SequenceParallel() styles"
+        )
+    return hf_plan(model)
 
 
 def resolve_plan(plan: Mapping[str, ParallelStyle | str]) -> TpPlan:

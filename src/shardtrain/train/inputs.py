@@ -118,7 +118,13 @@ def data_spec(cfg: Config):
 
 def build_data(cfg: Config, engine, plan: DataPlan, *, micro_batch: int) -> TrainData:
     """Tokenize (or read from the cache) and batch the run's data on this rank."""
-    order = dict(global_batch=micro_batch, rank=engine.rank, world_size=engine.world_size, seed=cfg.train.seed)
+    # the ranks of one tensor-parallel group read the same rows
+    order = dict(
+        global_batch=micro_batch,
+        rank=engine.data_parallel_rank,
+        world_size=engine.data_parallel_size,
+        seed=cfg.train.seed,
+    )
     progress = cfg.run.progress and engine.local_rank == 0
     if plan.tokenizer is None:
         root, files = plan.corpus

@@ -26,6 +26,7 @@ from torch import nn
 from ..engine import Engine
 from ..engine.health import heartbeat
 from ..planning.checkpointing import recompute_policy
+from ..tp import plan_for
 from .config import save_config
 from .data import ByteTokenizer
 from .ema import WeightEMA
@@ -40,13 +41,15 @@ from .step import Job
 
 
 def check_batch(cfg: Config, world_size: int) -> int:
-    """The global micro-batch (sequences per micro-step over all ranks); ValueError with the fix."""
+    """The global micro-batch (sequences per micro-step over all data-parallel ranks: `world_size` of
+    them, the world / engine.tp); ValueError with the fix."""
     batch, accum = cfg.train.batch_size, cfg.train.grad_accum
     unit = world_size * accum
     if batch < unit or batch % unit:
         fix = max(unit, (batch // unit) * unit)
+        ranks = "data-parallel ranks" if cfg.engine.tp > 1 else "world size"
         raise ValueError(
-            f"train.batch_size={batch} must be a multiple of world size {world_size} x train.grad_accum "
+            f"train.batch_size={batch} must be a multiple of {ranks} {world_size} x train.grad_accum "
             f"{accum} = {unit}; use --train.batch_size {fix}"
         )
     return batch // accum
@@ -63,7 +66,7 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 def _prepare(cfg: Config, engine: Engine) -> tuple[BuiltModel, int, DataPlan]:
     """Every check a user can fail, on every rank, before any communication."""
-    micro_batch = check_batch(cfg, engine.world_size)
+    micro_batch = check_batch(cfg, engine.data_parallel_size)
     check_finetune_config(cfg)
     if cfg.run.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ValueError("run.tensorboard=true needs the tensorboard package: pip install 'shardtrain[tensorboard]'")
@@ -133,6 +136,7 @@ def build_job(cfg: Config, engine: Engine) -> tuple[Job, str]:
         wrap=built.wrap,
         activation_checkpointing=recompute_policy(model, wrap=built.wrap, every=cfg.model.activation_checkpointing),
         **({"param_init_fn": adapter_init} if adapter_init else {}),
+        **({"tp_plan": plan_for(model, sequence_parallel=cfg.engine.sequence_parallel)} if cfg.engine.tp > 1 else {}),
     )
     loaded = load_base(cfg, model)
     if loaded and engine.rank == 0:
@@ -260,7 +264,8 @@ def _loop(job: Job, run_dir: Path, *, first_step: int, description: str, start: 
     summary = Summary(
         run_dir=str(run_dir),
         model=description,
-        world=f"{engine.world_size} x {engine.device.type}, {engine.strategy.value}, {engine.precision}",
+        world=f"{engine.world_size} x {engine.device.type}, {engine.strategy.value}, {engine.precision}"
+        + (f", tp {engine.tp}" if engine.tp > 1 else ""),
         steps=cfg.train.steps - first_step,
         tokens=train_tokens,
         wall_s=time.perf_counter() - start,

@@ -50,6 +50,8 @@ class PlannedSetup:
     seq_len: int
     activation_checkpointing: bool | int  # True: every block, k: 1 block in k
     cpu_offload: bool | float  # a float: the share of the parameters offloaded
+    tp: int = 1  # ranks each layer is split over (the data-parallel ranks: world_size // tp)
+    sequence_parallel: bool = False
 
 
 def _target(engine: EngineConfig) -> tuple[str, int]:
@@ -74,8 +76,11 @@ def planned_setup(cfg: Config) -> PlannedSetup:
     """The per-device setup of `cfg` (see the module docstring); ConfigError for a batch that cannot split."""
     accelerator, world_size = _target(cfg.engine)
     precision = precision_name(cfg.engine.precision, accelerator=accelerator)
+    tp = cfg.engine.tp
+    if world_size % tp:
+        raise ConfigError(f"engine.tp={tp} does not divide the {world_size} processes: use a divisor of {world_size}")
     try:
-        global_micro_batch = check_batch(cfg, world_size)
+        global_micro_batch = check_batch(cfg, world_size // tp)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     return PlannedSetup(
@@ -83,11 +88,13 @@ def planned_setup(cfg: Config) -> PlannedSetup:
         world_size=world_size,
         strategy=cfg.engine.strategy,
         precision=precision,
-        micro_batch=global_micro_batch // world_size,
+        micro_batch=global_micro_batch // (world_size // tp),
         grad_accum=cfg.train.grad_accum,
         seq_len=cfg.data.seq_len,
         activation_checkpointing=cfg.model.activation_checkpointing,
         cpu_offload=cfg.engine.cpu_offload,
+        tp=tp,
+        sequence_parallel=cfg.engine.sequence_parallel,
     )
 
 

@@ -233,6 +233,17 @@ class EngineConfig:
         "steps each, in fresh processes, and keep the fastest measured (0: trust the prediction)",
         0,
     )
+    tp: int = _help(
+        "tensor parallelism: split each layer over this many ranks (a ('dp', 'tp') mesh, parameters "
+        "sharded over the world / tp data-parallel ranks; the built-in Llama's plan, or a Hugging Face "
+        "model's base_model_tp_plan); 1: none",
+        1,
+    )
+    sequence_parallel: bool = _help(
+        "with engine.tp > 1 and the built-in Llama: split the activations between the layers (norms, "
+        "residual) along the sequence over the tp ranks",
+        False,
+    )
     timeout: float = _help(
         "seconds a rank waits in a collective for its peers before the job stops, naming the "
         "rank that did not arrive (raise it for a first step or a tokenization that takes longer)",
@@ -241,6 +252,13 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _require(self.auto_trials >= 0, "engine.auto_trials", self.auto_trials, "use 0 (no trials) or more")
+        _require(self.tp >= 1, "engine.tp", self.tp, "use 1 (no tensor parallelism) or more ranks per layer")
+        _require(
+            not self.sequence_parallel or self.tp > 1,
+            "engine.sequence_parallel",
+            self.sequence_parallel,
+            "sequence parallelism splits activations over the tp ranks: also give --engine.tp N (N > 1)",
+        )
         _require(self.timeout > 0, "engine.timeout", self.timeout, "use a positive number of seconds, e.g. 300")
         _require(
             isinstance(self.cpu_offload, bool) or 0 < self.cpu_offload <= 1,

@@ -6,6 +6,7 @@ rows of unequal length weigh by their tokens, whatever the accumulation or the w
 counts its micro-batches' trained tokens and one all-reduce per step sums them (the byte corpus trains
 every token, so its count is known and skips it); micro-batch m then backpropagates
 `sum_loss(m) * world / count`, the engine's gradient average over the ranks restoring the global mean.
+Under tensor parallelism "world" is the data-parallel ranks: the ranks of one tp group hold the same rows.
 """
 
 from __future__ import annotations
@@ -72,9 +73,9 @@ class Job:
         """Trained tokens of the whole global step: known for the byte corpus, else one all-reduce."""
         if self.data.train.all_trained:
             per_rank = sum(b["labels"].numel() for b in batches)
-            return torch.tensor(float(per_rank * self.engine.world_size), device=self.engine.device)
+            return torch.tensor(float(per_rank * self.engine.data_parallel_size), device=self.engine.device)
         mine = sum((b["labels"] != IGNORE).sum() for b in batches).float()
-        return self.engine.all_reduce(mine, op="sum").clamp(min=1)
+        return (self.engine.all_reduce(mine, op="sum") / self.engine.tp).clamp(min=1)
 
     def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
         """One optimizer step; returns (this rank's share of the step's mean loss per trained token, gradient
@@ -83,7 +84,7 @@ class Job:
         start = time.perf_counter()
         batches = [self.to_device(self.data.train.batch(step * accum + micro)) for micro in range(accum)]
         self.load_s += time.perf_counter() - start
-        scale = self.engine.world_size / self.trained_tokens(batches)
+        scale = self.engine.data_parallel_size / self.trained_tokens(batches)
         total = torch.zeros((), device=self.engine.device)
         for micro, batch in enumerate(batches):
             with self.engine.no_backward_sync(self.model, enabled=micro < accum - 1):

@@ -1,0 +1,45 @@
+"""`shardtrain train --engine.tp N`: tensor parallelism from the command line, and what it refuses."""
+
+import pytest
+
+from shardtrain import cli
+
+from .test_cli import TINY, _on_one_file, _records, _train
+
+
+@pytest.mark.slow  # two 2-rank trainings in fresh processes: ~20 s on 2 idle cores; tests/tp checks the core's parity
+def test_tp_2_trains_the_losses_of_tp_1(tmp_path):
+    steps = "--train.steps 3 --train.log_every 1 --train.eval_every 0 --train.eval_batches 1".split()
+    common = [*TINY, *steps, *_on_one_file(tmp_path)]
+    # tp 1: two data-parallel ranks of 4 rows; tp 2 (sequence parallel): one tp group reading all 8 rows
+    plain = _train([*common, "--run.name", "dp"])
+    assert plain.returncode == 0, plain.stderr
+    split = _train([*common, "--run.name", "tp", "--engine.tp", "2", "--engine.sequence_parallel", "true"])
+    assert split.returncode == 0, split.stderr
+    assert "2 x cpu, full_shard, 32-true, tp 2" in split.stdout
+    want, got = ([r for r in _records(tmp_path / name) if r["kind"] != "summary"] for name in ("dp", "tp"))
+    assert [r["step"] for r in got] == [r["step"] for r in want] == [0, 1, 2, 3, 3]
+    for a, b in zip(want, got):
+        for key in {"loss", "grad_norm", "eval_loss"} & set(a):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (a["step"], key)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--engine.devices", "3"], "Engine(tp=2) with 3 processes: the world must be a multiple of tp"),
+        (["--engine.cpu_offload", "true"], "Engine(tp=2) with cpu_offload=True: offload is not supported"),
+        (["--engine.strategy", "auto"], "engine.tp=2 with engine.strategy='auto': the automatic plan does not"),
+        (["--engine.strategy", "hybrid_shard"], "use 'full_shard' or 'shard_grad_op'"),
+        (["--model.pretrained", "/no/model"], "fine-tune with --engine.tp 1"),
+    ],
+)
+def test_tp_refusals_are_one_line_with_the_fix(capsys, args, message):
+    assert cli.main(["train", "--engine.tp", "2", "--engine.accelerator", "cpu", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and message in err, err
+
+
+def test_sequence_parallel_needs_tp(capsys):
+    assert cli.main(["train", "--engine.sequence_parallel", "true"]) == 2
+    assert "also give --engine.tp N" in capsys.readouterr().err

@@ -3,6 +3,7 @@
 import pytest
 
 transformers = pytest.importorskip("transformers")
+pytest.importorskip("datasets")  # tests/integrations/hf_run.py builds its datasets
 
 from shardtrain.integrations.hf_args import trainer_sharding  # noqa: E402
 from tests.integrations.hf_run import model  # noqa: E402

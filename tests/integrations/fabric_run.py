@@ -171,3 +171,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # Leave together: a rank that exits while its peer still tears the Gloo group down can abort it
+    # ("terminate called without an active exception", seen once in the slow tier).
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()

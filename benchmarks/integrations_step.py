@@ -9,6 +9,7 @@ at 1.0, batch 2 x 4096, through three paths in one process, one after the other:
     trainer  ShardtrainTrainer(TrainingArguments(bf16=True, ...)).train()
 
     torchrun --nproc_per_node=1 benchmarks/integrations_step.py [--steps 10 --warmup 3 --layers 16]
+    torchrun --nproc_per_node=1 benchmarks/integrations_step.py --paths plain,fabric,trainer,plain,fabric
     torchrun --nproc_per_node=1 benchmarks/integrations_step.py --smoke --layers 2   # CPU: checks the script
 
 Prints one row per path (tokens/s over the timed steps, the ratio to plain, peak memory) and a
@@ -97,7 +98,7 @@ def plain(args, timer: Timer) -> None:
         timer.step_done(step)
 
 
-def fabric(args, timer: Timer) -> None:
+def fabric(args, timer: Timer, *, cast_outputs: bool = True) -> None:
     import lightning as L
 
     from shardtrain.integrations.fabric import ShardtrainStrategy
@@ -106,6 +107,8 @@ def fabric(args, timer: Timer) -> None:
     strategy = ShardtrainStrategy(wrap={LlamaDecoderLayer})
     runner = L.Fabric(accelerator=DEVICE.type, devices=1, strategy=strategy, precision=precision)
     runner.launch()
+    if not cast_outputs:  # Fabric casts every float output (the bf16 logits too) to fp32; this skips it
+        strategy.precision.convert_output = lambda data: data
     with runner.init_module(empty_init=True):
         model = llama(args)
     model = runner.setup_module(model)
@@ -149,7 +152,13 @@ def trainer(args, timer: Timer) -> None:
 
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-PATHS: dict[str, Callable] = {"plain": plain, "fabric": fabric, "trainer": trainer}
+PATHS: dict[str, Callable] = {
+    "plain": plain,
+    "fabric": fabric,
+    "trainer": trainer,
+    # Not a user path: Fabric's loop without its fp32 cast of the outputs, to see what that costs.
+    "fabric-uncast": lambda args, timer: fabric(args, timer, cast_outputs=False),
+}
 
 
 def main() -> None:
@@ -157,7 +166,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--layers", type=int, default=16)
-    parser.add_argument("--paths", default=",".join(PATHS))
+    parser.add_argument("--paths", default="plain,fabric,trainer")
     parser.add_argument("--smoke", action="store_true", help="a tiny model in fp32 on the CPU (checks the script)")
     args = parser.parse_args()
     args.shape, args.mixed, args.fused = ("smoke", None, False) if args.smoke else ("1.5b", "bf16", True)
@@ -166,23 +175,24 @@ def main() -> None:
     if not dist.is_initialized():
         dist.init_process_group("nccl" if DEVICE.type == "cuda" else "gloo")  # torchrun's environment
     rows = {}
-    for name in args.paths.split(","):
+    for i, name in enumerate(args.paths.split(",")):
         gc.collect()
         if DEVICE.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         timer = Timer(args.warmup, args.steps)
         PATHS[name](args, timer)
-        rows[name] = {
+        # A path named twice (e.g. plain,fabric,trainer,plain) gets a second row: the order's effect.
+        rows[name if name not in rows else f"{name}#{i}"] = {
             "tokens_per_s": BATCH * SHAPES[args.shape]["seq"] * args.steps / timer.seconds,
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if DEVICE.type == "cuda" else float("nan"),
         }
     base = rows.get("plain", {}).get("tokens_per_s")
-    print(f"{'path':8} {'tokens/s':>10} {'x plain':>8} {'peak GiB':>9}")
+    print(f"{'path':14} {'tokens/s':>10} {'x plain':>8} {'peak GiB':>9}")
     for name, row in rows.items():
         ratio = row["tokens_per_s"] / base if base else float("nan")
         row["ratio"] = ratio
-        print(f"{name:8} {row['tokens_per_s']:10.0f} {ratio:8.3f} {row['peak_gib']:9.1f}")
+        print(f"{name:14} {row['tokens_per_s']:10.0f} {ratio:8.3f} {row['peak_gib']:9.1f}")
     seq = SHAPES[args.shape]["seq"]
     print(json.dumps({"shape": args.shape, "batch": BATCH, "seq": seq, "layers": args.layers, "rows": rows}))
 

@@ -161,7 +161,7 @@ def lora_training(strategy: str) -> dict:
         ref_losses.append(ref_loss.item())
     full = st.full_state_dict(model, rank0_only=False)
     expected = reference.state_dict()
-    worst = max((full[k] - v).abs().max().item() for k, v in expected.items())
+    worst = max((full[k].to(v.device) - v).abs().max().item() for k, v in expected.items())  # full: on the CPU
     trainable_numel = sum(p.numel() for p in trainable)
     padded = (
         sum(math.ceil(p.shape[0] / world) * world * math.prod(p.shape[1:]) for p in trainable)
@@ -222,7 +222,7 @@ def mixed_dtype_training(strategy: str) -> dict:
         dist.all_gather(gathered, loss.detach())
         worst_loss = max(worst_loss, abs(sum(g.item() for g in gathered) / world - ref.item()))
     full = st.full_state_dict(model, rank0_only=False)
-    worst = max((full[k].float() - v.float()).abs().max().item() for k, v in plain.state_dict().items())
+    worst = max((full[k].to(v.device).float() - v.float()).abs().max().item() for k, v in plain.state_dict().items())
     dtypes = {n: p.dtype for n, p in model.named_parameters()}
     return {
         "worst": worst,

@@ -131,7 +131,12 @@ def _beyond_parity() -> int:
         ),
         (
             "compiled blocks (inductor, bf16)",
-            lambda: compiled.train_form("block.compile() after", "full_shard", precision="bf16", backend="inductor"),
+            # One step: the first loss, from equal weights, shows the kernels' rounding alone; after an
+            # AdamW step at the tiny model's lr the bf16 differences grow by design (compile_forms.py
+            # checks six steps at the 1.5B's scale).
+            lambda: compiled.train_form(
+                "block.compile() after", "full_shard", precision="bf16", backend="inductor", steps=1
+            ),
             lambda r: r["loss"] < 2e-3,
         ),
     ]

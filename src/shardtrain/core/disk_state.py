@@ -57,7 +57,8 @@ DEFAULT_SLOTS = 4  # pool size when no budget is given, in the largest unit's re
 
 
 class DiskState:
-    """The per-rank state file of one optimizer and the slot pool the unit steps stream through."""
+    """One optimizer's state in the per-rank file: its units' regions and the slot pool the unit steps
+    stream through."""
 
     def __init__(self, *, directory: str, rank: int, buffer_bytes: int | None, threads: int = 8) -> None:
         self.buffer_bytes = buffer_bytes

@@ -250,9 +250,10 @@ class HostSteps:
             alias.grad = grad
         try:
             step = type(task.view).step
-            # Note: the hook-free step (Optimizer wraps step() to run hooks): the user's and shardtrain's
+            # Note: the hook-free step (Optimizer wraps step() to run hooks and marks the wrapper `hooked`;
+            # torch's stubs type step() as an overload, without `__wrapped__`): the user's and shardtrain's
             # hooks belong to the user's step() call, which already ran them.
-            (step.__wrapped__ if getattr(step, "hooked", False) else step)(task.view)
+            (step.__wrapped__ if getattr(step, "hooked", False) else step)(task.view)  # type: ignore[attr-defined]
         finally:
             for alias, _ in task.grads:
                 alias.grad = None
@@ -281,7 +282,8 @@ class HostSteps:
                 flush()  # zeroing in place would zero the gradients a pending step reads
             zero_grad(set_to_none=set_to_none)
 
-        optimizer.zero_grad = zero_grad_flushing
+        # an instance attribute in front of the method, on purpose (mypy refuses assigning to a method)
+        optimizer.zero_grad = zero_grad_flushing  # type: ignore[method-assign]
 
 
 def _events(*streams: torch.cuda.Stream) -> tuple[torch.cuda.Event, ...]:

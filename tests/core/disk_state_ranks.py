@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 import shardtrain as st
-from shardtrain.core import aio, disk_state
+from shardtrain.core import aio, disk_file
 from shardtrain.core.disk_layout import on_disk
 from shardtrain.core.disk_state import DiskState, attach_disk_state
 from shardtrain.core.host_step import overlap_host_steps
@@ -55,8 +55,8 @@ def build(directory: str | None, *, buffer_bytes: int | None = None, direct: boo
     if directory is not None:
         os.makedirs(directory, exist_ok=True)
         policy = st.CPUOffload(disk_dir=directory, disk_buffer_bytes=buffer_bytes)
-    real_probe = disk_state.direct_supported
-    disk_state.direct_supported = real_probe if direct else lambda d: False
+    real_probe = disk_file.direct_supported
+    disk_file.direct_supported = real_probe if direct else lambda d: False
     try:
         st.shard(model, strategy="full_shard", wrap={Block}, cpu_offload=(policy or True) if cuda else False)
         runtime = runtime_of(model)
@@ -64,7 +64,7 @@ def build(directory: str | None, *, buffer_bytes: int | None = None, direct: boo
         if policy is not None and not cuda:
             attach_disk_state(steps, policy, rank=dist.get_rank())
     finally:
-        disk_state.direct_supported = real_probe
+        disk_file.direct_supported = real_probe
     if policy is not None:
         assert steps.store.direct == direct, f"{directory}: O_DIRECT {steps.store.direct}, expected {direct}"
     optimizer = make_optimizer(model, "adamw_fused")
@@ -313,17 +313,17 @@ def full_disk(directory: str) -> str:
     data = batches(3)
     usage = namedtuple("usage", "total used free")
     real = shutil.disk_usage
-    disk_state.shutil.disk_usage = lambda d: usage(1 << 30, (1 << 30) - 4096, 4096)
+    disk_file.shutil.disk_usage = lambda d: usage(1 << 30, (1 << 30) - 4096, 4096)
     try:
         os.makedirs(f"{directory}/full-{dist.get_rank()}")
         run = build(f"{directory}/full-{dist.get_rank()}")
         try:
             train_step(run, data[0], 0)  # the first step checks before it creates any state
             raise AssertionError("the space check did not stop the step")
-        except disk_state.DiskFullError as e:
+        except disk_file.DiskFullError as e:
             first = str(e)
     finally:
-        disk_state.shutil.disk_usage = real
+        disk_file.shutil.disk_usage = real
     run = build(f"{directory}/full-{dist.get_rank()}")
     for step in range(2):
         train_step(run, data[step], step)
@@ -341,7 +341,7 @@ def full_disk(directory: str) -> str:
             runtime_of(run.model)
             store_of(run).drain()
             raise AssertionError("ENOSPC from a write was not reported")
-        except disk_state.DiskFullError as e:
+        except disk_file.DiskFullError as e:
             second = str(e)
     finally:
         aio._transfer = transfer

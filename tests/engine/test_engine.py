@@ -307,7 +307,7 @@ def test_fp16_engine_scales_losses_and_skips_overflow_on_every_rank(pools):
 def test_fp16_step_goes_through_the_scaler_and_an_lr_scheduler_can_wrap_it():
     import warnings
 
-    from shardtrain.engine.engine import _step_through_scaler
+    from shardtrain.engine.fp16_step import step_through_scaler
     from shardtrain.ops.grad_scaler import GradScaler
     from shardtrain.train.schedule import make_scheduler
 
@@ -315,7 +315,7 @@ def test_fp16_step_goes_through_the_scaler_and_an_lr_scheduler_can_wrap_it():
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     scaler = GradScaler("cpu", init_scale=4.0)
-    _step_through_scaler(opt, scaler)
+    step_through_scaler(opt, scaler)
     scheduler = make_scheduler(opt, warmup_steps=2, total_steps=4, min_ratio=0.1)  # wraps opt.step.__func__
     moved, lrs = [], []
     with warnings.catch_warnings():

@@ -132,10 +132,12 @@ class BackwardSteps:
             elif changed:
                 self.note("the gradients were changed in place between backward and step() (clipping, unscaling)")
             return set()
-        what = unsplittable and f"step() cannot step per unit ({unsplittable})"
-        what = what or (amp and "a GradScaler handed step() its loss scale")
+        what = f"step() cannot step per unit ({unsplittable})" if unsplittable else None
+        what = what or ("a GradScaler handed step() its loss scale" if amp else None)
         what = what or _changed_hyperparameter(self.groups or [], groups)
-        what = what or (changed and "the gradients were changed in place after they stepped (clipping, unscaling)")
+        what = what or (
+            "the gradients were changed in place after they stepped (clipping, unscaling)" if changed else None
+        )
         given: dict[int, set[int]] = {}
         for p in mine:
             given.setdefault(unit_of[id(p)].index, set()).add(id(p))

@@ -16,21 +16,13 @@ first; `load_state_dict()` puts resident entries in, which the next step writes 
 optimizer step that does not run per unit (a closure, an unsplittable optimizer) reads its units back
 first. The bytes are moved, never converted: training is bitwise that of host-memory offload.
 
-Crash safety: the files are scratch. Each process creates its own file (exclusively, named by host,
-pid and rank) and reads a region only after it wrote it itself, so nothing a killed process left
-behind is ever read: a resume rebuilds the files from the checkpoint. Files of dead processes of this
-host are removed when a new store opens the directory. Space is checked (`shutil.disk_usage`) and
-reserved (`posix_fallocate`) before a region is first written; running out is one line naming the
-directory and the bytes needed.
+The file itself (scratch that only its own process reads, its space checked and reserved up front,
+running out one line) is core/disk_file.py.
 """
 
 from __future__ import annotations
 
-import errno
-import glob
 import os
-import shutil
-import socket
 import threading
 import weakref
 from collections import deque
@@ -38,7 +30,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .aio import ALIGN, AsyncFile, Request, aligned_empty, direct_supported
+from .aio import ALIGN, Request, aligned_empty
+from .disk_file import StateFile
 from .disk_layout import (
     Piece,
     Region,
@@ -63,25 +56,15 @@ if TYPE_CHECKING:
 DEFAULT_SLOTS = 4  # pool size when no budget is given, in the largest unit's regions (smaller ones: more)
 
 
-class DiskFullError(OSError):
-    """The disk tier's directory lacks the space its state files need."""
-
-
 class DiskState:
-    """The per-rank state file of one optimizer and the slot pool the unit steps stream through."""
+    """One optimizer's state in the per-rank file: its units' regions and the slot pool the unit steps
+    stream through."""
 
     def __init__(self, *, directory: str, rank: int, buffer_bytes: int | None, threads: int = 8) -> None:
-        self.directory = directory
         self.buffer_bytes = buffer_bytes
-        _remove_stale(directory, rank)
-        self.direct = direct_supported(directory)
-        prefix = f"shardtrain-{socket.gethostname()}-pid{os.getpid()}-rank{rank}-"
-        path = os.path.join(directory, prefix + os.urandom(4).hex() + ".state")
-        self.file = AsyncFile(path, direct=self.direct, threads=threads)
-        weakref.finalize(self, _close, self.file)
+        self.file = StateFile(directory=directory, rank=rank, threads=threads)
         self._optimizer: weakref.ref[torch.optim.Optimizer] | None = None
         self._regions: dict[int, Region] = {}  # unit index -> its region
-        self._end = 0  # bytes of the file given to regions
         self._pool: BufferRing | None = None
         self._queue: deque[int] = deque()  # units to read ahead, in step order
         self._reads: dict[int, tuple[torch.Tensor, Request]] = {}
@@ -92,10 +75,15 @@ class DiskState:
         self._fresh: dict[int, tuple[Any, list]] = {}  # unit -> (view, [(parameter, alias)]) on its first step
         self._ready = threading.Condition()
 
+    @property
+    def direct(self) -> bool:
+        """Whether the file is read and written with O_DIRECT."""
+        return self.file.direct
+
     # ------------------------------------------------------------------ sizes
     def file_bytes(self) -> int:
         """Bytes of the file given to unit regions."""
-        return self._end
+        return self.file.end
 
     def slot_count(self) -> int:
         """How many of the largest unit's regions the pool holds at once."""
@@ -126,7 +114,9 @@ class DiskState:
             if unit.index not in self._regions and not any(optimizer.state.get(p) for p in unit.params)
         }
         if fresh:  # before any state exists: is there room for what the first step will create?
-            self._check_space(self._end + sum(predicted_bytes(optimizer, u) for u, _ in tasks if u.index in fresh))
+            self.file.check_space(
+                self.file.end + sum(predicted_bytes(optimizer, u) for u, _ in tasks if u.index in fresh)
+            )
         stale = [
             index
             for index, ents in entries.items()
@@ -172,47 +162,23 @@ class DiskState:
         """(Re)lay out the `stale` units' regions and write their state, then empty the tensors."""
         self.materialize(list(stale))  # entries still on disk under an old layout come back first
         layouts = {index: layout(ents) for index, ents in stale.items()}
-        end = self._end
+        end = self.file.end
         regions = {}
         for index, (pieces, nbytes) in layouts.items():
             old = self._regions.get(index)
             offset = old.offset if old is not None and nbytes <= old.nbytes else end
             end += nbytes if offset == end else 0
             regions[index] = Region(offset=offset, nbytes=nbytes, pieces=pieces)
-        self._reserve(end)
+        self.file.reserve(end)
         self._regions.update(regions)
         for index, ents in stale.items():
             region = self._regions[index]
             slot = self._scratch(region.nbytes)
             for (_, tensor), piece in zip(ents, region.pieces):
                 region.piece_view(slot, piece, tensor.shape).copy_(tensor)
-            self._check(self.file.write(region.offset, slot[: region.nbytes]))
+            self.file.wait(self.file.write(region.offset, slot[: region.nbytes]))
             for _, tensor in ents:
                 evict(tensor)
-
-    def _check_space(self, end: int) -> None:
-        need, free = end - self._end, shutil.disk_usage(self.directory).free
-        if free < need:
-            raise DiskFullError(errno.ENOSPC, self._full_message(need, free))
-
-    def _reserve(self, end: int) -> None:
-        if end <= self._end:
-            return
-        self._check_space(end)
-        need, free = end - self._end, shutil.disk_usage(self.directory).free
-        try:
-            self.file.reserve(end)
-        except OSError as e:
-            if e.errno != errno.ENOSPC:
-                raise
-            raise DiskFullError(errno.ENOSPC, self._full_message(need, free)) from None
-        self._end = end
-
-    def _full_message(self, need: int, free: int) -> str:
-        return (
-            f"disk offload: {self.directory} has {free} bytes free, the optimizer state file needs {need} more "
-            f"({self._end + need} in all for this rank): free space or point CPUOffload(disk_dir=...) elsewhere"
-        )
 
     def _size_pool(self) -> None:
         """The ring: `buffer_bytes`, else `DEFAULT_SLOTS` x the largest region (resized while idle)."""
@@ -253,7 +219,7 @@ class DiskState:
             while unit.index not in self._reads:
                 self._ready.wait()
             slot, request = self._reads.pop(unit.index)
-        self._check(request)
+        self.file.wait(request)
         region = self._regions[unit.index]
         for state, key, piece, shape in self._views.pop(unit.index):
             state[key] = region.piece_view(slot, piece, shape)
@@ -283,12 +249,12 @@ class DiskState:
             if elementwise(view.state[alias][key], alias)
         ]
         pieces, nbytes = layout(entries)
-        region = Region(offset=self._end, nbytes=nbytes, pieces=pieces)
-        self._reserve(self._end + nbytes)
+        region = Region(offset=self.file.end, nbytes=nbytes, pieces=pieces)
+        self.file.reserve(self.file.end + nbytes)
         buffer = aligned_empty(nbytes)
         for (_, tensor), piece in zip(entries, pieces):
             region.piece_view(buffer, piece, tensor.shape).copy_(tensor)
-        self._check(self.file.write(region.offset, buffer))
+        self.file.wait(self.file.write(region.offset, buffer))
         self._regions[index] = region
         for p, alias in pairs:
             optimizer.state[p] = {
@@ -302,16 +268,7 @@ class DiskState:
         with self._ready:
             writes, self._writes = self._writes, []
         for request in writes:
-            self._check(request)
-
-    def _check(self, request: Request) -> None:
-        try:
-            request.wait()
-        except OSError as e:
-            if e.errno == errno.ENOSPC:
-                free = shutil.disk_usage(self.directory).free
-                raise DiskFullError(errno.ENOSPC, self._full_message(self._end, free)) from None
-            raise
+            self.file.wait(request)
 
     def materialize(self, units: list[int] | None = None) -> None:
         """Read the state of `units` (default: all) back into the optimizer's tensors, in host memory."""
@@ -333,7 +290,7 @@ class DiskState:
             if not targets:
                 continue
             slot = self._scratch(region.nbytes)
-            self._check(self.file.read(region.offset, slot[: region.nbytes]))
+            self.file.wait(self.file.read(region.offset, slot[: region.nbytes]))
             for tensor, piece in targets:
                 restore(tensor, region.piece_view(slot, piece, tensor.shape))
 
@@ -346,7 +303,7 @@ class DiskState:
         if self._optimizer is not None:
             if self._optimizer() is not optimizer:
                 raise ValueError(
-                    f"CPUOffload(disk_dir={self.directory!r}): a second optimizer "
+                    f"CPUOffload(disk_dir={self.file.directory!r}): a second optimizer "
                     f"({type(optimizer).__name__}) steps the offloaded units; the disk tier keeps the state "
                     "of one optimizer per model: use one optimizer (param groups separate hyperparameters)"
                 )
@@ -394,20 +351,3 @@ def attach_disk_state(steps: HostSteps | None, policy: CPUOffload, *, rank: int)
     assert policy.disk_dir is not None, "attach_disk_state is for a policy with a disk_dir"
     steps.store = DiskState(directory=os.fspath(policy.disk_dir), rank=rank, buffer_bytes=policy.disk_buffer_bytes)
     return steps.store
-
-
-def _close(file: AsyncFile) -> None:
-    file.close()
-    os.unlink(file.path)
-
-
-def _remove_stale(directory: str, rank: int) -> None:
-    """Remove state files that dead processes of this host left behind (never read, only in the way)."""
-    for path in glob.glob(os.path.join(directory, f"shardtrain-{socket.gethostname()}-pid*-rank{rank}-*.state")):
-        pid = int(os.path.basename(path).split("-pid")[1].split("-")[0])
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            os.unlink(path)
-        except PermissionError:
-            pass  # another user's live process

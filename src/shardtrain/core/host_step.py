@@ -8,13 +8,9 @@ forward; the forward's pre-hook of unit k waits for unit k's step only, so its h
 follows right behind it while the remaining units step beside the GPU's forward
 (docs/design.md, Note [Overlapped host step]).
 
-Exactness: each unit is stepped by a shallow copy of the user's optimizer (same class, same code
-path: fused, foreach or per tensor as chosen) whose param groups hold the unit's local rows as plain
-tensors and the hyperparameters as they were when `step()` was called (an LR scheduler may change
-them right after), and whose state entries are the local rows of the user's state tensors, updated
-in place. AdamW, Adam and SGD update each element from that element alone, so stepping per unit is
-bitwise the single step. Everything global (clipping's norm, the non-finite verdict, a loss scale)
-is already decided when `step()` is called. Plain tensors also spare the host step DTensor's dispatch.
+Exactness: each unit is stepped by a view of the user's optimizer over the unit's local rows, with
+the hyperparameters of the `step()` call; AdamW, Adam and SGD update each element from that element
+alone, so stepping per unit is bitwise the single step (core/optimizer_view.py).
 
 With `st.CPUOffload(step_in_backward=True)` a unit may step earlier still: during backward, once its
 reduction landed (core/backward_step.py says when that is allowed and how `step()` proves it exact).
@@ -30,7 +26,6 @@ checkpoints, `full_state_dict`, export).
 
 from __future__ import annotations
 
-import copy
 import enum
 import os
 import warnings
@@ -45,7 +40,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from .backward_step import BackwardSteps
-from .sharded_param import local_of
+from .optimizer_view import UnitStep, amp_of, hyperparameters, unit_step, unsplittable
 from .step_queue import StepQueue
 
 if TYPE_CHECKING:
@@ -53,8 +48,6 @@ if TYPE_CHECKING:
     from .runtime import Runtime
     from .unit import ShardUnit
 
-# Optimizers whose update of an element reads that element's parameter, gradient and state only.
-SPLITTABLE = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)
 ENV = "SHARDTRAIN_HOST_STEP"
 
 
@@ -69,17 +62,6 @@ class StepMode(enum.Enum):
             return cls(value)
         except ValueError:
             raise ValueError(f"{ENV}={value!r}: use 'overlapped' or 'sequential'") from None
-
-
-@dataclass(frozen=True, kw_only=True)
-class _UnitStep:
-    """One unit's deferred step: the optimizer view that steps it and the gradients it reads."""
-
-    unit: ShardUnit
-    view: torch.optim.Optimizer
-    grads: list[tuple[torch.Tensor, torch.Tensor]]  # (local parameter alias, local gradient)
-    ready: tuple[torch.cuda.Event, ...] = ()  # the gradients' copies to the host have landed (in backward)
-    in_backward: bool = False
 
 
 @dataclass(kw_only=True)
@@ -175,10 +157,10 @@ class HostSteps:
         if not pairs:
             return
         if self.early.groups is None:
-            self.early.groups = _hyperparameters(optimizer)
+            self.early.groups = hyperparameters(optimizer)
         self.early.record(unit, pairs)
-        task = _unit_step(unit, optimizer, pairs, group_of, groups=self.early.groups, amp={})
-        self._submit(_UnitStep(unit=unit, view=task.view, grads=task.grads, ready=ready, in_backward=True))
+        task = unit_step(unit, optimizer, pairs, group_of, groups=self.early.groups, amp={})
+        self._submit(UnitStep(unit=unit, view=task.view, grads=task.grads, ready=ready, in_backward=True))
 
     # ------------------------------------------------------------------ the user's step()
     def before_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
@@ -193,8 +175,8 @@ class HostSteps:
             self.early.check_stepped(f"another optimizer's step() ({type(optimizer).__name__})")
         if not mine and not early:
             return
-        groups, amp = _hyperparameters(optimizer), _amp(optimizer)
-        reason = _unsplittable(optimizer, args, kwargs)
+        groups, amp = hyperparameters(optimizer), amp_of(optimizer)
+        reason = unsplittable(optimizer, args, kwargs)
         confirmed = self.early.at_step(
             early=bool(early), mine=mine, unit_of=self._unit_of, groups=groups, amp=amp, unsplittable=reason
         )
@@ -232,7 +214,7 @@ class HostSteps:
         for p, grad in held.grads:
             per_unit[self._unit_of[id(p)].index].append((p, grad))
         tasks = [
-            _unit_step(unit, optimizer, per_unit[unit.index], group_of, groups=held.groups, amp=held.amp)
+            unit_step(unit, optimizer, per_unit[unit.index], group_of, groups=held.groups, amp=held.amp)
             for unit in sorted(self.units, key=self._forward_position)
             if unit.index in per_unit and unit.index not in held.early
         ]
@@ -242,7 +224,7 @@ class HostSteps:
             self._submit(task)
 
     # ------------------------------------------------------------------ the worker
-    def _submit(self, task: _UnitStep) -> None:
+    def _submit(self, task: UnitStep) -> None:
         """Queue `task`; the worker runs, of the queued steps, the one the next forward needs first."""
         # Note: `self._step_unit` is looked up when the step runs (the benchmark and tests wrap it).
         future = self._queue.submit(self._forward_position(task.unit), lambda: self._step_unit(task))
@@ -257,7 +239,7 @@ class HostSteps:
             self._position = {index: i for i, index in enumerate(order)}
         return self._position.get(unit.index, len(self.units) + unit.index)
 
-    def _step_unit(self, task: _UnitStep) -> None:
+    def _step_unit(self, task: UnitStep) -> None:
         """On the worker: step one unit's local rows with the user's optimizer code (the one place every
         unit step goes through, early or after `step()`)."""
         for event in task.ready:
@@ -268,9 +250,10 @@ class HostSteps:
             alias.grad = grad
         try:
             step = type(task.view).step
-            # Note: the hook-free step (Optimizer wraps step() to run hooks): the user's and shardtrain's
+            # Note: the hook-free step (Optimizer wraps step() to run hooks and marks the wrapper `hooked`;
+            # torch's stubs type step() as an overload, without `__wrapped__`): the user's and shardtrain's
             # hooks belong to the user's step() call, which already ran them.
-            (step.__wrapped__ if getattr(step, "hooked", False) else step)(task.view)
+            (step.__wrapped__ if getattr(step, "hooked", False) else step)(task.view)  # type: ignore[attr-defined]
         finally:
             for alias, _ in task.grads:
                 alias.grad = None
@@ -299,7 +282,8 @@ class HostSteps:
                 flush()  # zeroing in place would zero the gradients a pending step reads
             zero_grad(set_to_none=set_to_none)
 
-        optimizer.zero_grad = zero_grad_flushing
+        # an instance attribute in front of the method, on purpose (mypy refuses assigning to a method)
+        optimizer.zero_grad = zero_grad_flushing  # type: ignore[method-assign]
 
 
 def _events(*streams: torch.cuda.Stream) -> tuple[torch.cuda.Event, ...]:
@@ -309,64 +293,6 @@ def _events(*streams: torch.cuda.Stream) -> tuple[torch.cuda.Event, ...]:
         event.record(stream)
         events.append(event)
     return tuple(events)
-
-
-def _hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    """Each param group's hyperparameters as they are now."""
-    return [{k: _frozen(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-
-
-def _amp(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """The grad_scale / found_inf a GradScaler handed a fused optimizer for this step, if any."""
-    return {
-        name: getattr(optimizer, name).clone()
-        for name in ("grad_scale", "found_inf")
-        if isinstance(getattr(optimizer, name, None), torch.Tensor)
-    }
-
-
-def _unit_step(
-    unit: ShardUnit,
-    optimizer: torch.optim.Optimizer,
-    grads: list[tuple[nn.Parameter, torch.Tensor]],
-    group_of: dict[int, int],
-    *,
-    groups: list[dict[str, Any]],
-    amp: dict[str, torch.Tensor],
-) -> _UnitStep:
-    """The optimizer view stepping `unit`: its local rows per group, the state's local rows."""
-    view = copy.copy(optimizer)  # same class and defaults; hooks and groups replaced below
-    view.state = defaultdict(dict)
-    per_group: dict[int, dict[str, Any]] = {}
-    pairs = []
-    for p, grad in grads:
-        alias = local_of(p).detach()  # shares the rows; its .grad is the worker's alone
-        j = group_of[id(p)]
-        per_group.setdefault(j, dict(groups[j], params=[]))["params"].append(alias)
-        view.state[alias] = {
-            k: local_of(v) if isinstance(v, torch.Tensor) else v for k, v in optimizer.state[p].items()
-        }
-        pairs.append((alias, local_of(grad)))
-    view.param_groups = [per_group[j] for j in sorted(per_group)]
-    for name, value in amp.items():
-        setattr(view, name, value)
-    return _UnitStep(unit=unit, view=view, grads=pairs)
-
-
-def _unsplittable(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> str | None:
-    """Why `optimizer.step(*args[1:], **kwargs)` cannot be stepped per unit, or None."""
-    if type(optimizer) not in SPLITTABLE:
-        return f"stepping per unit is exact for {', '.join(c.__name__ for c in SPLITTABLE)} only"
-    if len(args) > 1 or kwargs:
-        return "step() was given a closure"
-    if any(g.get("differentiable") for g in optimizer.param_groups):
-        return "differentiable=True"
-    return None
-
-
-def _frozen(value: Any) -> Any:
-    """A hyperparameter as it is now (a tensor learning rate is copied: schedulers update it in place)."""
-    return value.clone() if isinstance(value, torch.Tensor) else value
 
 
 def _weak_flush(steps: HostSteps):

@@ -60,8 +60,15 @@ class DataParallelGroups:
     mesh: DeviceMesh | None
 
 
+def default_group(process_group: dist.ProcessGroup | None = None) -> dist.ProcessGroup:
+    """`process_group`, else the default group (st.shard required one: `require_process_group`)."""
+    group = process_group or dist.group.WORLD
+    assert group is not None, "no default process group: st.shard calls require_process_group() first"
+    return group
+
+
 def resolve_groups(strategy: Strategy, *, process_group, mesh, device: torch.device) -> DataParallelGroups:
-    world_group = process_group or dist.group.WORLD
+    world_group = default_group(process_group)
     if is_tensor_parallel_mesh(mesh):  # FSDP x TP: shard over the data-parallel dimension (core/tensor_parallel.py)
         dims = mesh_dims(mesh, hybrid=strategy.is_hybrid)
         replicate = mesh.get_group(dims.replicate) if dims.hybrid else None
@@ -110,6 +117,7 @@ def _hybrid_groups(world_group, mesh, device: torch.device) -> DataParallelGroup
         group = subgroup(members, parent=world_group)
         if my in members:
             replicate_group = group
+    assert shard_group is not None and replicate_group is not None, f"rank {my} is not in {ranks}"
     # Rank (i, j) of the mesh is replica i's j-th shard rank: this rank's row is its shard group.
     grid = torch.tensor(ranks, dtype=torch.int64).view(replicate_size, shard_size)
     device_mesh = DeviceMesh.from_group(
@@ -123,7 +131,7 @@ def order_group(process_group) -> dist.ProcessGroup | None:
     compare (one rank) or the check is turned off."""
     from .order_check import enabled
 
-    group = process_group or dist.group.WORLD
+    group = default_group(process_group)
     if dist.get_world_size(group) == 1 or not enabled():
         return None
     return derived(group, "order", lambda: subgroup(dist.get_process_group_ranks(group), parent=group, backend="gloo"))
@@ -131,7 +139,7 @@ def order_group(process_group) -> dist.ProcessGroup | None:
 
 def control_group(process_group) -> dist.ProcessGroup | None:
     """A Gloo group over the same ranks, for small host-side agreements that must not sync the GPU."""
-    group = process_group or dist.group.WORLD
+    group = default_group(process_group)
     if dist.get_backend(group) == "gloo":
         return group
     return derived(

@@ -51,10 +51,12 @@ class ParamFactory:
         key = (shard.shape, dtype, bool(shard.shape))
         spec = self._specs.get(key)
         if spec is None:
+            mesh = self.mesh
+            assert mesh is not None, "without a mesh, parameters are plain tensors (wrap)"
             placement = Shard(0) if shard.shape else Replicate()
-            placements = (placement,) if self.mesh.ndim == 1 else (Replicate(), placement)
+            placements = (placement,) if mesh.ndim == 1 else (Replicate(), placement)
             stride = torch.empty(shard.shape, device="meta").stride()
-            spec = DTensorSpec(self.mesh, placements, tensor_meta=TensorMeta(torch.Size(shard.shape), stride, dtype))
+            spec = DTensorSpec(mesh, placements, tensor_meta=TensorMeta(torch.Size(shard.shape), stride, dtype))
             self._specs[key] = spec
         return spec
 

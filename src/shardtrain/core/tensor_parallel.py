@@ -40,7 +40,7 @@ from ..tp import (
     split_of,
 )
 from .param_layout import ParamShard
-from .process_groups import derived, subgroup
+from .process_groups import default_group, derived, subgroup
 
 if TYPE_CHECKING:
     from .runtime import Runtime
@@ -155,14 +155,17 @@ def split_in(unit: ShardUnit, shard: ParamShard) -> str | None:
 
 def tp_coordinates(runtime: Runtime) -> tuple[int, int]:
     """(tp rank, tp size) of this rank; (0, 1) without tensor parallelism."""
-    tp = tensor_parallel_of(runtime)
+    return _coordinates(tensor_parallel_of(runtime))
+
+
+def _coordinates(tp: TensorParallel | None) -> tuple[int, int]:
     return (tp.tp_rank, tp.tp_size) if tp is not None else (0, 1)
 
 
 def held_box_of(unit: ShardUnit, index: int) -> Box:
     """The box of parameter `index`'s global tensor this rank holds (`unit.held(index)` has its shape)."""
     shard = unit.layout.params[index]
-    tp_rank, tp_world = tp_coordinates(unit.runtime)
+    tp_rank, tp_world = _coordinates(unit.factory.tp)  # the model's (one factory per model)
     cut = shard.world > 1
     return held_box(
         global_shape(unit, shard),
@@ -256,7 +259,7 @@ def _norm_group(dims: MeshDims) -> dist.ProcessGroup:
     replica under hybrid sharding; replicas hold identical shards)."""
     grid = dims.mesh.mesh
     rows = [tuple(r.flatten().tolist()) for r in grid] if dims.hybrid else [tuple(grid.flatten().tolist())]
-    world = dist.group.WORLD
+    world = default_group()
     if rows == [tuple(range(dist.get_world_size()))]:
         return world
     me = dist.get_rank()

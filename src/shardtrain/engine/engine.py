@@ -6,26 +6,25 @@ the meta device, sharding it, rebinding an optimizer that was built before shard
 gradients with the true global norm, skipping gradient sync on accumulation micro-batches, and
 saving/loading sharded checkpoints. With `tp=N` it also splits each layer over N ranks (tensor
 parallelism on a ("dp", "tp") mesh); the data-parallel ranks are then `world_size // N`.
+
+Beside it: the collectives its ranks share (rank_collectives.py, a base of `Engine`), what `tp=N`
+checks and builds (tp_setup.py), and fp16's optimizer step through the loss scaler (fp16_step.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import random
 import sys
-import types
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
-import numpy as np
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from ..core.rebind_optimizers import rebind, record
-from ..core.shard_module import materialize_whole, runtime_of
+from ..core.rebind_optimizers import rebind
+from ..core.shard_module import runtime_of
 from ..options import ShardOptions, is_auto, precision_name, resolve_options
 from ..policy import AutoPolicy, MixedPrecision
 from ..sharding import shard_with
@@ -39,10 +38,13 @@ from .devices import (
     rank_info_from_env,
     resolve_topology,
 )
+from .fp16_step import step_through_scaler
 from .lifeline import die_with_launcher
+from .rank_collectives import RankCollectives
+from .tp_setup import check_tensor_parallel, check_world, dp_tp_mesh, rebind_replaced, with_tensor_parallel
 
 
-class Engine:
+class Engine(RankCollectives):
     """Run a training script on every local device with a fully sharded model.
 
     Args (all keyword-only):
@@ -111,9 +113,9 @@ class Engine:
         )
         self._options = resolve_options(**self._shard_kwargs)
         if tp > 1:
-            self._check_tensor_parallel()
+            check_tensor_parallel(tp=tp, options=self._options, auto=self._auto, cpu_offload=cpu_offload)
             if not launched_externally():
-                self._check_world(self._topology.num_processes)
+                check_world(tp=tp, world_size=self._topology.num_processes)
         self._strategy: Any = self._auto or self._options.strategy
         self._timeout = timeout
         self._info: RankInfo | None = None
@@ -145,7 +147,7 @@ class Engine:
         if launched_externally():
             die_with_launcher()  # a killed launcher (ours or torchrun's agent) takes its ranks along
             info = rank_info_from_env()
-            self._check_world(info.world_size)
+            check_world(tp=self._tp, world_size=info.world_size)
             if self._devices != "auto" and self._devices != info.local_world_size:
                 raise ValueError(
                     f"Engine(devices={self._devices}) but the launcher started {info.local_world_size} "
@@ -155,33 +157,6 @@ class Engine:
             info = RankInfo(rank=0, world_size=1, local_rank=0, local_world_size=1)
         self._device = join_process_group(self._topology, info, timeout=self._timeout)
         self._info = info
-
-    def _check_tensor_parallel(self) -> None:
-        """What tp > 1 refuses, before any process starts."""
-        tp, options = self._tp, self._options
-        if self._auto is not None:
-            raise ValueError(
-                f"Engine(tp={tp}) with strategy=st.AutoPolicy: the automatic plan does not plan tensor "
-                "parallelism; pass strategy='full_shard' (or 'shard_grad_op') with tp, or drop tp"
-            )
-        if options.strategy.is_hybrid:
-            raise ValueError(
-                f"Engine(tp={tp}) with strategy={options.strategy.value!r}: the engine builds a ('dp', 'tp') "
-                "mesh; use 'full_shard' or 'shard_grad_op', or call st.shard(model, mesh=<('replicate', "
-                "'shard', 'tp') DeviceMesh>) yourself"
-            )
-        if options.offload is not None:
-            raise ValueError(
-                f"Engine(tp={tp}) with cpu_offload={self._shard_kwargs['cpu_offload']!r}: offload is not supported with tensor "
-                "parallelism; drop cpu_offload or tp"
-            )
-
-    def _check_world(self, world_size: int) -> None:
-        if world_size % self._tp:
-            raise ValueError(
-                f"Engine(tp={self._tp}) with {world_size} processes: the world must be a multiple of tp "
-                f"(data-parallel ranks = world / tp); use tp in {[d for d in range(1, world_size + 1) if world_size % d == 0]}"
-            )
 
     def _require_launch(self) -> RankInfo:
         if self._info is None:
@@ -270,10 +245,7 @@ class Engine:
             self.print(choice)  # the plan and its reasons, once (rank 0)
         else:
             shard_with(model, options)
-        for name, new in model.named_parameters():
-            # tensor parallelism replaced the parameters before st.shard saw them: rebind from the originals
-            if name in before and before[name] is not new:
-                record(before[name], new, name)
+        rebind_replaced(before, model)
         self._strategy = runtime_of(model, settle=False).strategy
         if self._compile:
             from ..ops.compile import compile_blocks
@@ -300,22 +272,14 @@ class Engine:
             from ..ops.grad_scaler import GradScaler
 
             self.grad_scaler = self.grad_scaler or GradScaler(self.device.type)
-            _step_through_scaler(optimizer, self.grad_scaler)
+            step_through_scaler(optimizer, self.grad_scaler)
         return model, optimizer
 
     def _with_tensor_parallel(self, model: nn.Module, options: ShardOptions) -> ShardOptions:
-        """`options` on the ("dp", "tp") mesh (built once) with the model's plan; a model built on the
-        meta device is materialised first, whole, with the values st.shard would give it."""
-        from torch.distributed.device_mesh import init_device_mesh
-
-        from ..tp import FLAT_NAMES, plan_for
-
+        """`options` on the ("dp", "tp") mesh (built once) with the model's plan (engine/tp_setup.py)."""
         if self._mesh is None:
-            shape = (self.data_parallel_size, self._tp)
-            self._mesh = init_device_mesh(self.device.type, shape, mesh_dim_names=FLAT_NAMES)
-        if any(p.is_meta for p in model.parameters()):
-            materialize_whole(model, options, device=self.device)
-        return dataclasses.replace(options, mesh=self._mesh, tp_plan=options.tp_plan or plan_for(model))
+            self._mesh = dp_tp_mesh(self.device, data_parallel=self.data_parallel_size, tp=self._tp)
+        return with_tensor_parallel(model, options, mesh=self._mesh, device=self.device)
 
     def backward(self, loss: torch.Tensor) -> None:
         """`loss.backward()`, with the loss scaled first under fp16."""
@@ -355,64 +319,6 @@ class Engine:
 
         return load_checkpoint(path, state, **kwargs)
 
-    # ---------------------------------------------------------------------------- collectives etc.
-
-    def print(self, *args: Any, **kwargs: Any) -> None:
-        if self.rank == 0:
-            print(*args, **kwargs)
-
-    def barrier(self) -> None:
-        if self.world_size > 1:
-            dist.barrier()
-
-    @contextlib.contextmanager
-    def rank_zero_first(self, *, local: bool = False) -> Iterator[None]:
-        """Rank 0 (of the world, or of each node with `local`) runs the block before the others, e.g.
-        to download or tokenize a data set once and let the others read the cache."""
-        first = (self.local_rank if local else self.rank) == 0
-        if not first:
-            self.barrier()
-        yield
-        if first:
-            self.barrier()
-
-    def broadcast(self, obj: Any, *, src: int = 0) -> Any:
-        """Rank `src`'s `obj` (any picklable value), on every rank."""
-        if self.world_size == 1:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=src)
-        return box[0]
-
-    def all_reduce(self, tensor: torch.Tensor, *, op: str = "mean") -> torch.Tensor:
-        """Reduce `tensor` over all ranks ("mean", "sum", "max" or "min"); returns a new tensor."""
-        ops = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-        if op not in ops:
-            raise ValueError(f"all_reduce(op={op!r}): use one of {list(ops)}")
-        out = tensor.detach().clone().to(self.device)
-        if self.world_size > 1:
-            dist.all_reduce(out, op=ops[op])
-        return out / self.world_size if op == "mean" else out
-
-    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Stack every rank's `tensor` (same shape on all ranks) along a new first dimension."""
-        local = tensor.detach().to(self.device).contiguous()
-        out = [torch.empty_like(local) for _ in range(self.world_size)]
-        if self.world_size > 1:
-            dist.all_gather(out, local)
-        else:
-            out[0].copy_(local)
-        return torch.stack(out)
-
-    @staticmethod
-    def seed_everything(seed: int) -> int:
-        """Seed Python, NumPy and torch (all devices) with the same `seed`; call it with the same value
-        on every rank so that every rank initialises the model identically."""
-        random.seed(seed)
-        np.random.seed(seed % 2**32)
-        torch.manual_seed(seed)
-        return seed
-
 
 def _run_on_rank(engine: Engine, fn: Callable[..., Any], args: tuple) -> Any:
     """Entry point of a spawned rank: join the group, then run the user's function."""
@@ -422,28 +328,3 @@ def _run_on_rank(engine: Engine, fn: Callable[..., Any], args: tuple) -> Any:
     except BaseException as exc:  # the launcher reports it; this rank must not wait for its peers at exit
         mark_failed(exc)
         raise
-
-
-def _step_through_scaler(optimizer: torch.optim.Optimizer, scaler) -> None:
-    """Make `optimizer.step()` skip overflowing steps and update the scale, as Fabric does for fp16.
-
-    The replacement is a bound method, as an LR scheduler built afterwards expects (it wraps
-    `optimizer.step.__func__`). The scaler calls `optimizer.step()` itself once it finds no inf/NaN:
-    that nested call (through whatever wraps the method by then) goes to the original step.
-    """
-    inner = optimizer.step
-    inside = False
-
-    def step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any):
-        nonlocal inside
-        if inside:
-            return inner(*args, **kwargs)
-        inside = True
-        try:
-            result = scaler.step(self, *args, **kwargs)
-            scaler.update()
-        finally:
-            inside = False
-        return result
-
-    optimizer.step = types.MethodType(step, optimizer)

@@ -1,0 +1,76 @@
+"""What `Engine(tp=N)` adds to the engine: its checks before any process starts, and at setup the
+("dp", "tp") mesh and the model's tensor-parallel plan handed to `st.shard`.
+
+The engine builds the mesh itself (data-parallel ranks = world // tp, each tp group's ranks next to
+each other, as `init_device_mesh` places them), so it refuses what needs another mesh (the hybrid
+strategies), what the automatic plan does not plan (tensor parallelism), and offload, which tensor
+parallelism does not support: each as one line naming the setting and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..core.rebind_optimizers import record
+from ..core.shard_module import materialize_whole
+from ..options import ShardOptions
+
+
+def check_tensor_parallel(*, tp: int, options: ShardOptions, auto: Any, cpu_offload: Any) -> None:
+    """What tp > 1 refuses, before any process starts (`auto`: the engine's st.AutoPolicy, or None)."""
+    if auto is not None:
+        raise ValueError(
+            f"Engine(tp={tp}) with strategy=st.AutoPolicy: the automatic plan does not plan tensor "
+            "parallelism; pass strategy='full_shard' (or 'shard_grad_op') with tp, or drop tp"
+        )
+    if options.strategy.is_hybrid:
+        raise ValueError(
+            f"Engine(tp={tp}) with strategy={options.strategy.value!r}: the engine builds a ('dp', 'tp') "
+            "mesh; use 'full_shard' or 'shard_grad_op', or call st.shard(model, mesh=<('replicate', "
+            "'shard', 'tp') DeviceMesh>) yourself"
+        )
+    if options.offload is not None:
+        raise ValueError(
+            f"Engine(tp={tp}) with cpu_offload={cpu_offload!r}: offload is not supported with tensor "
+            "parallelism; drop cpu_offload or tp"
+        )
+
+
+def check_world(*, tp: int, world_size: int) -> None:
+    """The world must split into whole tp groups."""
+    if world_size % tp:
+        raise ValueError(
+            f"Engine(tp={tp}) with {world_size} processes: the world must be a multiple of tp "
+            f"(data-parallel ranks = world / tp); use tp in {[d for d in range(1, world_size + 1) if world_size % d == 0]}"
+        )
+
+
+def dp_tp_mesh(device: torch.device, *, data_parallel: int, tp: int) -> Any:
+    """The ("dp", "tp") DeviceMesh of `data_parallel` x `tp` ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ..tp import FLAT_NAMES
+
+    return init_device_mesh(device.type, (data_parallel, tp), mesh_dim_names=FLAT_NAMES)
+
+
+def with_tensor_parallel(model: nn.Module, options: ShardOptions, *, mesh: Any, device: torch.device) -> ShardOptions:
+    """`options` on `mesh` with the model's plan; a model built on the meta device is materialised
+    first, whole, with the values st.shard would give it."""
+    from ..tp import plan_for
+
+    if any(p.is_meta for p in model.parameters()):
+        materialize_whole(model, options, device=device)
+    return dataclasses.replace(options, mesh=mesh, tp_plan=options.tp_plan or plan_for(model))
+
+
+def rebind_replaced(before: dict[str, nn.Parameter], model: nn.Module) -> None:
+    """Tensor parallelism replaced the parameters before st.shard saw them: an optimizer built on the
+    originals (`before`, by name) is rebound from them."""
+    for name, new in model.named_parameters():
+        if name in before and before[name] is not new:
+            record(before[name], new, name)

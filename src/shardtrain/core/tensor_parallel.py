@@ -77,6 +77,10 @@ class TensorParallel:
         tp = self.params.get(shard.fqn)
         return self.tp_rank == 0 or not replicated_on_tp(tp.placement if tp else Replicate())
 
+    def counts_every(self, shards: tuple[ParamShard, ...]) -> bool:
+        """Whether this rank's rows of every one of `shards` enter a norm (always on tp rank 0)."""
+        return self.tp_rank == 0 or all(self.counts_once(s) for s in shards)
+
     def spec(self, shard: ParamShard, dtype: torch.dtype) -> DTensorSpec:
         """The spec of the optimizer-visible tensor of `shard` (and of its gradient) on the whole mesh."""
         key = (shard.fqn, dtype)

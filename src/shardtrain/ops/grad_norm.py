@@ -19,8 +19,9 @@ def _local_grads(model: nn.Module, *, for_norm: bool) -> list[torch.Tensor]:
 
     Note: every rank holds a 0-dim parameter's whole gradient; `for_norm`, only shard rank 0 counts it,
     so that each element of the model's gradient enters the norm once. Under tensor parallelism every
-    tp rank holds a replicated parameter's rows too: only tp rank 0 counts them, so the norm takes
-    each parameter's gradient and cannot use the flat buffers, which mix split and replicated ones.
+    tp rank holds a replicated parameter's rows too: only tp rank 0 counts them, so on the other tp
+    ranks the norm takes each parameter's gradient of a unit that mixes split and replicated ones
+    (its flat buffers hold both); tp rank 0 counts all its rows and reads the flat buffers, as 1-D.
     """
     runtime = runtime_of(model)
     counts_whole = runtime.comm.shard_rank == 0 or not for_norm
@@ -29,7 +30,7 @@ def _local_grads(model: nn.Module, *, for_norm: bool) -> list[torch.Tensor]:
     for unit in runtime.units:
         if not any(p.grad is not None for p in unit.params):
             continue
-        if unit.owns_grads() and tp is None:
+        if unit.owns_grads() and (tp is None or tp.counts_every(unit.layout.params)):
             grads += [buf.grad for buf in unit.buffers if buf.grad is not None and (buf.group.sharded or counts_whole)]
         else:
             grads += [

@@ -83,7 +83,10 @@ class Timer:
                 self.seconds = time.perf_counter() - self.start
 
 
-def plain(args, timer: Timer) -> None:
+def plain(args, timer: Timer, *, as_fabric: bool = False) -> None:
+    """`as_fabric`: also the per-step work Fabric's loop asks for: every float output cast to fp32
+    (precision="bf16-mixed") and the clipping's non-finite check (`error_if_nonfinite=True`, its
+    default), which reads the norm on the host."""
     import shardtrain as st
 
     model = llama(args)
@@ -91,8 +94,11 @@ def plain(args, timer: Timer) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=args.fused)
     ids = tokens(args, DEVICE)
     for step in range(1, args.warmup + args.steps + 1):
-        model(input_ids=ids, labels=ids).loss.backward()
-        st.clip_grad_norm_(model, 1.0)
+        out = model(input_ids=ids, labels=ids)
+        if as_fabric:
+            out.logits = out.logits.float()
+        out.loss.backward()
+        st.clip_grad_norm_(model, 1.0, error_if_nonfinite=as_fabric)
         opt.step()
         opt.zero_grad()
         timer.step_done(step)
@@ -156,7 +162,9 @@ PATHS: dict[str, Callable] = {
     "plain": plain,
     "fabric": fabric,
     "trainer": trainer,
-    # Not a user path: Fabric's loop without its fp32 cast of the outputs, to see what that costs.
+    # Not user paths: Fabric's loop without its fp32 cast of the outputs, and the plain loop with the
+    # per-step work Fabric's loop asks for, to see what those cost.
+    "plain-as-fabric": lambda args, timer: plain(args, timer, as_fabric=True),
     "fabric-uncast": lambda args, timer: fabric(args, timer, cast_outputs=False),
 }
 

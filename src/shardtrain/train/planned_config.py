@@ -29,7 +29,7 @@ from ..engine.devices import launched_externally, resolve_topology
 from ..options import offload_setting, precision_name, resolve_options
 from ..planning.auto import AutoChoice, choose_plan
 from ..planning.machine import local_device_memory, local_processes
-from .finetune import build_dtype, check_finetune_config, with_lora
+from .finetune import build_dtype, check_finetune_config, describe_lora, with_lora
 from .loop import check_batch
 from .model_builder import BuiltModel, build_model
 from .sections import Config, ConfigError, EngineConfig
@@ -114,13 +114,7 @@ def build_on_meta(cfg: Config, *, precision: str) -> BuiltModel:
     if not cfg.lora.rank:
         return built
     model, _ = with_lora(cfg, built.module)
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return dataclasses.replace(
-        built,
-        module=model,
-        description=f"{built.description}, LoRA r={cfg.lora.rank} on {','.join(cfg.lora.targets)}: "
-        f"{trainable / 1e6:.2f}M trainable",
-    )
+    return dataclasses.replace(built, module=model, description=describe_lora(cfg, model, built.description))
 
 
 def apply_choice(cfg: Config, choice: AutoChoice) -> Config:

@@ -113,11 +113,9 @@ def check_tensor_parallel(cfg: Config) -> None:
 
 def cpu_offload_option(cfg: Config) -> Any:
     """engine.cpu_offload, with the disk tier's directory when engine.offload_dir names one."""
-    if cfg.engine.offload_dir is None or not cfg.engine.cpu_offload:  # (the automatic plan may offload nothing)
-        return cfg.engine.cpu_offload
-    from ..policy import CPUOffload
+    from ..options import offload_setting
 
-    return CPUOffload(fraction=float(cfg.engine.cpu_offload), disk_dir=cfg.engine.offload_dir)
+    return offload_setting(cfg.engine.cpu_offload, disk_dir=cfg.engine.offload_dir)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..checkpoint.collective import Comm
+from ..checkpoint.collective import Comm, FirstError
 from ..checkpoint.tensorfile import SafetensorsWriter, TensorSpec, writing
 from ..checkpoint.this_rank import persistent_buffers
 from ..core.shard_module import runtime_of
@@ -211,12 +211,12 @@ class _Rank0Writer:
     """Rank 0's files. Each file is written in its planned order, opened at its first tensor and closed
     at its last (a tensor larger than `max_shard_size` has a file of its own while the current one is
     still open, as in transformers' split). An I/O error stops the writing but not the loop over units
-    (the other ranks would wait in the next gather forever): `finish` raises it."""
+    (Note [Errors inside a loop of collectives], checkpoint/collective.py): `finish` raises it."""
 
     def __init__(self, directory: Path, plan: ExportPlan) -> None:
         self.directory = directory
         self.plan = plan
-        self._error: Exception | None = None
+        self._failed = FirstError()
         self._file_of = {spec.name: k for k, f in enumerate(plan.files) for spec in f.specs}
         self._left = [len(f.specs) for f in plan.files]
         self._open: dict[int, SafetensorsWriter] = {}
@@ -231,20 +231,17 @@ class _Rank0Writer:
         return self._open[k]
 
     def write(self, item: _Item, tensor: torch.Tensor) -> None:
-        if self._error is not None:
-            return
-        try:
-            k = self._file_of[item.spec.name]
-            self._writer(k).write(item.spec.name, tensor)
-            self._left[k] -= 1
-            if self._left[k] == 0:
-                self._open.pop(k).close()
-        except Exception as exc:
-            self._error = exc
+        self._failed.run(lambda: self._write(item, tensor))
+
+    def _write(self, item: _Item, tensor: torch.Tensor) -> None:
+        k = self._file_of[item.spec.name]
+        self._writer(k).write(item.spec.name, tensor)
+        self._left[k] -= 1
+        if self._left[k] == 0:
+            self._open.pop(k).close()
 
     def finish(self, model: nn.Module) -> None:
-        if self._error is not None:
-            raise self._error
+        self._failed.check()
         for k, left in enumerate(self._left):
             if left == 0 and not self.plan.files[k].specs:  # a file planned empty (a model without tensors)
                 self._writer(k)
@@ -293,13 +290,6 @@ def _write_config(model: nn.Module, directory: Path, plan: ExportPlan) -> None:
 
 
 _ACCEPTED = {"max_shard_size", "is_main_process", "safe_serialization"}
-
-
-def save_tokenizer(tokenizer: Any, directory: str | os.PathLike) -> None:
-    """Carry the run's tokenizer into an exported folder (tokenizer.json, tokenizer_config.json with its
-    chat template), so `AutoTokenizer.from_pretrained` + `apply_chat_template` work on it as on the input.
-    Called by rank 0 only."""
-    tokenizer.save_pretrained(str(directory))
 
 
 def install_save_pretrained(model: nn.Module) -> None:

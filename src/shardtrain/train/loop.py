@@ -252,9 +252,8 @@ def _loop(job: Job, run_dir: Path, *, first_step: int, description: str, start: 
         heartbeat(cfg.train.steps, "export")
         exported = export(cfg, job.model, run_dir)
         if lead and job.data.tokenizer is not None:
-            from ..pretrained.export import save_tokenizer
-
-            save_tokenizer(job.data.tokenizer, exported)
+            # the run's tokenizer (with its chat template) beside the weights, as from_pretrained reads it
+            job.data.tokenizer.save_pretrained(str(exported))
         if lead:
             print(f"exported the model to {exported}", flush=True)
     summary = Summary(

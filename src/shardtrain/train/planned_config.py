@@ -28,7 +28,7 @@ import torch
 from ..engine.devices import launched_externally, resolve_topology
 from ..options import offload_setting, precision_name, resolve_options
 from ..planning.auto import AutoChoice, choose_plan
-from ..planning.machine import local_device_memory, local_processes
+from ..planning.machine import plan_memory
 from .finetune import build_dtype, check_finetune_config, describe_lora, with_lora
 from .loop import check_batch
 from .model_builder import BuiltModel, build_model
@@ -166,11 +166,14 @@ def resolve_auto_config(
             f"engine.strategy='auto' needs the model's block classes, and {cfg.model.name!r} names none; "
             "give them with --model.wrap ClassName"
         )
-    host_memory = None
-    if device_memory is None or cfg.engine.offload_dir is not None:  # this machine's host memory
-        host_memory, _ = local_device_memory(accelerator="cpu", processes=local_processes(setup.world_size))
-    if device_memory is None:  # planning for this machine's devices
-        device_memory, _ = local_device_memory(accelerator=setup.accelerator, processes=setup.world_size)
+    device_memory, host_memory = plan_memory(
+        device_memory=device_memory,
+        host_memory=None,
+        disk_dir=cfg.engine.offload_dir,
+        world_size=setup.world_size,
+        accelerator=setup.accelerator,
+        processes=setup.world_size,
+    )
     choice = choose_plan(
         built.module,
         world_size=setup.world_size,

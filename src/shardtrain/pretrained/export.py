@@ -33,8 +33,8 @@ from torch import nn
 from ..checkpoint.collective import Comm, FirstError
 from ..checkpoint.tensorfile import SafetensorsWriter, TensorSpec, writing
 from ..checkpoint.this_rank import persistent_buffers
+from ..core.held import held_params
 from ..core.shard_module import runtime_of
-from ..core.tensor_parallel import global_shape
 from ..ops.state_dict import gather_params
 from .file_split import FilePlan, index_of, parse_size, split_files, stale_files
 from .files import CONFIG_FILE, INDEX_FILE
@@ -112,7 +112,6 @@ def save_pretrained(
 
 def plan_export(model: nn.Module, *, dtype: torch.dtype | None, merge_lora: bool, max_bytes: int) -> ExportPlan:
     """Every tensor to write, its name, dtype and file; ValueError for a model that cannot be exported."""
-    runtime = runtime_of(model)
     hf = hf_model(model)
     if hf is None:
         raise ValueError(
@@ -130,31 +129,31 @@ def plan_export(model: nn.Module, *, dtype: torch.dtype | None, merge_lora: bool
     as_adapter = bool(adapters) and not merge_lora
     adapter_name = _adapter_name(model) if as_adapter else None
     merges = {m.weight: m for m in lora_merges(model)} if merge_lora else {}
-    where = {s.fqn: (u.index, i) for u in runtime.units for i, s in enumerate(u.layout.params)}
+    held = list(held_params(model))
+    where = {h.name: (h.unit.index, h.index) for h in held}
     items = []
-    for unit in runtime.units:
-        for i, s in enumerate(unit.layout.params):
-            if (s.fqn in adapters) != as_adapter:
-                continue
-            name = s.fqn.replace(f".{adapter_name}", "") if as_adapter else base_name(s.fqn)
-            merge = None
-            if s.fqn in merges:
-                m = merges[s.fqn]
-                (ua, ia), (ub, ib) = where[m.lora_a], where[m.lora_b]
-                if ua != unit.index or ub != unit.index:
-                    raise ValueError(
-                        f"{m.lora_a} is not in the sharding unit of {s.fqn}; merging needs an adapter "
-                        "in its layer's unit: do not make the adapter modules units of their own"
-                    )
-                merge = (m, ia, ib)
-            items.append(
-                _Item(
-                    spec=TensorSpec(name=name, dtype=_dtype(s.dtype, dtype), shape=global_shape(unit, s)),
-                    unit=unit.index,
-                    index=i,
-                    merge=merge,
+    for h in held:
+        if (h.name in adapters) != as_adapter:
+            continue
+        name = h.name.replace(f".{adapter_name}", "") if as_adapter else base_name(h.name)
+        merge = None
+        if h.name in merges:
+            m = merges[h.name]
+            (ua, ia), (ub, ib) = where[m.lora_a], where[m.lora_b]
+            if ua != h.unit.index or ub != h.unit.index:
+                raise ValueError(
+                    f"{m.lora_a} is not in the sharding unit of {h.name}; merging needs an adapter "
+                    "in its layer's unit: do not make the adapter modules units of their own"
                 )
+            merge = (m, ia, ib)
+        items.append(
+            _Item(
+                spec=TensorSpec(name=name, dtype=_dtype(h.layout.dtype, dtype), shape=h.shape),
+                unit=h.unit.index,
+                index=h.index,
+                merge=merge,
             )
+        )
     if not as_adapter:
         items += [
             _Item(spec=TensorSpec(name=base_name(n), dtype=_dtype(b.dtype, dtype), shape=tuple(b.shape)), buffer=n)

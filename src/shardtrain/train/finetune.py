@@ -28,6 +28,11 @@ def check_finetune_config(cfg: Config) -> None:
             f"lora.rank={lora.rank} trains adapters over pretrained weights; pass --model.pretrained "
             "DIR (a Hugging Face model folder), or --lora.rank 0 for full training"
         )
+    if cfg.engine.tp > 1 and cfg.model.pretrained is not None:
+        raise ValueError(
+            f"engine.tp={cfg.engine.tp} with model.pretrained={cfg.model.pretrained!r}: loading pretrained weights "
+            "into a tensor-parallel model is not supported yet; fine-tune with --engine.tp 1"
+        )
     if lora.merge_on_export and not (lora.rank and run.export_hf):
         raise ValueError(
             "lora.merge_on_export=true merges LoRA adapters into the exported model; it needs "

@@ -160,6 +160,11 @@ def resolve_auto_config(
     ConfigError) naming what to change when nothing fits or the model has no blocks to plan with.
     """
     setup = planned_setup(cfg)
+    if setup.tp > 1:
+        raise ConfigError(
+            f"engine.tp={setup.tp}: the automatic plan does not plan tensor parallelism; give "
+            "--engine.strategy full_shard (or shard_grad_op), or drop --engine.tp"
+        )
     built = built or build_on_meta(cfg, precision=setup.precision)
     if not built.wrap:
         raise ConfigError(

@@ -28,9 +28,8 @@ above, and frozen ones, billed only in the dtype they are stored in (bf16 for a 
 the compute dtype: 2 B/param / N, no master, no gradient, no optimizer state, and at N = 1 no
 unsharded copy either). Gradients, reduce buffers and the no_sync accumulation count the trainable
 parameters of each unit; the activations are those backward needs through the frozen layers
-(`activations`, `trained`). Checked against one H200's peaks for Llama-3-8B with LoRA r = 8 on
-q_proj / v_proj, batch 1 x 4096: 39.20 / 39.9 GiB without checkpointing, 22.18 / 22.49 with
-(tests/planning/test_finetune.py; `benchmarks/lora_estimate.py` measures them).
+(`activations`, `trained`). Checked against measured peaks of an 8B LoRA fine-tune: BENCHMARKS.md,
+'LoRA fine-tune: the memory estimate beside the measured peak' (`benchmarks/lora_estimate.py`).
 
 Gradients are allocated in backward and freed by `zero_grad()` (set_to_none), unless keep_grads=True
 (gradient accumulation, or zero_grad(set_to_none=False)). no_shard and optimizer_only keep the

@@ -1,7 +1,7 @@
 """`st.save_pretrained`: a sharded model as a Hugging Face folder, streamed one unit at a time.
 
 The folder's files and each file's header are planned from the units' layouts before anything is
-gathered (layout.py); then every rank gathers one unit at a time (`gather_params`) and rank 0
+gathered (file_split.py); then every rank gathers one unit at a time (`gather_params`) and rank 0
 writes its tensors and frees them, so no rank holds more than one unit whole. The result opens
 with `from_pretrained`: config.json (with the dtype written), generation_config.json, and
 `model.safetensors` or `model-0000i-of-0000n.safetensors` + index past `max_shard_size`. Tied

@@ -263,6 +263,12 @@ def test_the_choice_applies_through_st_shard(pools):
             assert out["norm"] == pytest.approx(out["ref_norm"], rel=1e-5)
 
 
+def test_shard_auto_refuses_tensor_parallelism_before_planning():
+    policy = st.AutoPolicy(micro_batch=1, seq_len=64, device_memory="8GiB")
+    with pytest.raises(ValueError, match="the automatic plan does not plan tensor parallelism"):
+        st.shard_auto(tiny_llama(), policy=policy, wrap={Block}, tp_plan=st.tp.llama_plan())
+
+
 def test_offload_must_fit_the_host_memory_too():
     kwargs = dict(world_size=2, device_memory="141GB", seq_len=SEQ, micro_batch=1)
     roomy = choose_plan("30b", host_memory="125GiB", **kwargs)

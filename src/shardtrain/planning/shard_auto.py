@@ -19,6 +19,7 @@ from ..core.process_groups import require_process_group
 from ..options import ShardOptions, resolve_options
 from ..policy import AutoPolicy
 from ..sharding import shard_with
+from ..tp import is_tensor_parallel_mesh
 from .auto import SAFETY_MARGIN, AutoChoice, choose_plan
 from .machine import plan_memory
 
@@ -40,6 +41,12 @@ def shard_auto_with(model: nn.Module, policy: AutoPolicy, options: ShardOptions)
     """`shard_auto` with the other options already resolved (the Engine's form)."""
     if not isinstance(policy, AutoPolicy):
         raise TypeError(f"policy={policy!r}: pass st.AutoPolicy(micro_batch=..., seq_len=...)")
+    if options.tp_plan is not None or is_tensor_parallel_mesh(options.mesh):
+        raise ValueError(
+            "st.shard_auto with tensor parallelism (tp_plan= or a mesh with a 'tp' dimension): the automatic "
+            "plan does not plan tensor parallelism; call st.shard(model, strategy='full_shard', mesh=..., "
+            "tp_plan=...) instead"
+        )
     require_process_group()
     choice = resolve_auto(
         model,

@@ -180,9 +180,7 @@ def model_states_arithmetic(estimates: tuple[MemoryEstimate, ...]) -> str:
     per_param = 8 + first.optimizer_bytes
     model = first.model
     frozen, trainable = model.frozen_params, model.trainable_params
-    frozen_size = (
-        (model.frozen_bytes / frozen if model.frozen_bytes is not None else first.param_bytes) if frozen else 0
-    )
+    frozen_size = first.frozen_param_bytes
     terms = f"x {'trainable params + ' if frozen else 'params'}"
     if frozen:
         terms += f"{frozen_size:g} B x frozen params,"

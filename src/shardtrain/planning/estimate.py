@@ -254,7 +254,7 @@ def _estimate(inputs: EstimateInputs) -> MemoryEstimate:
     n = inputs.shard_size
     resident = s.keeps_params_resident
     # Frozen parameters stay in the dtype they were built in (`policy.storage_dtypes`): no master.
-    frozen_size = m.frozen_bytes / m.frozen_params if (m.frozen_bytes is not None and m.frozen_params) else p
+    frozen_size = inputs.frozen_param_bytes
     params_alias = p == MASTER_BYTES and (n == 1 or resident)  # unsharded params are views of the master
     frozen_alias = frozen_size == p and (n == 1 or resident)  # ... or of the frozen shards
     grads_alias = p == GRAD_BYTES and n == 1  # unsharded grads land in the fp32 gradient itself

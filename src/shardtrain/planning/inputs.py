@@ -41,6 +41,13 @@ class EstimateInputs:
         return (self.precision.param_dtype or torch.float32).itemsize
 
     @property
+    def frozen_param_bytes(self) -> float:
+        """Bytes per frozen parameter as stored: a live module's own dtypes, else the compute dtype (the
+        dtype `shardtrain train` builds a LoRA base in: `policy.storage_dtypes` keeps no master for it)."""
+        m = self.model
+        return m.frozen_bytes / m.frozen_params if m.frozen_bytes is not None and m.frozen_params else self.param_bytes
+
+    @property
     def reduce_bytes(self) -> int:
         return (self.precision.reduce_dtype or torch.float32).itemsize
 

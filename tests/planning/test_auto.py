@@ -216,7 +216,7 @@ def test_checkpoint_policy_forms():
     every2 = recompute_policy(model, wrap={Block}, every=2)
     assert [every2(m) for m in model.layers] == [True, False, True, False, True, False]
     assert not every2(model) and not every2(model.layers[0].attn)
-    with pytest.raises(ValueError, match=r"every=-1.*use 0 / False"):
+    with pytest.raises(ValueError, match=r"activation_checkpointing=-1 is not understood; use False / 0"):
         recompute_policy(model, wrap={Block}, every=-1)
 
 

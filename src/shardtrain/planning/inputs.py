@@ -64,15 +64,15 @@ def positive_int(value: Any, name: str) -> int:
 
 
 def recompute_every_of(value: Any) -> int:
-    if value is None or value is False:
-        return 0
-    if value is True:
-        return 1
-    if isinstance(value, int) and value >= 1:
+    """`activation_checkpointing=` as a block period: False / None / 0: none (0), True / 1: every block,
+    k >= 2: 1 block in k (blocks 0, k, 2k, ...). ValueError naming the value otherwise."""
+    if value is None or isinstance(value, bool):
+        return int(bool(value))
+    if isinstance(value, int) and value >= 0:
         return value
     raise ValueError(
-        f"activation_checkpointing={value!r} is not understood; use False, True (every block) "
-        "or an int k >= 1 (every k-th block)"
+        f"activation_checkpointing={value!r} is not understood; use False / 0 (none), True / 1 (every block) "
+        "or an int k >= 2 (every k-th block)"
     )
 
 

@@ -65,6 +65,15 @@ class ModelConfig:
         "recompute the wrapped blocks' activations in backward: true (every block), false, or k (1 block in k)", False
     )
 
+    def __post_init__(self) -> None:
+        ac = self.activation_checkpointing
+        _require(
+            isinstance(ac, bool) or (isinstance(ac, int) and ac >= 0),
+            "model.activation_checkpointing",
+            ac,
+            "use true (every block), false, or k >= 2 (1 block in k)",
+        )
+
 
 @dataclass(frozen=True, kw_only=True)
 class LoraConfig:

@@ -54,7 +54,14 @@ class EstimateInputs:
     @property
     def label(self) -> str:
         label = f"{self.strategy.value}({self.shard_size})" if self.strategy.is_hybrid else self.strategy.value
-        return label + (f", tp {self.tp}" + (" (sequence parallel)" if self.sequence_parallel else "")) * (self.tp > 1)
+        return label + tp_label(self.tp, sequence_parallel=self.sequence_parallel)
+
+
+def tp_label(tp: int, *, sequence_parallel: bool) -> str:
+    """ ", tp N" (with " (sequence parallel)") under tensor parallelism, "" without."""
+    if tp == 1:
+        return ""
+    return f", tp {tp}" + " (sequence parallel)" * sequence_parallel
 
 
 def positive_int(value: Any, name: str) -> int:

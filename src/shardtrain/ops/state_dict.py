@@ -106,11 +106,7 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], 
             if h.name not in fits:
                 continue
             value = state_dict[h.name]
-            if h.shape:
-                box = h.box
-                value = value[box.rows[0] : box.rows[1]]
-                value = value if box.cols is None else value[:, box.cols[0] : box.cols[1]]
-            h.local.copy_(value)
+            h.local.copy_(h.box.cut(value) if h.shape else value)
         for name, buffer in buffers.items():
             if name in fits:  # a mis-shaped value would broadcast into the buffer silently
                 buffer.copy_(state_dict[name])

@@ -176,4 +176,5 @@ def test_plan_counts_the_disk_tier(capsys, tmp_path):
     host = {r[-2]: float(r[-1]) for r in _rows(host_out) if r[:2] == ["host", "memory"]}
     disk = {r[-2]: float(r[-1]) for r in _rows(disk_out) if r[:2] in (["host", "memory"], ["disk", "(offloaded"])}
     assert "disk (offloaded state)" in disk_out and "disk (offloaded state)" not in host_out
+    assert ", CPU offload, optimizer state on disk" in disk_out.splitlines()[1]  # the header says so too
     assert sum(disk.values()) == pytest.approx(sum(host.values()), abs=0.02)

@@ -73,7 +73,7 @@ def _device_memory(args: argparse.Namespace, setup: PlannedSetup) -> tuple[int |
 
 def _header(description: str, setup: PlannedSetup) -> str:
     checkpointing = checkpointing_label(recompute_every_of(setup.activation_checkpointing))
-    offload = offload_label(float(setup.cpu_offload))
+    offload = offload_label(float(setup.cpu_offload), disk=setup.offload_dir is not None)
     return (
         f"shardtrain plan: {description}\n{setup.world_size} x {setup.accelerator}, {setup.strategy}, "
         f"{setup.precision}, micro-batch {setup.micro_batch} x {setup.grad_accum} accumulation "

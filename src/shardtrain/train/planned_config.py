@@ -50,6 +50,7 @@ class PlannedSetup:
     seq_len: int
     activation_checkpointing: bool | int  # True: every block, k: 1 block in k
     cpu_offload: bool | float  # a float: the share of the parameters offloaded
+    offload_dir: str | None = None  # the disk tier's directory for the offloaded optimizer state
     tp: int = 1  # ranks each layer is split over (the data-parallel ranks: world_size // tp)
     sequence_parallel: bool = False
 
@@ -93,6 +94,7 @@ def planned_setup(cfg: Config) -> PlannedSetup:
         seq_len=cfg.data.seq_len,
         activation_checkpointing=cfg.model.activation_checkpointing,
         cpu_offload=cfg.engine.cpu_offload,
+        offload_dir=cfg.engine.offload_dir,
         tp=tp,
         sequence_parallel=cfg.engine.sequence_parallel,
     )

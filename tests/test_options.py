@@ -216,3 +216,10 @@ def test_the_edge_rules_written_once():
     assert precision_name("auto", accelerator="cpu") == "32-true"
     assert precision_name("fp16", accelerator="cuda") == "fp16"
     assert [offload_setting(f) for f in (0.0, 0.5, 1.0)] == [False, 0.5, True]
+
+
+def test_offload_setting_with_the_disk_tier(tmp_path):
+    disk = str(tmp_path)
+    assert offload_setting(0.0, disk_dir=disk) is False  # nothing offloaded: no disk tier either
+    assert offload_setting(1.0, disk_dir=disk) == st.CPUOffload(disk_dir=disk)
+    assert offload_setting(True, disk_dir=disk) == st.CPUOffload(disk_dir=disk)

@@ -155,9 +155,12 @@ def precision_name(precision: str | Any, *, accelerator: str) -> str | Any:
     return precision
 
 
-def offload_setting(fraction: float) -> bool | float:
+def offload_setting(fraction: float, *, disk_dir: str | None = None) -> bool | float | CPUOffload:
     """A share of the parameters offloaded (0.0 to 1.0) as `cpu_offload=` and the train config take it:
-    False for none, True for all, the share for a part."""
+    False for none, True for all, the share for a part; with `disk_dir` (the disk tier's directory) and
+    a share to offload, the `CPUOffload` that keeps the offloaded optimizer state there."""
+    if disk_dir is not None and fraction:
+        return CPUOffload(fraction=float(fraction), disk_dir=disk_dir)
     return fraction if 0 < fraction < 1 else bool(fraction)
 
 

@@ -272,3 +272,18 @@ def resolve_module_policy(policy: Any, *, what: str) -> ModulePredicate | SizePo
 
 def module_classes(modules: Iterable[nn.Module]) -> list[str]:
     return sorted({type(m).__name__ for m in modules})
+
+
+def classes_named(model: nn.Module, names: Iterable[str], *, what: str) -> frozenset[type[nn.Module]]:
+    """Every module class of `model` whose name is in `names` (layer classes named in a config, or a
+    model's `_no_split_modules`); ValueError naming `what` (where the names came from) and the model's
+    classes when a name matches none."""
+    names = tuple(names)
+    found = frozenset(type(m) for m in model.modules() if type(m).__name__ in names)
+    missing = sorted(set(names) - {c.__name__ for c in found})
+    if missing:
+        raise ValueError(
+            f"{what} names {missing}, which are not module classes of {type(model).__name__}; its classes are "
+            f"{module_classes(model.modules())}"
+        )
+    return found

@@ -95,6 +95,8 @@ def test_plan_errors_are_one_line_with_the_fix(capsys):
         assert code == 2 and "needs the device memory" in err and "--device-memory 141GB" in err
     code, _, err = _plan([*EIGHT_B, "--auto", "--device-memory", "16GB"], capsys)
     assert code == 2 and "nothing fits in 14.90 GiB per device" in err and "use at least 4 devices" in err
+    code, _, err = _plan([*TINY, "--auto", "--engine.tp", "2", "--device-memory", "8GB"], capsys)
+    assert code == 2 and "engine.tp=2: the automatic plan does not plan tensor parallelism" in err
 
 
 def test_strategy_auto_resolves_the_train_config_and_keeps_the_global_batch(capsys):
@@ -174,4 +176,5 @@ def test_plan_counts_the_disk_tier(capsys, tmp_path):
     host = {r[-2]: float(r[-1]) for r in _rows(host_out) if r[:2] == ["host", "memory"]}
     disk = {r[-2]: float(r[-1]) for r in _rows(disk_out) if r[:2] in (["host", "memory"], ["disk", "(offloaded"])}
     assert "disk (offloaded state)" in disk_out and "disk (offloaded state)" not in host_out
+    assert ", CPU offload, optimizer state on disk" in disk_out.splitlines()[1]  # the header says so too
     assert sum(disk.values()) == pytest.approx(sum(host.values()), abs=0.02)

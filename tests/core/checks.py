@@ -188,7 +188,18 @@ def load_full_state_dict_roundtrip() -> dict:
         message = "no error"
     except ValueError as e:
         message = str(e)
-    return {"equal": equal, "mis_shaped_named": "norm.weight: checkpoint (3,) vs model (64,)" in message}
+    # a persistent buffer of the wrong shape is named too (copy_ would broadcast it silently)
+    normed = st.shard(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)))
+    try:
+        st.load_full_state_dict(normed, {**normed.state_dict(), "1.running_mean": torch.ones(1)})
+        buffer_message = "no error"
+    except ValueError as e:
+        buffer_message = str(e)
+    return {
+        "equal": equal,
+        "mis_shaped_named": "norm.weight: checkpoint (3,) vs model (64,)" in message
+        and "1.running_mean: checkpoint (1,) vs model (4,)" in buffer_message,
+    }
 
 
 def subgroups_keep_the_timeout() -> dict:

@@ -216,7 +216,7 @@ def test_checkpoint_policy_forms():
     every2 = recompute_policy(model, wrap={Block}, every=2)
     assert [every2(m) for m in model.layers] == [True, False, True, False, True, False]
     assert not every2(model) and not every2(model.layers[0].attn)
-    with pytest.raises(ValueError, match=r"every=-1.*use 0 / False"):
+    with pytest.raises(ValueError, match=r"activation_checkpointing=-1 is not understood; use False / 0"):
         recompute_policy(model, wrap={Block}, every=-1)
 
 
@@ -261,6 +261,12 @@ def test_the_choice_applies_through_st_shard(pools):
             assert out["checkpointed"] == expected
             assert out["strategy"] in ("shard_grad_op", "optimizer_only", "no_shard")
             assert out["norm"] == pytest.approx(out["ref_norm"], rel=1e-5)
+
+
+def test_shard_auto_refuses_tensor_parallelism_before_planning():
+    policy = st.AutoPolicy(micro_batch=1, seq_len=64, device_memory="8GiB")
+    with pytest.raises(ValueError, match="the automatic plan does not plan tensor parallelism"):
+        st.shard_auto(tiny_llama(), policy=policy, wrap={Block}, tp_plan=st.tp.llama_plan())
 
 
 def test_offload_must_fit_the_host_memory_too():

@@ -12,9 +12,9 @@ import torch
 
 import shardtrain as st
 from shardtrain.models.llama import Block, Llama, llama_config
+from shardtrain.planning import machine
 from shardtrain.planning.auto import choose_plan
 from shardtrain.planning.shard_auto import resolve_auto
-from shardtrain.train import planned_config
 from shardtrain.train.config import load_config
 from shardtrain.train.planned_config import choice_overrides, resolve_auto_config
 
@@ -101,7 +101,7 @@ def test_shard_auto_takes_the_disk_directory_from_its_policy(tmp_path):
 def test_train_config_keeps_offload_dir_only_for_the_disk_tier(tmp_path, monkeypatch):
     """--engine.strategy auto with --engine.offload_dir: the directory stays only when the plan needs the
     disk tier (host memory: this machine's share, here an invented 40 GiB); the ranks' overrides repeat it."""
-    monkeypatch.setattr(planned_config, "local_device_memory", lambda **_: (40 * GiB, "an invented host"))
+    monkeypatch.setattr(machine, "local_device_memory", lambda **_: (40 * GiB, "an invented host"))
     asked = [*EIGHT_B, "--engine.offload_dir", str(tmp_path)]
     for device, expected in [(10 * GiB, str(tmp_path)), (int(141e9), None)]:
         resolved, choice = resolve_auto_config(load_config(None, asked), device_memory=device)

@@ -128,6 +128,9 @@ def test_activation_checkpointing_reduces_activations():
         e = st.estimate_memory("8b", world_size=2, micro_batch=2, activation_checkpointing=ac)
         acts[ac] = dict(e.phase_totals)["forward + loss"]
     assert acts[False] > acts[4] > acts[2] > acts[True]
+    # 0 and 1 are none and every block, as recompute_policy and the automatic plan count them
+    assert st.estimate_memory("8b", world_size=2, activation_checkpointing=0).inputs.recompute_every == 0
+    assert st.estimate_memory("8b", world_size=2, activation_checkpointing=1).inputs.recompute_every == 1
 
 
 def test_offload_moves_states_to_host():

@@ -12,8 +12,8 @@ from torch import nn
 
 import shardtrain as st
 from shardtrain.core.shard_module import runtime_of
+from shardtrain.policy import classes_named
 from shardtrain.pretrained.lora import adapter_init, apply_lora
-from shardtrain.train.model_builder import classes_by_name
 from shardtrain.train.schedule import make_scheduler
 from tests.pretrained.hf_models import VOCAB
 
@@ -30,7 +30,7 @@ def meta_model(folder: str | Path) -> nn.Module:
 
 
 def blocks(model: nn.Module) -> frozenset:
-    return classes_by_name(model, tuple(model._no_split_modules))
+    return classes_named(model, model._no_split_modules, what="_no_split_modules")
 
 
 def sharded(

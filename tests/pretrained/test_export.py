@@ -55,3 +55,18 @@ def test_export_round_trip_equals_full_state_dict(pools, hf_folders, tmp_path, k
     )
     assert all(torch.equal(v, state[k].to(torch.bfloat16)) for k, v in bf16.state_dict().items())
     assert result["refused"].startswith("save_pretrained(push_to_hub=...) is not supported on a sharded model")
+
+
+def test_rank0_writer_keeps_its_first_error_for_finish(tmp_path):
+    """An I/O error stops rank 0's writing but not the loop over units (the other ranks gather on): finish raises it."""
+    from shardtrain.checkpoint.tensorfile import TensorSpec
+    from shardtrain.pretrained.export import ExportPlan, FilePlan, _Item, _Rank0Writer
+
+    specs = tuple(TensorSpec(name=n, dtype=torch.float32, shape=(2,)) for n in ("a", "b"))
+    items = tuple(_Item(spec=s, unit=0, index=i) for i, s in enumerate(specs))
+    plan = ExportPlan(adapter=False, items=items, files=(FilePlan(name="model.safetensors", specs=specs),))
+    writer = _Rank0Writer(tmp_path / "missing", plan)  # no such directory: the first write fails
+    for item in items:
+        writer.write(item, torch.zeros(2))  # the second write is skipped, not raised
+    with pytest.raises(OSError):
+        writer.finish(torch.nn.Linear(1, 1))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -40,6 +41,9 @@ def test_boxes_tile_the_global_tensor_once():
     # rows split over tp first, then over dp inside each tp block: rank (1, 0) holds rows 3..5 of 0..5
     assert held_box(shape, split="rows", dp_rank=1, dp_world=2, tp_rank=0, tp_world=2) == Box(rows=(3, 5))
     assert Box(rows=(0, 4), cols=(2, 5)).intersect(Box(rows=(3, 8)), shape) == Box(rows=(3, 4), cols=(2, 5))
+    whole = torch.arange(70).view(shape)
+    assert torch.equal(Box(rows=(3, 5), cols=(2, 4)).cut(whole), whole[3:5, 2:4])
+    assert torch.equal(Box(rows=(3, 5)).cut(whole), whole[3:5])
 
 
 def test_llama_plan():

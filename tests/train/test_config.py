@@ -87,6 +87,7 @@ def test_unknown_key_in_file_is_an_error(tmp_path):
         (["--data.val_fraction", "1.5"], r"use a value in \(0, 1\)"),
         (["stray"], "unexpected argument 'stray'"),
         (["--train.steps.x", "1"], "is not a table"),
+        (["--model.activation_checkpointing", "-1"], r"model.activation_checkpointing=-1 is invalid: use true"),
     ],
 )
 def test_bad_values_name_key_and_fix(tokens, expected):

@@ -5,7 +5,8 @@ import torch
 
 from shardtrain.engine import Engine
 from shardtrain.models.llama import SHARD_UNITS, Block, Llama
-from shardtrain.train.model_builder import build_model, classes_by_name
+from shardtrain.policy import classes_named
+from shardtrain.train.model_builder import _no_split_units, build_model
 from shardtrain.train.schedule import make_scheduler, warmup_cosine
 from shardtrain.train.sections import ModelConfig
 from shardtrain.train.step import loss_sum
@@ -87,7 +88,11 @@ def test_factory_and_explicit_wrap():
     )
     assert {c.__name__ for c in built.wrap} == {"TransformerEncoderLayer"}
     with pytest.raises(ValueError, match=r"not module classes of Linear; its classes are \['Linear'\]"):
-        classes_by_name(torch.nn.Linear(2, 2), ("Block",))
+        classes_named(torch.nn.Linear(2, 2), ("Block",), what="model.wrap")
+    lonely = torch.nn.Linear(2, 2)
+    lonely._no_split_modules = ["Block"]  # a model's own list is named as such, not as model.wrap
+    with pytest.raises(ValueError, match=r"^Linear._no_split_modules names \['Block'\]"):
+        _no_split_units(lonely)
 
 
 def test_loss_checks_the_vocabulary():

@@ -29,7 +29,7 @@ def test_tp_2_trains_the_losses_of_tp_1(tmp_path):
     [
         (["--engine.devices", "3"], "Engine(tp=2) with 3 processes: the world must be a multiple of tp"),
         (["--engine.cpu_offload", "true"], "Engine(tp=2) with cpu_offload=True: offload is not supported"),
-        (["--engine.strategy", "auto"], "engine.tp=2 with engine.strategy='auto': the automatic plan does not"),
+        (["--engine.strategy", "auto"], "engine.tp=2: the automatic plan does not plan tensor parallelism"),
         (["--engine.strategy", "hybrid_shard"], "use 'full_shard' or 'shard_grad_op'"),
         (["--model.pretrained", "/no/model"], "fine-tune with --engine.tp 1"),
     ],

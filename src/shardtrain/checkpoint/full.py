@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ..core.held import held_params
 from ..core.param_layout import ParamShard
 from ..core.shard_module import runtime_of
 from ..core.tensor_parallel import global_shape
@@ -41,11 +42,10 @@ def write_full_modules(entries: Entries, staging: Path, *, rank: int, params: st
         units = runtime_of(module).units
         buffers = persistent_buffers(module)
         specs = [
-            TensorSpec(name=name, dtype=unit.held(i).dtype, shape=global_shape(unit, s))
-            for unit in units
-            for i, s in enumerate(unit.layout.params)
-            if saves(s.requires_grad, params)
-            for name in (s.fqn, *s.aliases)
+            TensorSpec(name=name, dtype=h.local.dtype, shape=h.shape)
+            for h in held_params(module)
+            if saves(h.requires_grad, params)
+            for name in h.names
         ]
         specs += [TensorSpec(name=n, dtype=b.dtype, shape=tuple(b.shape)) for n, b in buffers.items()]
         writer = failed.run(lambda: SafetensorsWriter(staging / full_file(key), specs)) if rank == 0 else None

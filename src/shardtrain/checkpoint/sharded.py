@@ -112,13 +112,13 @@ class ShardedSource(ModuleSource):
         """`box` of the global `tensor` of parameter `name` (or of its optimizer state), assembled from the files."""
         shape = self.param_shapes[self.canonical[name]]
         if not shape:
-            return self._checked(0, tensor, shape, ()).get_tensor(tensor)
+            return self._checked(0, tensor, ()).get_tensor(tensor)
         out = torch.empty(box.shape(shape), dtype=self.param_dtypes[self.canonical[name]])
         for f, saved in self._saved_boxes(name):
             common = box.intersect(saved, shape)
             if common is None:
                 continue
-            piece = self._checked(f, tensor, shape, saved.shape(shape)).get_slice(tensor)
+            piece = self._checked(f, tensor, saved.shape(shape)).get_slice(tensor)
             rows = slice(common.rows[0] - saved.rows[0], common.rows[1] - saved.rows[0])
             into = slice(common.rows[0] - box.rows[0], common.rows[1] - box.rows[0])
             if common.cols is None:
@@ -140,15 +140,8 @@ class ShardedSource(ModuleSource):
         rows = self.read_box(tensor, name, Box(rows=(first, stop))).reshape(-1)
         return rows[start - first * row : start - first * row + numel]
 
-    def _checked(self, f: int, tensor: str, shape: tuple[int, ...], expected: tuple[int, ...]):
-        handle = self._files.tensors(self._shards[f])
-        found = tuple(handle.get_slice(tensor).get_shape()) if tensor in handle.keys() else None
-        if found != expected:
-            raise ValueError(
-                f"{self._files.root / self._shards[f]}: tensor {tensor!r} has shape {found}, but the "
-                f"metadata implies {expected}; the checkpoint was edited or damaged: load an earlier one"
-            )
-        return handle
+    def _checked(self, f: int, tensor: str, expected: tuple[int, ...]):
+        return _checked_handle(self._files, self._shards[f], tensor, expected)
 
     def read_param(self, name: str, start: int, numel: int) -> torch.Tensor:
         return self._read_rows(param_tensor(self.canonical[name]), name, start, numel)
@@ -191,14 +184,7 @@ class LegacyShardedSource(ModuleSource):
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _handle(self, shard: int, tensor: str, per: int):
-        handle = self._files.tensors(self._shards[shard])
-        found = tuple(handle.get_slice(tensor).get_shape()) if tensor in handle.keys() else None
-        if found != (per,):
-            raise ValueError(
-                f"{self._files.root / self._shards[shard]}: tensor {tensor!r} has shape {found}, but the "
-                f"metadata implies ({per},); the checkpoint was edited or damaged: load an earlier one"
-            )
-        return handle
+        return _checked_handle(self._files, self._shards[shard], tensor, (per,))
 
     def read_param(self, name: str, start: int, numel: int) -> torch.Tensor:
         unit, offset = self._where[self.canonical[name]]
@@ -214,3 +200,15 @@ class LegacyShardedSource(ModuleSource):
 
 def sharded_source(files: CheckpointFiles, key: str, record: dict[str, Any], *, version: int) -> ModuleSource:
     return (ShardedSource if version >= 2 else LegacyShardedSource)(files, key, record)
+
+
+def _checked_handle(files: CheckpointFiles, file: str, tensor: str, expected: tuple[int, ...]):
+    """The open shard `file`, once its `tensor` is checked to have the shape the metadata implies."""
+    handle = files.tensors(file)
+    found = tuple(handle.get_slice(tensor).get_shape()) if tensor in handle.keys() else None
+    if found != expected:
+        raise ValueError(
+            f"{files.root / file}: tensor {tensor!r} has shape {found}, but the metadata implies {expected}; "
+            "the checkpoint was edited or damaged: load an earlier one"
+        )
+    return handle

@@ -74,8 +74,7 @@ class ModuleSource(ABC):
         if not shape:
             return read(0, 1).view(())
         row = math.prod(shape[1:])
-        rows = read(box.rows[0] * row, (box.rows[1] - box.rows[0]) * row).view(-1, *shape[1:])
-        return rows if box.cols is None else rows[:, box.cols[0] : box.cols[1]]
+        return box.cut_cols(read(box.rows[0] * row, (box.rows[1] - box.rows[0]) * row).view(-1, *shape[1:]))
 
 
 def saved_params(record: dict[str, Any]) -> list[dict[str, Any]]:

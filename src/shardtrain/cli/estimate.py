@@ -25,6 +25,7 @@ from types import SimpleNamespace
 from ..models.llama import LLAMA_SIZES
 from ..planning.compare import DEFAULT_STRATEGIES, compare_strategies
 from ..planning.estimate import MemoryEstimate
+from ..planning.machine import local_device_memory
 from ..planning.sizes import GiB, format_gib, parse_bytes
 from ..policy import CPUOffload
 
@@ -99,12 +100,10 @@ def register(subparsers) -> None:
 
 
 def _default_device_memory() -> tuple[int, str]:
-    import torch
-
-    if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
-        return props.total_memory, f"the local {props.name}"
-    return FALLBACK_DEVICE_MEMORY, "assumed: no local CUDA device; pass --device-memory"
+    try:
+        return local_device_memory(accelerator="cuda", processes=1)
+    except ValueError:  # no CUDA device here: the estimate is for one elsewhere
+        return FALLBACK_DEVICE_MEMORY, "assumed: no local CUDA device; pass --device-memory"
 
 
 def _model(args: argparse.Namespace):
@@ -180,9 +179,7 @@ def model_states_arithmetic(estimates: tuple[MemoryEstimate, ...]) -> str:
     per_param = 8 + first.optimizer_bytes
     model = first.model
     frozen, trainable = model.frozen_params, model.trainable_params
-    frozen_size = (
-        (model.frozen_bytes / frozen if model.frozen_bytes is not None else first.param_bytes) if frozen else 0
-    )
+    frozen_size = first.frozen_param_bytes
     terms = f"x {'trainable params + ' if frozen else 'params'}"
     if frozen:
         terms += f"{frozen_size:g} B x frozen params,"

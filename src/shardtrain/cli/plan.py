@@ -31,7 +31,9 @@ from ..planning.candidates import accumulation_bytes, offload_label
 from ..planning.compare import default_shard_size
 from ..planning.dry_run import plan
 from ..planning.estimate import estimate_memory
+from ..planning.inputs import recompute_every_of, tp_label
 from ..planning.machine import local_device_memory
+from ..planning.report import checkpointing_label
 from ..planning.sizes import format_gib, parse_bytes
 from ..strategy import parse_strategy
 from ..train.config import load_config
@@ -70,16 +72,14 @@ def _device_memory(args: argparse.Namespace, setup: PlannedSetup) -> tuple[int |
 
 
 def _header(description: str, setup: PlannedSetup) -> str:
-    checkpointing = {False: "none", True: "every block"}.get(
-        setup.activation_checkpointing, f"1 block in {setup.activation_checkpointing}"
-    )
-    offload = offload_label(float(setup.cpu_offload))
+    checkpointing = checkpointing_label(recompute_every_of(setup.activation_checkpointing))
+    offload = offload_label(float(setup.cpu_offload), disk=setup.offload_dir is not None)
     return (
         f"shardtrain plan: {description}\n{setup.world_size} x {setup.accelerator}, {setup.strategy}, "
         f"{setup.precision}, micro-batch {setup.micro_batch} x {setup.grad_accum} accumulation "
         f"step{'s' * (setup.grad_accum > 1)}, seq "
         f"{setup.seq_len}, activation checkpointing {checkpointing}{offload}"
-        + (f", tp {setup.tp}{' (sequence parallel)' * setup.sequence_parallel}" if setup.tp > 1 else "")
+        f"{tp_label(setup.tp, sequence_parallel=setup.sequence_parallel)}"
     )
 
 

@@ -94,30 +94,11 @@ def engine_options(cfg: Config) -> dict[str, Any]:
     )
 
 
-def check_tensor_parallel(cfg: Config) -> None:
-    """engine.tp > 1 against the other sections (the Engine refuses offload and hybrid sharding itself)."""
-    tp = cfg.engine.tp
-    if tp == 1:
-        return
-    if cfg.engine.strategy == "auto":
-        raise ValueError(
-            f"engine.tp={tp} with engine.strategy='auto': the automatic plan does not plan tensor parallelism; "
-            "give --engine.strategy full_shard (or shard_grad_op), or drop --engine.tp"
-        )
-    if cfg.model.pretrained is not None:
-        raise ValueError(
-            f"engine.tp={tp} with model.pretrained={cfg.model.pretrained!r}: loading pretrained weights into a "
-            "tensor-parallel model is not supported yet; fine-tune with --engine.tp 1"
-        )
-
-
 def cpu_offload_option(cfg: Config) -> Any:
     """engine.cpu_offload, with the disk tier's directory when engine.offload_dir names one."""
-    if cfg.engine.offload_dir is None or not cfg.engine.cpu_offload:  # (the automatic plan may offload nothing)
-        return cfg.engine.cpu_offload
-    from ..policy import CPUOffload
+    from ..options import offload_setting
 
-    return CPUOffload(fraction=float(cfg.engine.cpu_offload), disk_dir=cfg.engine.offload_dir)
+    return offload_setting(cfg.engine.cpu_offload, disk_dir=cfg.engine.offload_dir)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -130,11 +111,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"shardtrain train: error: {exc}", file=sys.stderr)
         return 2
     from ..engine import Engine
+    from ..train.finetune import check_finetune_config
     from ..train.loop import run as train
 
     chosen: list[str] = []
     try:
-        check_tensor_parallel(cfg)
+        check_finetune_config(cfg)  # before any process starts (the loop checks it again on every rank)
         if cfg.engine.strategy == "auto":
             cfg, chosen = _resolve_auto(cfg)
         engine = Engine(**engine_options(cfg))

@@ -21,7 +21,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
-from .formats import Format, messages_of
+from .formats import Format, conversation_of
 from .tokenizer import has_generation_marks
 
 
@@ -47,14 +47,13 @@ class Encoder:
 
     def encode(self, row: dict) -> tuple[list[int], list[int]]:
         """(token ids, trained flags) of one row, before any cut to seq_len."""
-        if self.format is Format.TEXT:
+        conversation = conversation_of(row, self.format)
+        if conversation is not None:
+            ids, trained = chat_tokens(self.tokenizer, conversation)
+        elif self.format is Format.TEXT:
             ids, trained = self._with_eos(self.tokenizer(row["text"])["input_ids"]), None
-        elif self.format is Format.PROMPT_COMPLETION and isinstance(row["prompt"], str):
-            ids, trained = self._prompt_completion(row["prompt"], row["completion"])
-        elif self.format is Format.PROMPT_COMPLETION:
-            ids, trained = chat_tokens(self.tokenizer, list(row["prompt"]) + list(row["completion"]))
         else:
-            ids, trained = chat_tokens(self.tokenizer, messages_of(row))
+            ids, trained = self._prompt_completion(row["prompt"], row["completion"])
         if trained is None or self.train_on is TrainOn.ALL:
             trained = [1] * len(ids)
         return one_bos(ids, trained, self.tokenizer.bos_token_id)

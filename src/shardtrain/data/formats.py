@@ -68,3 +68,14 @@ def messages_of(row: dict) -> list[dict]:
         raise ValueError(
             f"a ShareGPT turn has the role {exc.args[0]!r}; known roles are {sorted(_SHAREGPT_ROLES)}"
         ) from exc
+
+
+def conversation_of(row: dict, fmt: Format) -> list[dict] | None:
+    """The row as a chat to render with the template: a `messages` (or ShareGPT) row, or a conversational
+    prompt/completion (lists of messages: the prompt's turns, then the completion's); None for a plain
+    `text` or string prompt/completion row."""
+    if fmt is Format.MESSAGES:
+        return messages_of(row)
+    if fmt is Format.PROMPT_COMPLETION and not isinstance(row["prompt"], str):
+        return list(row["prompt"]) + list(row["completion"])
+    return None

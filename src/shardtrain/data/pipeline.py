@@ -84,7 +84,11 @@ class Prepared:
     prompts: list[dict]  # held-out prompts for samples: {"prompt_ids": [...], "reference": str}
 
 
-def default_cache_dir() -> Path:
+def cache_root(cache_dir: str | None) -> Path:
+    """Where tokenized data is cached: `cache_dir` (data.cache_dir), else $XDG_CACHE_HOME/shardtrain
+    (~/.cache/shardtrain)."""
+    if cache_dir:
+        return Path(cache_dir).expanduser()
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "shardtrain"
 
 
@@ -103,7 +107,7 @@ def prepare(
     workers = num_proc or min(os.cpu_count() or 1, len(rows) // 2000) or 1
     if workers > 1:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the workers are the parallelism
-    root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    root = cache_root(cache_dir)
     (root / "tokenized").mkdir(parents=True, exist_ok=True)
     encoder = Encoder(
         tokenizer=tokenizer,

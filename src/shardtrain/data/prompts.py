@@ -8,7 +8,7 @@ text                 the first half of the text's tokens; the reference is the r
 
 from __future__ import annotations
 
-from .formats import Format, messages_of
+from .formats import Format, conversation_of
 
 
 def held_out_prompts(rows, fmt: Format, tokenizer, *, count: int) -> list[dict]:
@@ -16,8 +16,8 @@ def held_out_prompts(rows, fmt: Format, tokenizer, *, count: int) -> list[dict]:
     out = []
     for k in range(min(count, len(rows))):
         row = rows[k]
-        if fmt is Format.MESSAGES or (fmt is Format.PROMPT_COMPLETION and not isinstance(row["prompt"], str)):
-            messages = messages_of(row) if fmt is Format.MESSAGES else list(row["prompt"]) + list(row["completion"])
+        messages = conversation_of(row, fmt)
+        if messages is not None:
             last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
             if last is None:
                 continue

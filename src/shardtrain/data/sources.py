@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .deps import require
+from .deps import first_line, require
 
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
 SAVED_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
@@ -66,7 +66,7 @@ def load_rows(path: str, *, key: str = "data.path", pattern: str = "**/*", cache
         )
     except Exception as exc:
         raise ValueError(
-            f"{key}={path!r}: cannot read it as {builder} ({_first_line(exc)}); check the file is complete "
+            f"{key}={path!r}: cannot read it as {builder} ({first_line(exc)}); check the file is complete "
             "and of the kind its suffix says"
         ) from exc
 
@@ -75,17 +75,9 @@ def _saved(datasets, root: Path, *, key: str):
     try:
         loaded = datasets.load_from_disk(str(root))
     except Exception as exc:
-        raise ValueError(f"{key}={str(root)!r}: cannot load the saved dataset ({_first_line(exc)})") from exc
+        raise ValueError(f"{key}={str(root)!r}: cannot load the saved dataset ({first_line(exc)})") from exc
     if isinstance(loaded, datasets.DatasetDict):
         if "train" not in loaded:
             raise ValueError(f"{key}={str(root)!r} is a DatasetDict without a 'train' split (it has {list(loaded)})")
         return loaded["train"]
     return loaded
-
-
-def _first_line(exc: BaseException) -> str:
-    """The innermost cause's message, on one line (datasets wraps pyarrow's errors)."""
-    while exc.__cause__ is not None or exc.__context__ is not None:
-        exc = exc.__cause__ or exc.__context__
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"

@@ -12,7 +12,7 @@ import json
 import re
 from pathlib import Path
 
-from .deps import require
+from .deps import first_line, require
 
 _GENERATION_MARK = re.compile(r"{%-?\s*generation\s*-?%}")
 
@@ -27,8 +27,7 @@ def load_tokenizer(path: str, *, key: str):
         tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     except Exception as exc:
         raise ValueError(
-            f"{key}={path!r} holds no tokenizer transformers can load ({type(exc).__name__}: "
-            f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}); pass --data.tokenizer FOLDER"
+            f"{key}={path!r} holds no tokenizer transformers can load ({first_line(exc)}); pass --data.tokenizer FOLDER"
         ) from exc
     if not tokenizer.is_fast:
         raise ValueError(

@@ -26,9 +26,10 @@ _OWNED_BY_HOST = {
     "process_group": "the framework's devices / num_nodes settings",
 }
 
-# Host precision names -> st.shard(mixed_precision=...). "bf16-true" builds the model in bf16 (the
-# host's own plugin casts it) and shards it as it is; "16-mixed" also steps through st.GradScaler.
-SHARD_PRECISION = {"32-true": None, "bf16-true": None, "bf16-mixed": "bf16", "16-mixed": "fp16"}
+# The host precision names the adapters run. st.shard(mixed_precision=...) takes Lightning's names as they are;
+# "bf16-true" builds the model in bf16 (the host's own plugin casts it) and is sharded as it is (None);
+# "16-mixed" also steps through st.GradScaler.
+HOST_PRECISIONS = ("32-true", "bf16-true", "bf16-mixed", "16-mixed")
 
 
 def shard_options(owner: str, options: dict[str, Any]) -> ShardOptions:
@@ -48,9 +49,9 @@ def shard_hosted(module: nn.Module, options: ShardOptions, *, device: torch.devi
 
 def shard_precision(owner: str, name: str) -> str | None:
     """The `st.shard(mixed_precision=...)` value of a host precision name; a clear error for the others."""
-    if name not in SHARD_PRECISION:
-        raise ValueError(f"{owner} does not support precision={name!r}; use one of {sorted(SHARD_PRECISION)}")
-    return SHARD_PRECISION[name]
+    if name not in HOST_PRECISIONS:
+        raise ValueError(f"{owner} does not support precision={name!r}; use one of {sorted(HOST_PRECISIONS)}")
+    return None if name == "bf16-true" else name
 
 
 # ShardtrainStrategy's own settings, and those it passes to the Lightning DDP strategy it builds on.

@@ -24,7 +24,7 @@ from typing import Any
 
 from torch import nn
 
-from ..policy import SizePolicy
+from ..policy import SizePolicy, classes_named
 
 # fsdp_config keys that transformers fills in with these defaults, which shardtrain has nothing to do for.
 _INERT_DEFAULTS = {
@@ -83,18 +83,6 @@ def _check_args(args: Any) -> None:
             )
 
 
-def _layer_classes(model: nn.Module, names: list[str]) -> set[type[nn.Module]]:
-    found = {type(m) for m in model.modules() if type(m).__name__ in names}
-    missing = sorted(set(names) - {c.__name__ for c in found})
-    if missing:
-        held = sorted({type(m).__name__ for m in model.modules()})
-        raise ValueError(
-            f"fsdp_config['transformer_layer_cls_to_wrap'] names {missing}, which the model does not hold; "
-            f"its module classes are {held[:20]}"
-        )
-    return found
-
-
 def _wrap(model: nn.Module, config: dict[str, Any]) -> Any:
     policy = str(config.get("auto_wrap_policy", "TRANSFORMER_BASED_WRAP")).upper()
     if policy == "NO_WRAP":
@@ -111,7 +99,7 @@ def _wrap(model: nn.Module, config: dict[str, Any]) -> Any:
             f"{type(model).__name__} names no layer classes (_no_split_modules); set "
             "fsdp_config['transformer_layer_cls_to_wrap'] to the decoder layer's class name"
         )
-    return _layer_classes(model, list(names))
+    return set(classes_named(model, names, what="fsdp_config['transformer_layer_cls_to_wrap']"))
 
 
 def _strategy(config: dict[str, Any]) -> str:

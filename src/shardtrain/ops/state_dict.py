@@ -79,17 +79,23 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True, cpu: bool = Tr
 
 
 def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], *, strict: bool = True) -> None:
-    """Copy full tensors (present on every rank) into the shards and buffers of a sharded model."""
+    """Copy full tensors (present on every rank) into the shards and buffers of a sharded model.
+
+    A missing, unexpected or mis-shaped entry (parameter or buffer) is a ValueError naming it; with
+    `strict=False` the matching entries load and the others are left as they are."""
     runtime = runtime_of(model)
     expected = {clean_name(k) for k in model.state_dict()}
     missing = sorted(expected - state_dict.keys())
     unexpected = sorted(state_dict.keys() - expected)
-    mis_shaped = []
     held = list(held_params(runtime))
-    for h in held:
-        value = state_dict.get(h.name)
-        if value is not None and tuple(value.shape) != h.shape:
-            mis_shaped.append(f"{h.name}: checkpoint {tuple(value.shape)} vs model {h.shape}")
+    buffers = {clean_name(n): b for n, b in model.named_buffers()}
+    shapes = {h.name: h.shape for h in held} | {name: tuple(b.shape) for name, b in buffers.items()}
+    fits = {name for name, value in state_dict.items() if shapes.get(name) == tuple(value.shape)}
+    mis_shaped = [
+        f"{name}: checkpoint {tuple(value.shape)} vs model {shapes[name]}"
+        for name, value in state_dict.items()
+        if name in shapes and name not in fits
+    ]
     if strict and (missing or unexpected or mis_shaped):
         raise ValueError(
             f"state dict does not match the model: missing {missing}, unexpected {unexpected}, "
@@ -97,15 +103,10 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], 
         )
     with torch.no_grad():
         for h in held:
-            value = state_dict.get(h.name)
-            if value is None or tuple(value.shape) != h.shape:
+            if h.name not in fits:
                 continue
-            if h.shape:
-                box = h.box
-                value = value[box.rows[0] : box.rows[1]]
-                value = value if box.cols is None else value[:, box.cols[0] : box.cols[1]]
-            h.local.copy_(value)
-        buffers = {clean_name(n): b for n, b in model.named_buffers()}
-        for name, value in state_dict.items():
-            if name in buffers:
-                buffers[name].copy_(value)
+            value = state_dict[h.name]
+            h.local.copy_(h.box.cut(value) if h.shape else value)
+        for name, buffer in buffers.items():
+            if name in fits:  # a mis-shaped value would broadcast into the buffer silently
+                buffer.copy_(state_dict[name])

@@ -29,7 +29,6 @@ from typing import Any
 from torch import nn
 
 from ..options import ShardOptions, offload_setting, resolve_options
-from ..policy import CPUOffload
 from ..strategy import Strategy
 from .candidates import Candidate, batch_splits, evaluate, offload_label, parse_strategies
 from .checkpointing import recompute_policy
@@ -100,10 +99,9 @@ class AutoChoice:
 
     def shard_kwargs(self, model: nn.Module, *, wrap: Any) -> dict[str, Any]:
         """strategy, activation_checkpointing and cpu_offload for `st.shard(model, wrap=wrap, ...)`."""
-        offload = offload_setting(self.cpu_offload)
         return {
             "strategy": self.strategy,
-            "cpu_offload": offload if self.disk_dir is None else CPUOffload(fraction=1.0, disk_dir=self.disk_dir),
+            "cpu_offload": offload_setting(self.cpu_offload, disk_dir=self.disk_dir),
             "activation_checkpointing": recompute_policy(model, wrap=wrap, every=self.recompute_every),
         }
 

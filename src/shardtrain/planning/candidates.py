@@ -125,7 +125,7 @@ def evaluate(
                 world_size=world_size,
                 strategy=strategy,
                 shard_size=shard_size,
-                activation_checkpointing=every or False,
+                activation_checkpointing=every,
                 cpu_offload=policy or False,
                 seq_len=seq_len,
                 **estimate_kwargs,

@@ -7,6 +7,7 @@ from typing import Any
 from torch import nn
 
 from ..core.partition import matching_paths, repeated_blocks
+from .inputs import recompute_every_of
 
 
 def recompute_policy(model: nn.Module, *, wrap: Any, every: bool | int) -> Any:
@@ -19,13 +20,7 @@ def recompute_policy(model: nn.Module, *, wrap: Any, every: bool | int) -> Any:
     every block; k >= 2: the blocks at positions 0, k, 2k, ... in module order (the blocks
     estimate_memory counts for recompute_every=k).
     """
-    if isinstance(every, bool):
-        every = int(every)
-    if not isinstance(every, int) or every < 0:
-        raise ValueError(
-            f"activation checkpointing every={every!r}: use 0 / False (none), 1 / True (every block) "
-            "or k >= 2 (1 block in k)"
-        )
+    every = recompute_every_of(every)
     if every == 0:
         return None
     paths = matching_paths(model, wrap, what="wrap")

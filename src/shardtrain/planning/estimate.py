@@ -28,9 +28,8 @@ above, and frozen ones, billed only in the dtype they are stored in (bf16 for a 
 the compute dtype: 2 B/param / N, no master, no gradient, no optimizer state, and at N = 1 no
 unsharded copy either). Gradients, reduce buffers and the no_sync accumulation count the trainable
 parameters of each unit; the activations are those backward needs through the frozen layers
-(`activations`, `trained`). Checked against one H200's peaks for Llama-3-8B with LoRA r = 8 on
-q_proj / v_proj, batch 1 x 4096: 39.20 / 39.9 GiB without checkpointing, 22.18 / 22.49 with
-(tests/planning/test_finetune.py; `benchmarks/lora_estimate.py` measures them).
+(`activations`, `trained`). Checked against measured peaks of an 8B LoRA fine-tune: BENCHMARKS.md,
+'LoRA fine-tune: the memory estimate beside the measured peak' (`benchmarks/lora_estimate.py`).
 
 Gradients are allocated in backward and freed by `zero_grad()` (set_to_none), unless keep_grads=True
 (gradient accumulation, or zero_grad(set_to_none=False)). no_shard and optimizer_only keep the
@@ -255,7 +254,7 @@ def _estimate(inputs: EstimateInputs) -> MemoryEstimate:
     n = inputs.shard_size
     resident = s.keeps_params_resident
     # Frozen parameters stay in the dtype they were built in (`policy.storage_dtypes`): no master.
-    frozen_size = m.frozen_bytes / m.frozen_params if (m.frozen_bytes is not None and m.frozen_params) else p
+    frozen_size = inputs.frozen_param_bytes
     params_alias = p == MASTER_BYTES and (n == 1 or resident)  # unsharded params are views of the master
     frozen_alias = frozen_size == p and (n == 1 or resident)  # ... or of the frozen shards
     grads_alias = p == GRAD_BYTES and n == 1  # unsharded grads land in the fp32 gradient itself

@@ -41,13 +41,27 @@ class EstimateInputs:
         return (self.precision.param_dtype or torch.float32).itemsize
 
     @property
+    def frozen_param_bytes(self) -> float:
+        """Bytes per frozen parameter as stored: a live module's own dtypes, else the compute dtype (the
+        dtype `shardtrain train` builds a LoRA base in: `policy.storage_dtypes` keeps no master for it)."""
+        m = self.model
+        return m.frozen_bytes / m.frozen_params if m.frozen_bytes is not None and m.frozen_params else self.param_bytes
+
+    @property
     def reduce_bytes(self) -> int:
         return (self.precision.reduce_dtype or torch.float32).itemsize
 
     @property
     def label(self) -> str:
         label = f"{self.strategy.value}({self.shard_size})" if self.strategy.is_hybrid else self.strategy.value
-        return label + (f", tp {self.tp}" + (" (sequence parallel)" if self.sequence_parallel else "")) * (self.tp > 1)
+        return label + tp_label(self.tp, sequence_parallel=self.sequence_parallel)
+
+
+def tp_label(tp: int, *, sequence_parallel: bool) -> str:
+    """ ", tp N" (with " (sequence parallel)") under tensor parallelism, "" without."""
+    if tp == 1:
+        return ""
+    return f", tp {tp}" + " (sequence parallel)" * sequence_parallel
 
 
 def positive_int(value: Any, name: str) -> int:
@@ -57,15 +71,15 @@ def positive_int(value: Any, name: str) -> int:
 
 
 def recompute_every_of(value: Any) -> int:
-    if value is None or value is False:
-        return 0
-    if value is True:
-        return 1
-    if isinstance(value, int) and value >= 1:
+    """`activation_checkpointing=` as a block period: False / None / 0: none (0), True / 1: every block,
+    k >= 2: 1 block in k (blocks 0, k, 2k, ...). ValueError naming the value otherwise."""
+    if value is None or isinstance(value, bool):
+        return int(bool(value))
+    if isinstance(value, int) and value >= 0:
         return value
     raise ValueError(
-        f"activation_checkpointing={value!r} is not understood; use False, True (every block) "
-        "or an int k >= 1 (every k-th block)"
+        f"activation_checkpointing={value!r} is not understood; use False / 0 (none), True / 1 (every block) "
+        "or an int k >= 2 (every k-th block)"
     )
 
 

@@ -25,6 +25,28 @@ def local_device_memory(*, accelerator: str, processes: int) -> tuple[int, str]:
     return host // processes, f"host memory / {processes} processes"
 
 
+def plan_memory(
+    *,
+    device_memory: int | str | None,
+    host_memory: int | str | None,
+    disk_dir: str | None,
+    world_size: int,
+    accelerator: str,
+    processes: int,
+) -> tuple[int | str, int | str | None]:
+    """(device, host) memory the automatic plan weighs: the given ones, else this machine's.
+
+    Device memory: each of `processes` local processes' share of `accelerator`. Host memory (this host's
+    share per process) bounds offload only when the plan is for this machine's devices (no
+    `device_memory` given) or `disk_dir` offers the disk tier; otherwise it stays unchecked (None).
+    """
+    if host_memory is None and (device_memory is None or disk_dir is not None):
+        host_memory, _ = local_device_memory(accelerator="cpu", processes=local_processes(world_size))
+    if device_memory is None:
+        device_memory, _ = local_device_memory(accelerator=accelerator, processes=processes)
+    return device_memory, host_memory
+
+
 def local_processes(world_size: int) -> int:
     """The processes sharing this machine's host memory: the launcher's LOCAL_WORLD_SIZE, else the world."""
     return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))

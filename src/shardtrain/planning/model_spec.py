@@ -145,7 +145,8 @@ def _default_heads(dim: int) -> int:
     return 1
 
 
-def _shape_from_dims(dim: int, layers: int, hints: dict[str, Any]) -> LlamaShape:
+def shape_from_dims(dim: int, layers: int, hints: dict[str, Any]) -> LlamaShape:
+    """A Llama shape of `dim` and `layers`, the other fields from `hints` or the Llama defaults."""
     heads = hints.get("heads") or _default_heads(dim)
     if dim % heads:
         raise ValueError(f"dim={dim} is not a multiple of heads={heads}; give heads that divides dim")
@@ -168,18 +169,18 @@ def _shape_for_count(params: int, hints: dict[str, Any]) -> LlamaShape:
     if heads and not dim and not layers:
         dim = 128 * heads  # Llama's head dim
     if dim and layers:
-        return _shape_from_dims(dim, layers, hints)
+        return shape_from_dims(dim, layers, hints)
     if layers:
         step = heads or 64
-        candidates = (_shape_from_dims(d, layers, hints) for d in range(step, 65537, step))
+        candidates = (shape_from_dims(d, layers, hints) for d in range(step, 65537, step))
         return min(candidates, key=lambda s: abs(s.num_params - params))
     if not dim:  # the depth that fits at dim = 128 * layers, then a round width (8 kv heads divide it)
         close = min(
-            (_shape_from_dims(128 * n, n, hints) for n in range(1, 257)), key=lambda s: abs(s.num_params - params)
+            (shape_from_dims(128 * n, n, hints) for n in range(1, 257)), key=lambda s: abs(s.num_params - params)
         )
         granule = 1024 if close.dim >= 2048 else 256
         dim = max(granule, round(close.dim / granule) * granule)
-    probe = _shape_from_dims(dim, 1, hints)
+    probe = shape_from_dims(dim, 1, hints)
     return replace(probe, n_layers=max(1, round((params - probe.root_params) / probe.block_params)))
 
 
@@ -220,7 +221,8 @@ def _from_shape(name: str, shape: LlamaShape, *, params: int | None = None, note
     )
 
 
-def _shape_from_llama(cfg: LlamaConfig) -> LlamaShape:
+def shape_from_llama(cfg: LlamaConfig) -> LlamaShape:
+    """The shape of a built-in Llama's config."""
     return LlamaShape(
         dim=cfg.dim,
         n_layers=cfg.n_layers,
@@ -233,7 +235,8 @@ def _shape_from_llama(cfg: LlamaConfig) -> LlamaShape:
     )
 
 
-def _shape_from_hf(cfg: Any) -> LlamaShape:
+def shape_from_hf(cfg: Any) -> LlamaShape:
+    """The shape of a Llama-style Hugging Face config; ValueError naming the fields it lacks."""
     missing = [a for a in ("hidden_size", "num_hidden_layers", "vocab_size") if getattr(cfg, a, None) is None]
     if missing:
         raise ValueError(
@@ -256,7 +259,7 @@ def _shape_from_hf(cfg: Any) -> LlamaShape:
     )
 
 
-def _apply_hints(shape: LlamaShape, hints: dict[str, Any]) -> LlamaShape:
+def apply_hints(shape: LlamaShape, hints: dict[str, Any]) -> LlamaShape:
     """Hints override the fields of a shape that came from a name or config."""
     fields = {
         "dim": "dim",
@@ -318,14 +321,14 @@ def resolve_model(model: Any = None, *, params: Any = None, wrap=None, **hints: 
         count = parse_count(params)
         return _from_shape(f"{format_count(count)} params", _shape_for_count(count, hints), params=count)
     if isinstance(model, LlamaConfig):
-        shape = _apply_hints(_shape_from_llama(model), hints)
+        shape = apply_hints(shape_from_llama(model), hints)
         return _from_shape(f"Llama {format_count(shape.num_params)}", shape)
     if isinstance(model, nn.Module):
         from .module_spec import spec_of_module  # an nn.Module's units and requires_grad
 
         return spec_of_module(model, wrap, hints)
     if hasattr(model, "hidden_size") and hasattr(model, "num_hidden_layers"):
-        shape = _apply_hints(_shape_from_hf(model), hints)
+        shape = apply_hints(shape_from_hf(model), hints)
         kind = getattr(model, "model_type", None) or type(model).__name__
         return _from_shape(f"{kind} {format_count(shape.num_params)}", shape)
     raise ValueError(

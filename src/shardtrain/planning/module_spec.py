@@ -19,10 +19,10 @@ from ..core.partition import partition
 from ..models.llama_config import LlamaConfig
 from .model_spec import (
     ModelSpec,
-    _apply_hints,
-    _shape_from_dims,
-    _shape_from_hf,
-    _shape_from_llama,
+    apply_hints,
+    shape_from_dims,
+    shape_from_hf,
+    shape_from_llama,
 )
 from .sizes import format_count
 from .trained import ATTENTION_IN, ATTENTION_OUT, FULL_TRAINING, MLP_IN, MLP_OUT, TrainedParts
@@ -100,16 +100,16 @@ def spec_of_module(module: nn.Module, wrap, hints: dict[str, Any]) -> ModelSpec:
     notes = list(parts.notes)
     shape = None
     if _llama_config(module) is not None:
-        shape = _apply_hints(_shape_from_llama(_llama_config(module)), hints)
+        shape = apply_hints(shape_from_llama(_llama_config(module)), hints)
     elif hints.get("dim"):
         embeddings = [m for m in module.modules() if isinstance(m, nn.Embedding)]
         vocab = max((e.num_embeddings for e in embeddings), default=None)
         filled = {"layers": len(inner) or None, "vocab": vocab, **{k: v for k, v in hints.items() if v}}
         if not filled.get("layers"):
             raise ValueError(f"{type(module).__name__} has no inner units to count as layers; give layers=")
-        shape = _shape_from_dims(filled["dim"], filled["layers"], filled)
+        shape = shape_from_dims(filled["dim"], filled["layers"], filled)
     elif _hf_config(module) is not None:
-        shape = _apply_hints(_shape_from_hf(_hf_config(module)), hints)
+        shape = apply_hints(shape_from_hf(_hf_config(module)), hints)
     else:
         notes.append(
             f"activations and logits of {type(module).__name__} are not estimated (counted as 0): pass "

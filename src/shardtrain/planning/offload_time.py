@@ -23,7 +23,7 @@ always exposed (one unit's share, the units assumed equal). In backward the host
 re-gathers and the device-to-host gradient copies share the link (measured 47.7 GB/s each way at once
 on an H200 host, about the one-way rate): they are counted one after the other, at the one-way rate.
 
-Defaults are issue 28's measurements on one H200 host (16 cores, PCIe Gen5 x16): pinned copies 54.5
+Defaults, measured on one H200 host (16 cores, PCIe Gen5 x16): pinned copies 54.5
 GB/s, fused AdamW 0.185 ns per fp32 parameter with 16 threads over plain tensors (283 ms at 1.5B,
 `benchmarks/optimizer_step.py`), 16% more over DTensors (329 ms), which the user's own `step()`
 steps in sequence and the overlapped step avoids (it steps the local rows). With these, 1.5B fully
@@ -35,7 +35,7 @@ With the disk tier (Note [Disk tier]) the offloaded optimizer state is read and 
 through the unit steps' pipeline; one device serves both directions, so the disk alone takes
 `disk_state_bytes` / read bandwidth + the same / write bandwidth, and the step takes the longer of
 that and the overlapped step above (read-ahead and write-behind run beside the GPU and the host
-AdamW). Defaults: the H200 host's virtual disk (issue 29): 8 threads of O_DIRECT `preadv` 1.33
+AdamW). Defaults, measured on an H200 host's virtual disk: 8 threads of O_DIRECT `preadv` 1.33
 GB/s, O_DIRECT writes 1.43 GB/s.
 """
 

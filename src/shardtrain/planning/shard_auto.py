@@ -19,8 +19,9 @@ from ..core.process_groups import require_process_group
 from ..options import ShardOptions, resolve_options
 from ..policy import AutoPolicy
 from ..sharding import shard_with
+from ..tp import is_tensor_parallel_mesh
 from .auto import SAFETY_MARGIN, AutoChoice, choose_plan
-from .machine import local_device_memory, local_processes
+from .machine import plan_memory
 
 
 def shard_auto(model: nn.Module, *, policy: AutoPolicy, **options: Any) -> tuple[nn.Module, AutoChoice]:
@@ -40,6 +41,12 @@ def shard_auto_with(model: nn.Module, policy: AutoPolicy, options: ShardOptions)
     """`shard_auto` with the other options already resolved (the Engine's form)."""
     if not isinstance(policy, AutoPolicy):
         raise TypeError(f"policy={policy!r}: pass st.AutoPolicy(micro_batch=..., seq_len=...)")
+    if options.tp_plan is not None or is_tensor_parallel_mesh(options.mesh):
+        raise ValueError(
+            "st.shard_auto with tensor parallelism (tp_plan= or a mesh with a 'tp' dimension): the automatic "
+            "plan does not plan tensor parallelism; call st.shard(model, strategy='full_shard', mesh=..., "
+            "tp_plan=...) instead"
+        )
     require_process_group()
     choice = resolve_auto(
         model,
@@ -85,10 +92,14 @@ def resolve_auto(
             "the automatic plan needs wrap= (e.g. the transformer block class): with the whole model as "
             "one unit every strategy gathers all parameters at once and checkpointing has no blocks"
         )
-    if host_memory is None and (device_memory is None or disk_dir is not None):  # this machine's host memory
-        host_memory, _ = local_device_memory(accelerator="cpu", processes=local_processes(world_size))
-    if device_memory is None:  # planning for this machine's GPUs
-        device_memory, _ = local_device_memory(accelerator="cuda", processes=1)
+    device_memory, host_memory = plan_memory(
+        device_memory=device_memory,
+        host_memory=host_memory,
+        disk_dir=disk_dir,
+        world_size=world_size,
+        accelerator="cuda",
+        processes=1,
+    )
     return choose_plan(
         model,
         world_size=world_size,

@@ -17,8 +17,8 @@ FLOPs per token F = 6 * (params - embedding) + 6 * layers * dim * seq, the formu
 Recomputation: a checkpointed block runs its forward again in backward, a third of its FLOPs:
 2 * block params + 2 * dim * seq per token. A fine-tune of a frozen base skips the frozen weights'
 gradients (F = 4 * (params - embedding) + 2 * trainable + the attention), so recomputation costs it
-relatively more: at 8B with LoRA on q / v, batch 1 x 4096, 1.31 x the step time without it (measured
-on one H200: 12,812 against 9,723 tokens/s, 1.32 x).
+relatively more (8B with LoRA on q / v against its measured tokens/s: BENCHMARKS.md, 'LoRA fine-tune:
+the memory estimate beside the measured peak, and the automatic plan').
 
 Efficiency: e(t) = t / (t + EFFICIENCY_TOKENS) for t tokens per micro-batch: 94% at 4,096 tokens,
 97% at 8,192. Larger matrices run closer to the peak rate and each micro-batch pays its own kernel

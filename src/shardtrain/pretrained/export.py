@@ -1,7 +1,7 @@
 """`st.save_pretrained`: a sharded model as a Hugging Face folder, streamed one unit at a time.
 
 The folder's files and each file's header are planned from the units' layouts before anything is
-gathered (layout.py); then every rank gathers one unit at a time (`gather_params`) and rank 0
+gathered (file_split.py); then every rank gathers one unit at a time (`gather_params`) and rank 0
 writes its tensors and frees them, so no rank holds more than one unit whole. The result opens
 with `from_pretrained`: config.json (with the dtype written), generation_config.json, and
 `model.safetensors` or `model-0000i-of-0000n.safetensors` + index past `max_shard_size`. Tied
@@ -30,11 +30,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..checkpoint.collective import Comm
+from ..checkpoint.collective import Comm, FirstError
 from ..checkpoint.tensorfile import SafetensorsWriter, TensorSpec, writing
 from ..checkpoint.this_rank import persistent_buffers
+from ..core.held import held_params
 from ..core.shard_module import runtime_of
-from ..core.tensor_parallel import global_shape
 from ..ops.state_dict import gather_params
 from .file_split import FilePlan, index_of, parse_size, split_files, stale_files
 from .files import CONFIG_FILE, INDEX_FILE
@@ -112,7 +112,6 @@ def save_pretrained(
 
 def plan_export(model: nn.Module, *, dtype: torch.dtype | None, merge_lora: bool, max_bytes: int) -> ExportPlan:
     """Every tensor to write, its name, dtype and file; ValueError for a model that cannot be exported."""
-    runtime = runtime_of(model)
     hf = hf_model(model)
     if hf is None:
         raise ValueError(
@@ -130,31 +129,31 @@ def plan_export(model: nn.Module, *, dtype: torch.dtype | None, merge_lora: bool
     as_adapter = bool(adapters) and not merge_lora
     adapter_name = _adapter_name(model) if as_adapter else None
     merges = {m.weight: m for m in lora_merges(model)} if merge_lora else {}
-    where = {s.fqn: (u.index, i) for u in runtime.units for i, s in enumerate(u.layout.params)}
+    held = list(held_params(model))
+    where = {h.name: (h.unit.index, h.index) for h in held}
     items = []
-    for unit in runtime.units:
-        for i, s in enumerate(unit.layout.params):
-            if (s.fqn in adapters) != as_adapter:
-                continue
-            name = s.fqn.replace(f".{adapter_name}", "") if as_adapter else base_name(s.fqn)
-            merge = None
-            if s.fqn in merges:
-                m = merges[s.fqn]
-                (ua, ia), (ub, ib) = where[m.lora_a], where[m.lora_b]
-                if ua != unit.index or ub != unit.index:
-                    raise ValueError(
-                        f"{m.lora_a} is not in the sharding unit of {s.fqn}; merging needs an adapter "
-                        "in its layer's unit: do not make the adapter modules units of their own"
-                    )
-                merge = (m, ia, ib)
-            items.append(
-                _Item(
-                    spec=TensorSpec(name=name, dtype=_dtype(s.dtype, dtype), shape=global_shape(unit, s)),
-                    unit=unit.index,
-                    index=i,
-                    merge=merge,
+    for h in held:
+        if (h.name in adapters) != as_adapter:
+            continue
+        name = h.name.replace(f".{adapter_name}", "") if as_adapter else base_name(h.name)
+        merge = None
+        if h.name in merges:
+            m = merges[h.name]
+            (ua, ia), (ub, ib) = where[m.lora_a], where[m.lora_b]
+            if ua != h.unit.index or ub != h.unit.index:
+                raise ValueError(
+                    f"{m.lora_a} is not in the sharding unit of {h.name}; merging needs an adapter "
+                    "in its layer's unit: do not make the adapter modules units of their own"
                 )
+            merge = (m, ia, ib)
+        items.append(
+            _Item(
+                spec=TensorSpec(name=name, dtype=_dtype(h.layout.dtype, dtype), shape=h.shape),
+                unit=h.unit.index,
+                index=h.index,
+                merge=merge,
             )
+        )
     if not as_adapter:
         items += [
             _Item(spec=TensorSpec(name=base_name(n), dtype=_dtype(b.dtype, dtype), shape=tuple(b.shape)), buffer=n)
@@ -211,12 +210,12 @@ class _Rank0Writer:
     """Rank 0's files. Each file is written in its planned order, opened at its first tensor and closed
     at its last (a tensor larger than `max_shard_size` has a file of its own while the current one is
     still open, as in transformers' split). An I/O error stops the writing but not the loop over units
-    (the other ranks would wait in the next gather forever): `finish` raises it."""
+    (Note [Errors inside a loop of collectives], checkpoint/collective.py): `finish` raises it."""
 
     def __init__(self, directory: Path, plan: ExportPlan) -> None:
         self.directory = directory
         self.plan = plan
-        self._error: Exception | None = None
+        self._failed = FirstError()
         self._file_of = {spec.name: k for k, f in enumerate(plan.files) for spec in f.specs}
         self._left = [len(f.specs) for f in plan.files]
         self._open: dict[int, SafetensorsWriter] = {}
@@ -231,20 +230,17 @@ class _Rank0Writer:
         return self._open[k]
 
     def write(self, item: _Item, tensor: torch.Tensor) -> None:
-        if self._error is not None:
-            return
-        try:
-            k = self._file_of[item.spec.name]
-            self._writer(k).write(item.spec.name, tensor)
-            self._left[k] -= 1
-            if self._left[k] == 0:
-                self._open.pop(k).close()
-        except Exception as exc:
-            self._error = exc
+        self._failed.run(lambda: self._write(item, tensor))
+
+    def _write(self, item: _Item, tensor: torch.Tensor) -> None:
+        k = self._file_of[item.spec.name]
+        self._writer(k).write(item.spec.name, tensor)
+        self._left[k] -= 1
+        if self._left[k] == 0:
+            self._open.pop(k).close()
 
     def finish(self, model: nn.Module) -> None:
-        if self._error is not None:
-            raise self._error
+        self._failed.check()
         for k, left in enumerate(self._left):
             if left == 0 and not self.plan.files[k].specs:  # a file planned empty (a model without tensors)
                 self._writer(k)
@@ -293,13 +289,6 @@ def _write_config(model: nn.Module, directory: Path, plan: ExportPlan) -> None:
 
 
 _ACCEPTED = {"max_shard_size", "is_main_process", "safe_serialization"}
-
-
-def save_tokenizer(tokenizer: Any, directory: str | os.PathLike) -> None:
-    """Carry the run's tokenizer into an exported folder (tokenizer.json, tokenizer_config.json with its
-    chat template), so `AutoTokenizer.from_pretrained` + `apply_chat_template` work on it as on the input.
-    Called by rank 0 only."""
-    tokenizer.save_pretrained(str(directory))
 
 
 def install_save_pretrained(model: nn.Module) -> None:

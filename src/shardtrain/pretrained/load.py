@@ -88,9 +88,8 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike, *, strict: bool =
                         local = h.local
                         if key is None or local.numel() == 0:
                             continue
-                        start, numel = h.flat_range
-                        row = h.layout.row_numel
-                        rows = _read_rows(handles, weights.tensors[key], start // row, numel // row).view(local.shape)
+                        first, stop = h.rows
+                        rows = _read_rows(handles, weights.tensors[key], first, stop - first).view(local.shape)
                         # Note: the rows cross to the device in the file's dtype and are converted there
                         # (copy_ would convert on the host first: twice the bytes over the bus for bf16
                         # -> fp32, and a host temporary). An in-place copy bumps the shard's version, so

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
@@ -32,6 +33,14 @@ class Box:
         if self.cols is not None:
             rest[0] = self.cols[1] - self.cols[0]
         return (self.rows[1] - self.rows[0], *rest)
+
+    def cut(self, whole: torch.Tensor) -> torch.Tensor:
+        """This box of `whole`, a tensor of the global shape (not 0-dim)."""
+        return self.cut_cols(whole[self.rows[0] : self.rows[1]])
+
+    def cut_cols(self, rows: torch.Tensor) -> torch.Tensor:
+        """`rows`, this box's rows taken whole along dim 1, cut to its columns."""
+        return rows if self.cols is None else rows[:, self.cols[0] : self.cols[1]]
 
     def intersect(self, other: Box, shape: tuple[int, ...]) -> Box | None:
         """The part of this box inside `other` (None: nothing)."""

@@ -26,6 +26,7 @@ import torch
 from tqdm import tqdm
 
 from ..data.batches import WindowOrder
+from ..data.pipeline import cache_root
 
 CACHE_VERSION = 1
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
@@ -97,10 +98,6 @@ class TokenCache:
         return self.tokens[self.num_train :]
 
 
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "shardtrain"
-
-
 def build_cache(
     *,
     root: Path,
@@ -137,7 +134,7 @@ def build_cache(
         ).encode()
     )
     dtype = token_dtype(tokenizer.vocab_size)
-    base = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    base = cache_root(cache_dir)
     target = base / f"tokens-{key.hexdigest()[:16]}.{dtype.name}"
     meta = target.with_suffix(".json")
     if not (target.exists() and meta.exists()):

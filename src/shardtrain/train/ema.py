@@ -15,11 +15,13 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from ..core.shard_module import RUNTIME_ATTR
+from ..core.shard_module import runtime_of
 from ..core.sharded_param import local_of
 
 
 class WeightEMA:
+    """The average of a sharded model's trainable rows on this rank (module docstring)."""
+
     def __init__(self, model: nn.Module, *, decay: float) -> None:
         self.decay = decay
         self.model = model
@@ -50,9 +52,7 @@ class WeightEMA:
     def _settle(self) -> None:
         """Complete the offloaded units' deferred optimizer steps (Note [Overlapped host step]) before
         the rows are read: the local rows are read directly, not through an API that settles."""
-        runtime = getattr(self.model, RUNTIME_ATTR, None)
-        if runtime is not None:
-            runtime.settle()
+        runtime_of(self.model)
 
     def state_dict(self) -> dict:
         return {"decay": self.decay, "averages": self.averages}

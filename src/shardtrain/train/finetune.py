@@ -1,6 +1,6 @@
 """The main job's fine-tuning steps: LoRA before sharding, pretrained weights after, export at the end.
 
-model.pretrained DIR   build on meta (models.py) -> [LoRA] -> st.shard -> st.load_pretrained(DIR)
+model.pretrained DIR   build on meta (model_builder.py) -> [LoRA] -> st.shard -> st.load_pretrained(DIR)
 lora.rank r > 0        peft adapters on lora.targets; only they train; the frozen base is built in
                        the compute dtype under mixed precision (it needs no fp32 master); checkpoints
                        hold the adapters and their optimizer state only (params="trainable"), and
@@ -27,6 +27,11 @@ def check_finetune_config(cfg: Config) -> None:
         raise ValueError(
             f"lora.rank={lora.rank} trains adapters over pretrained weights; pass --model.pretrained "
             "DIR (a Hugging Face model folder), or --lora.rank 0 for full training"
+        )
+    if cfg.engine.tp > 1 and cfg.model.pretrained is not None:
+        raise ValueError(
+            f"engine.tp={cfg.engine.tp} with model.pretrained={cfg.model.pretrained!r}: loading pretrained weights "
+            "into a tensor-parallel model is not supported yet; fine-tune with --engine.tp 1"
         )
     if lora.merge_on_export and not (lora.rank and run.export_hf):
         raise ValueError(
@@ -57,6 +62,14 @@ def with_lora(cfg: Config, model: nn.Module) -> tuple[nn.Module, Callable[[nn.Mo
     lora = cfg.lora
     peft_model = apply_lora(model, rank=lora.rank, alpha=lora.alpha, targets=lora.targets, dropout=lora.dropout)
     return peft_model, adapter_init(peft_model)
+
+
+def describe_lora(cfg: Config, model: nn.Module, base: str) -> str:
+    """`base` (the built model's description), followed by the adapters and what trains when lora.rank > 0."""
+    if not cfg.lora.rank:
+        return base
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return f"{base}, LoRA r={cfg.lora.rank} on {','.join(cfg.lora.targets)}: {trainable / 1e6:.2f}M trainable"
 
 
 def checkpoint_params(cfg: Config) -> str:

@@ -30,7 +30,7 @@ from ..tp import plan_for
 from .config import save_config
 from .data import ByteTokenizer
 from .ema import WeightEMA
-from .finetune import build_dtype, check_finetune_config, export, load_base, with_lora
+from .finetune import build_dtype, check_finetune_config, describe_lora, export, load_base, with_lora
 from .finite import NonFiniteGuard
 from .inputs import DataPlan, build_data, plan_data
 from .metrics import MetricsLog, Summary, format_bytes, memory_bytes, plot_metrics
@@ -158,11 +158,7 @@ def build_job(cfg: Config, engine: Engine) -> tuple[Job, str]:
         data=data,
         vocab_size=ByteTokenizer.vocab_size if data.tokenizer is None else len(data.tokenizer),
     )
-    description = built.description
-    if cfg.lora.rank:
-        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        description += f", LoRA r={cfg.lora.rank} on {','.join(cfg.lora.targets)}: {trainable / 1e6:.2f}M trainable"
-    return job, description
+    return job, describe_lora(cfg, model, built.description)
 
 
 def run(cfg: Config, engine: Engine) -> Summary:
@@ -256,9 +252,8 @@ def _loop(job: Job, run_dir: Path, *, first_step: int, description: str, start: 
         heartbeat(cfg.train.steps, "export")
         exported = export(cfg, job.model, run_dir)
         if lead and job.data.tokenizer is not None:
-            from ..pretrained.export import save_tokenizer
-
-            save_tokenizer(job.data.tokenizer, exported)
+            # the run's tokenizer (with its chat template) beside the weights, as from_pretrained reads it
+            job.data.tokenizer.save_pretrained(str(exported))
         if lead:
             print(f"exported the model to {exported}", flush=True)
     summary = Summary(

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from ..models.llama import LLAMA_SIZES, Llama, LlamaConfig, default_units, llama_config
+from ..policy import classes_named
 from .sections import ModelConfig
 
 LLAMA_PREFIX = "llama-"
@@ -70,7 +71,7 @@ def build_model(cfg: ModelConfig, *, init_context, dtype: torch.dtype = torch.fl
         what = f"model.pretrained={cfg.pretrained!r}" if cfg.pretrained is not None else f"model.name={name!r}"
         raise ValueError(f"{what} does not build: {exc}") from exc
     if cfg.wrap:
-        built = dataclasses.replace(built, wrap=classes_by_name(built.module, cfg.wrap))
+        built = dataclasses.replace(built, wrap=classes_named(built.module, cfg.wrap, what="model.wrap"))
     return built
 
 
@@ -189,8 +190,7 @@ def _from_config(transformers, hf_cfg, *, dtype: torch.dtype | None = None) -> B
         module = transformers.AutoModelForCausalLM.from_config(hf_cfg, **({"dtype": dtype} if dtype else {}))
     except Exception as exc:
         raise ValueError(f"{type(exc).__name__}: {exc}".replace("\n", " ")) from exc
-    no_split = getattr(module, "_no_split_modules", None) or []
-    wrap = classes_by_name(module, tuple(no_split)) if no_split else None
+    wrap = _no_split_units(module)
     params = sum(p.numel() for p in module.parameters())
     return BuiltModel(
         module=module,
@@ -215,23 +215,16 @@ def _build_factory(spec: str, kwargs: dict[str, Any]) -> BuiltModel:
         raise ValueError(f"{spec}(**{kwargs!r}) raised {type(exc).__name__}: {exc}".replace("\n", " ")) from exc
     if not isinstance(module, nn.Module):
         raise ValueError(f"{spec} returned {type(module).__name__}, not an nn.Module")
-    no_split = getattr(module, "_no_split_modules", None)
     params = sum(p.numel() for p in module.parameters())
     return BuiltModel(
         module=module,
-        wrap=classes_by_name(module, tuple(no_split)) if no_split else None,
+        wrap=_no_split_units(module),
         max_seq_len=None,
         description=f"{type(module).__name__} ({params / 1e6:.2f}M params, from {spec})",
     )
 
 
-def classes_by_name(module: nn.Module, names: tuple[str, ...]) -> frozenset[type[nn.Module]]:
-    """Resolve class names (e.g. from model.wrap or `_no_split_modules`) against the model's own modules."""
-    found = {type(m).__name__: type(m) for m in module.modules()}
-    missing = [n for n in names if n not in found]
-    if missing:
-        raise ValueError(
-            f"model.wrap names {missing} that are not module classes of {type(module).__name__}; "
-            f"its classes are {sorted(found)}"
-        )
-    return frozenset(found[n] for n in names)
+def _no_split_units(module: nn.Module) -> frozenset[type[nn.Module]] | None:
+    """The classes the model's `_no_split_modules` names (its authors' blocks), or None when it names none."""
+    no_split = getattr(module, "_no_split_modules", None)
+    return classes_named(module, no_split, what=f"{type(module).__name__}._no_split_modules") if no_split else None

@@ -113,8 +113,8 @@ def use_block_sparse_attention(model: nn.Module, *, device: torch.device) -> str
     """Switch a transformers `model` at "sdpa" to "flex_attention" for packed rows on CUDA.
 
     Why: with packed `position_ids` transformers gives sdpa a dense block-diagonal mask, which takes
-    sdpa off its flash kernel (an 8B fine-tune on an H200 ran 0.876 x the tokens/s of unpacked
-    windows); flex_attention's BlockMask skips the blocks across documents instead. Returns a notice
+    sdpa off its flash kernel (BENCHMARKS.md, 'Fine-tuning on a packed chat dataset'); flex_attention's
+    BlockMask skips the blocks across documents instead. Returns a notice
     for the log, or None when nothing changed (the built-in Llama picks its own kernel; another
     implementation, or any on the CPU, is kept: flex_attention unfused materialises every score).
     Call it only when the user did not name an attn_implementation.

@@ -28,8 +28,8 @@ import torch
 from ..engine.devices import launched_externally, resolve_topology
 from ..options import offload_setting, precision_name, resolve_options
 from ..planning.auto import AutoChoice, choose_plan
-from ..planning.machine import local_device_memory, local_processes
-from .finetune import build_dtype, check_finetune_config, with_lora
+from ..planning.machine import plan_memory
+from .finetune import build_dtype, check_finetune_config, describe_lora, with_lora
 from .loop import check_batch
 from .model_builder import BuiltModel, build_model
 from .sections import Config, ConfigError, EngineConfig
@@ -50,6 +50,7 @@ class PlannedSetup:
     seq_len: int
     activation_checkpointing: bool | int  # True: every block, k: 1 block in k
     cpu_offload: bool | float  # a float: the share of the parameters offloaded
+    offload_dir: str | None = None  # the disk tier's directory for the offloaded optimizer state
     tp: int = 1  # ranks each layer is split over (the data-parallel ranks: world_size // tp)
     sequence_parallel: bool = False
 
@@ -93,6 +94,7 @@ def planned_setup(cfg: Config) -> PlannedSetup:
         seq_len=cfg.data.seq_len,
         activation_checkpointing=cfg.model.activation_checkpointing,
         cpu_offload=cfg.engine.cpu_offload,
+        offload_dir=cfg.engine.offload_dir,
         tp=tp,
         sequence_parallel=cfg.engine.sequence_parallel,
     )
@@ -114,13 +116,7 @@ def build_on_meta(cfg: Config, *, precision: str) -> BuiltModel:
     if not cfg.lora.rank:
         return built
     model, _ = with_lora(cfg, built.module)
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return dataclasses.replace(
-        built,
-        module=model,
-        description=f"{built.description}, LoRA r={cfg.lora.rank} on {','.join(cfg.lora.targets)}: "
-        f"{trainable / 1e6:.2f}M trainable",
-    )
+    return dataclasses.replace(built, module=model, description=describe_lora(cfg, model, built.description))
 
 
 def apply_choice(cfg: Config, choice: AutoChoice) -> Config:
@@ -166,17 +162,25 @@ def resolve_auto_config(
     ConfigError) naming what to change when nothing fits or the model has no blocks to plan with.
     """
     setup = planned_setup(cfg)
+    if setup.tp > 1:
+        raise ConfigError(
+            f"engine.tp={setup.tp}: the automatic plan does not plan tensor parallelism; give "
+            "--engine.strategy full_shard (or shard_grad_op), or drop --engine.tp"
+        )
     built = built or build_on_meta(cfg, precision=setup.precision)
     if not built.wrap:
         raise ConfigError(
             f"engine.strategy='auto' needs the model's block classes, and {cfg.model.name!r} names none; "
             "give them with --model.wrap ClassName"
         )
-    host_memory = None
-    if device_memory is None or cfg.engine.offload_dir is not None:  # this machine's host memory
-        host_memory, _ = local_device_memory(accelerator="cpu", processes=local_processes(setup.world_size))
-    if device_memory is None:  # planning for this machine's devices
-        device_memory, _ = local_device_memory(accelerator=setup.accelerator, processes=setup.world_size)
+    device_memory, host_memory = plan_memory(
+        device_memory=device_memory,
+        host_memory=None,
+        disk_dir=cfg.engine.offload_dir,
+        world_size=setup.world_size,
+        accelerator=setup.accelerator,
+        processes=setup.world_size,
+    )
     choice = choose_plan(
         built.module,
         world_size=setup.world_size,

@@ -11,6 +11,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..data.encode import Overlong, TrainOn
+from ..data.formats import FORMAT_NAMES
+
 
 class ConfigError(ValueError):
     """A configuration value or key is wrong; the message names it and the fix."""
@@ -62,6 +65,15 @@ class ModelConfig:
         "recompute the wrapped blocks' activations in backward: true (every block), false, or k (1 block in k)", False
     )
 
+    def __post_init__(self) -> None:
+        ac = self.activation_checkpointing
+        _require(
+            isinstance(ac, bool) or (isinstance(ac, int) and ac >= 0),
+            "model.activation_checkpointing",
+            ac,
+            "use true (every block), false, or k >= 2 (1 block in k)",
+        )
+
 
 @dataclass(frozen=True, kw_only=True)
 class LoraConfig:
@@ -88,9 +100,6 @@ class LoraConfig:
         _require(self.alpha > 0, "lora.alpha", self.alpha, "use a positive scale such as 16")
         _require(0 <= self.dropout < 1, "lora.dropout", self.dropout, "use a value in [0, 1)")
         _require(bool(self.targets), "lora.targets", self.targets, "name at least one layer, e.g. q_proj,v_proj")
-
-
-DATA_FORMATS = ("auto", "text", "prompt_completion", "messages")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -135,9 +144,12 @@ class DataConfig:
     def __post_init__(self) -> None:
         _require(self.seq_len >= 2, "data.seq_len", self.seq_len, "use at least 2 tokens")
         _require(0 < self.val_fraction < 1, "data.val_fraction", self.val_fraction, "use a value in (0, 1)")
-        _require(self.format in DATA_FORMATS, "data.format", self.format, f"use one of {', '.join(DATA_FORMATS)}")
-        _require(self.train_on in ("completion", "all"), "data.train_on", self.train_on, "use completion or all")
-        _require(self.overlong in ("truncate", "drop"), "data.overlong", self.overlong, "use truncate or drop")
+        for key, value, choices in (
+            ("data.format", self.format, FORMAT_NAMES),
+            ("data.train_on", self.train_on, tuple(t.value for t in TrainOn)),
+            ("data.overlong", self.overlong, tuple(o.value for o in Overlong)),
+        ):
+            _require(value in choices, key, value, f"use one of {', '.join(choices)}")
         _require(self.num_proc >= 0, "data.num_proc", self.num_proc, "use 0 (automatic) or more")
         _require(self.show >= 0, "data.show", self.show, "use 0 (off) or more")
 

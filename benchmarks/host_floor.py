@@ -64,7 +64,7 @@ def main() -> None:
     pin = dict(pin_memory=cuda)
     params = [torch.randn(n, **pin) for n in sizes]
     for p in params:
-        p.grad = torch.randn_like(p) * 1e-3
+        p.grad = torch.empty(p.numel(), **pin).normal_(std=1e-3)  # pinned, as the offloaded gradients
     opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
     opt.step()  # creates the state
 

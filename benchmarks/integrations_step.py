@@ -98,6 +98,7 @@ def plain(args, timer: Timer, *, as_fabric: bool = False) -> None:
         if as_fabric:
             out.logits = out.logits.float()
         out.loss.backward()
+        del out  # as `model(...).loss.backward()` would: the logits do not outlive the step
         st.clip_grad_norm_(model, 1.0, error_if_nonfinite=as_fabric)
         opt.step()
         opt.zero_grad()

@@ -121,7 +121,8 @@ def _offload(best: Candidate, candidates: list[Candidate]) -> str:
         f"CPU offload of {share}: chosen because nothing fits on the device without it (the smallest "
         f"on-device configuration, {smallest.describe()}, needs {_gib(smallest.needed)}); it keeps "
         f"{_gib(best.estimate.host)} per process in host memory, and the host step and copies add "
-        f"{best.time.offload / best.time.tokens:.2f} x the ideal step time ({best.time.offload * best.time.token_s:.2f} s)"
+        f"{best.time.offload / best.time.tokens:.2f} x the ideal step time "
+        f"({best.time.offload * best.time.token_s:.2f} s, planning/offload_time.py)"
     )
 
 

@@ -11,7 +11,7 @@ from typing import Protocol
 import torch
 
 from .inputs import EstimateInputs
-from .offload_time import disk_seconds, disk_time
+from .offload_time import DISK_READ_BYTES_PER_S, DISK_WRITE_BYTES_PER_S, disk_seconds, disk_time
 from .sizes import format_count, format_gib
 
 
@@ -164,6 +164,8 @@ def format_comparison(comparison: StrategyComparison) -> str:
         extra.append(["host memory (offloaded)"] + [format_gib(e.host) for e in estimates])
     if any(e.disk for e in estimates):
         extra.append(["disk (offloaded state)"] + [format_gib(e.disk) for e in estimates])
+        rates = f"{DISK_READ_BYTES_PER_S / 1e9:.2f} / {DISK_WRITE_BYTES_PER_S / 1e9:.2f} GB/s"
+        extra.append([f"disk tier, s per step ({rates})"] + [f"{disk_seconds(e.disk):.1f}" for e in estimates])
     memory = comparison.device_memory
     if memory:
         extra.append([f"fits in {format_gib(memory)} GiB"] + ["yes" if e.fits(memory) else "no" for e in estimates])

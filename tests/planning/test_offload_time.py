@@ -1,7 +1,10 @@
-"""planning/offload_time.py: the offloaded step's phases, in sequence and overlapped."""
+"""planning/offload_time.py: the offloaded step's phases (in sequence, overlapped, in backward, with the disk
+tier), and the planner pricing offload with them."""
 
 import pytest
 
+import shardtrain as st
+from shardtrain.planning.candidates import offload_work, predicted_time
 from shardtrain.planning.offload_time import offload_step_time
 
 
@@ -84,3 +87,23 @@ def test_disk_tier_bound():
     assert fast.disk_s == pytest.approx(1.952) and fast.overlapped_s == pytest.approx(max(base.overlapped_s, 1.952))
     with pytest.raises(ValueError, match="disk_state_bytes=-1 must be a byte count"):
         offload_step_time(resident_step_s=1.0, offloaded_params=1, checkpointed=False, disk_state_bytes=-1)
+
+
+@pytest.mark.parametrize(
+    ("offload", "env", "measured"),
+    [
+        (st.CPUOffload(), None, 0.606),  # overlapped with the next forward (the default)
+        (st.CPUOffload(step_in_backward=True), None, 0.558),  # in backward, 15 host threads
+        (st.CPUOffload(), "sequential", 0.700),  # in the user's step(), after backward
+    ],
+)
+def test_the_planner_prices_the_host_step_mode_the_policy_selects(offload, env, measured, monkeypatch):
+    """BENCHMARKS.md, 'Offloaded optimizer step': 1.5B on one H200, batch 2 x 4096, everything
+    offloaded. The planner's step time (its own resident step, 0.140 s against 0.167 s measured, plus
+    this model) for the mode `st.shard` would run, against the measured step."""
+    if env:
+        monkeypatch.setenv("SHARDTRAIN_HOST_STEP", env)
+    estimate = st.estimate_memory("1.5b", world_size=1, seq_len=4096, micro_batch=2, cpu_offload=offload)
+    time = predicted_time(estimate, grad_accum=1)
+    assert offload_work(estimate).units == 19 and time.disk == 0
+    assert time.seconds == pytest.approx(measured, rel=0.06)

@@ -28,7 +28,7 @@ import argparse
 import sys
 
 from ..planning.audit import audit_precision
-from ..planning.candidates import accumulation_bytes, offload_label, predicted_time
+from ..planning.candidates import accumulation_bytes, offload_label, offload_work, predicted_time
 from ..planning.compare import default_shard_size
 from ..planning.dry_run import plan
 from ..planning.estimate import estimate_memory
@@ -123,9 +123,12 @@ def report(args: argparse.Namespace) -> str:
             "gradients between them (not in the table above)"
         )
     bill += f"\ndevice memory: {f'{format_gib(memory)} GiB' if memory else 'unknown'} ({source})"
-    if estimate.inputs.offload is not None and setup.tp == 1:
-        time = predicted_time(estimate, grad_accum=setup.grad_accum)
-        bill += f"\npredicted step time with CPU offload (planning/offload_time.py): {time.describe()}"
+    work = offload_work(estimate)
+    if work is not None and setup.tp == 1:
+        bill += (
+            f"\npredicted step time with CPU offload, host step {work.host_step.value} (planning/offload_time.py): "
+            f"{predicted_time(estimate, grad_accum=setup.grad_accum).describe()}"
+        )
     parts += [
         _section(
             "wrap plan",

@@ -62,3 +62,17 @@ def test_lora_on_a_hugging_face_folder(capsys, tmp_path):
         "  full_shard  (16 B x 3.41M + 2 B x 8.03B) / 1 = 15.01 GiB",
     ]
     assert "fits in 131.32 GiB: yes; largest micro-batch: 4" in lines
+
+
+def test_the_disk_tier_shows_its_bytes_and_its_time_per_step(capsys, tmp_path):
+    """--offload --offload-dir: 8 B of AdamW state per parameter and process in files (29.92 GiB at 8B over
+    2 GPUs, twice that for no_shard), read and written once a step at 1.77 / 2.54 GB/s."""
+    lines = _estimate(["--model", "8b", "--gpus", "2", "--offload", "--offload-dir", str(tmp_path)], capsys)
+    (row,) = [line.split() for line in lines if line.startswith("disk tier, s per step (1.77 / 2.54 GB/s)")]
+    seconds = 8 * 8_030_261_248 / 2 * (1 / 1.77e9 + 1 / 2.54e9)
+    assert [float(x) for x in row[-4:]] == [round(seconds, 1)] * 3 + [round(2 * seconds, 1)]
+    parser = argparse.ArgumentParser(prog="shardtrain")
+    cli_estimate.register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["estimate", "--model", "8b", "--gpus", "2", "--offload-dir", str(tmp_path)])
+    assert args.func(args) == 2
+    assert "without --offload: the disk tier holds offloaded optimizer state; add --offload" in capsys.readouterr().err

@@ -178,3 +178,11 @@ def test_plan_counts_the_disk_tier(capsys, tmp_path):
     assert "disk (offloaded state)" in disk_out and "disk (offloaded state)" not in host_out
     assert ", CPU offload, optimizer state on disk" in disk_out.splitlines()[1]  # the header says so too
     assert sum(disk.values()) == pytest.approx(sum(host.values()), abs=0.02)
+    # the predicted step: the host step and copies, then 32.1 GB per process read and written at the
+    # tier's 1.77 / 2.54 GB/s (planning/offload_time.py), which the step waits for
+    seconds = 29.92 * 2**30 / 1.77e9 + 29.92 * 2**30 / 2.54e9
+    assert f"takes {seconds:.1f} s per step at 1.77 / 2.54 GB/s" in disk_out
+    (host_time,) = [line for line in host_out.splitlines() if line.startswith("predicted step time with CPU")]
+    (disk_time,) = [line for line in disk_out.splitlines() if line.startswith("predicted step time with CPU")]
+    assert "disk tier" not in host_time and float(host_time.split()[-2]) < 2
+    assert ", disk tier " in disk_time and float(disk_time.split()[-2]) == pytest.approx(seconds, rel=1e-3)

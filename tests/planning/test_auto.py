@@ -12,6 +12,7 @@ from shardtrain.planning.auto import choose_plan
 from shardtrain.planning.candidates import batch_splits, checkpoint_options
 from shardtrain.planning.checkpointing import recompute_policy
 from shardtrain.planning.model_spec import resolve_model
+from shardtrain.planning.offload_time import OffloadWork
 from shardtrain.planning.shard_auto import resolve_auto
 from shardtrain.planning.speed import GATHER_EXPOSED_TOKENS, STEP_OVERHEAD_TOKENS, efficiency, step_time
 from shardtrain.strategy import Strategy
@@ -89,15 +90,22 @@ def test_step_time_arithmetic_by_hand():
         micro_batch=1,
         grad_accum=3,
         seq_len=SEQ,
-        offloaded_params=4e9,
+        offload=OffloadWork(params=4_000_000_000, units=17),
     )
     compute = 3 * SEQ / efficiency(SEQ)
     assert efficiency(SEQ) == SEQ / (SEQ + 256)
     assert t.compute == pytest.approx(compute)
     assert t.recompute == pytest.approx(compute * RECOMPUTE8 / 4)  # 8 of 32 blocks
     assert t.gathers == pytest.approx(3 * 0.03 * 4096)  # one exposed gather per micro-batch
-    # The host step: 4e9 parameters x 0.45 ns, in token-times of 48.25 GFLOP at 79% of 790 TFLOP/s.
-    assert t.offload == pytest.approx(4e9 * 0.45e-9 / (48.25e9 / (0.79 * 790e12)), rel=1e-3) and t.tokens == 3 * SEQ
+    # One token-time: 48.25 GFLOP at 79% of 790 TFLOP/s. Overlapped (the default), the forward takes
+    # the host AdamW beside it (4e9 x 0.185 ns x 381 / 283), longer than its third of the resident step;
+    # the backward (2/3 of it) outlasts the copies both ways (2 x 16 GB at 54.5 GB/s).
+    assert t.token_s == pytest.approx(48.25e9 / (0.79 * 790e12), rel=1e-3) and t.tokens == 3 * SEQ
+    resident = (t.compute + t.recompute + t.gathers + t.overhead) * t.token_s
+    host = 4e9 * 0.185e-9 * 381 / 283
+    assert resident / 3 < host and 2 / 3 * resident > 2 * 16e9 / 54.5e9 and t.disk == 0
+    offloaded = host + 2 / 3 * resident
+    assert t.offload * t.token_s == pytest.approx(offloaded - resident) and t.seconds == pytest.approx(offloaded)
     alone = step_time(
         model=spec,
         strategy=Strategy.FULL_SHARD,

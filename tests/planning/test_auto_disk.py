@@ -14,6 +14,7 @@ import shardtrain as st
 from shardtrain.models.llama import Block, Llama, llama_config
 from shardtrain.planning import machine
 from shardtrain.planning.auto import choose_plan
+from shardtrain.planning.candidates import predicted_time
 from shardtrain.planning.shard_auto import resolve_auto
 from shardtrain.train.config import load_config
 from shardtrain.train.planned_config import choice_overrides, resolve_auto_config
@@ -62,6 +63,10 @@ def test_fits_only_with_the_disk_tier(tmp_path):
     (why,) = [r for r in choice.reasons if r.startswith("disk tier")]
     assert "nothing fits with device and host memory" in why and "59.83 GiB per process, 38.00 GiB usable" in why
     assert "optimizer state on disk" in str(choice).splitlines()[0]
+    # its step: the state read and written once (29.92 GiB at 1.77 / 2.54 GB/s), longer than the rest
+    disk_s = choice.estimate.disk / 1.77e9 + choice.estimate.disk / 2.54e9
+    assert choice.step_time.disk_s == pytest.approx(disk_s) and choice.step_time.seconds == pytest.approx(disk_s)
+    assert f"takes {disk_s:.1f} s per step" in why and choice.step_time.disk > 0
     offload = replace(choice, recompute_every=0).shard_kwargs(None, wrap=None)["cpu_offload"]  # (no blocks here)
     assert offload == st.CPUOffload(disk_dir=str(tmp_path))
 
@@ -76,6 +81,16 @@ def test_fits_nowhere_names_what_was_weighed(tmp_path):
     # without a directory, the disk tier is one of the remedies
     with pytest.raises(ValueError, match=r"a disk directory for the offloaded optimizer state \(disk_dir="):
         _plan("10GiB", "40GiB", None)
+
+
+def test_disk_tier_step_against_the_measured_row(tmp_path):
+    """BENCHMARKS.md, 'Disk tier': 1.5B on one H200, batch 1 x 4096, every block checkpointed, all
+    offloaded with 12.26 GB of AdamW state in files: the step measured 11.82 s."""
+    policy = st.CPUOffload(disk_dir=str(tmp_path))
+    estimate = st.estimate_memory("1.5b", world_size=1, seq_len=4096, activation_checkpointing=True, cpu_offload=policy)
+    time = predicted_time(estimate, grad_accum=1)
+    assert estimate.disk == pytest.approx(12.26e9, rel=1e-3)
+    assert time.seconds == pytest.approx(11.82, rel=0.02) and time.disk_s == pytest.approx(time.seconds)
 
 
 def test_shard_auto_takes_the_disk_directory_from_its_policy(tmp_path):

@@ -4,6 +4,7 @@
     shardtrain estimate --model 8b --gpus 2 --ac all --device-memory 141GB
     shardtrain estimate --model path/to/config.json --gpus 8 --strategy full_shard
     shardtrain estimate --model path/to/hf_model_dir --gpus 1 --lora-rank 8 --lora-targets q_proj,v_proj
+    shardtrain estimate --model 8b --gpus 2 --offload --offload-dir /mnt/nvme/state
 
 The model is a built-in Llama size, a Hugging Face config.json (or the folder holding it), or a
 parameter count (--params) with optional shape hints. A fine-tune: --lora-rank R (adapters on
@@ -92,6 +93,12 @@ def register(subparsers) -> None:
         help="CPU offload of parameters, gradients and optimizer state; with FRACTION (e.g. 0.5) of "
         "the units holding that share of the parameters (partial offload)",
     )
+    parser.add_argument(
+        "--offload-dir",
+        metavar="DIR",
+        help="the disk tier (with --offload): the offloaded optimizer state in files under DIR, an existing "
+        "directory; the bill then shows its bytes on disk and the time reading and writing them takes per step",
+    )
     parser.add_argument("--device-memory", help="e.g. 80GiB, 141GB (default: the local GPU's, else 80 GiB)")
     parser.add_argument("--precision", choices=PRECISIONS, default="bf16", help="param dtype (reduce in fp32)")
     parser.add_argument("--optimizer", default="adamw", help="adamw, adam, sgd, or state bytes per parameter")
@@ -149,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
             device_memory=memory,
             precision=args.precision,
             activation_checkpointing=args.ac,
-            cpu_offload=_offload(args.offload),
+            cpu_offload=_offload(args.offload, disk_dir=args.offload_dir),
             micro_batch=args.batch,
             seq_len=args.seq,
             optimizer=optimizer,
@@ -207,6 +214,14 @@ def _count(n: int) -> str:
     return str(n)
 
 
-def _offload(fraction: float | None) -> CPUOffload | bool:
-    """--offload [FRACTION]: nothing, everything, or the units holding FRACTION of the parameters."""
-    return False if fraction is None else CPUOffload(fraction=fraction)
+def _offload(fraction: float | None, *, disk_dir: str | None) -> CPUOffload | bool:
+    """--offload [FRACTION]: nothing, everything, or the units holding FRACTION of the parameters; with
+    --offload-dir, their optimizer state in the disk tier's files."""
+    if fraction is None:
+        if disk_dir is not None:
+            raise ValueError(
+                f"--offload-dir {disk_dir!r} without --offload: the disk tier holds offloaded optimizer state; "
+                "add --offload"
+            )
+        return False
+    return CPUOffload(fraction=fraction, disk_dir=disk_dir)

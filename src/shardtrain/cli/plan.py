@@ -6,7 +6,8 @@ Takes the same config file and overrides as `shardtrain train`, builds the model
   - the wrap plan: the sharding units, their parameters and bytes (st.plan);
   - the precision audit: the dtype of parameters, gradients, reductions, optimizer state and buffers
     of every unit, as st.shard will make them;
-  - the memory estimate per device (st.estimate_memory), with whether it fits.
+  - the memory estimate per device (st.estimate_memory), with whether it fits; with CPU offload, the
+    predicted step time, the disk tier's reads and writes included when engine.offload_dir is set.
 
 With --auto, or engine.strategy = "auto" in the config, the automatic plan is chosen first and printed
 with its reasons; the rest then describes the chosen run.
@@ -27,7 +28,7 @@ import argparse
 import sys
 
 from ..planning.audit import audit_precision
-from ..planning.candidates import accumulation_bytes, offload_label
+from ..planning.candidates import accumulation_bytes, offload_label, offload_work, predicted_time
 from ..planning.compare import default_shard_size
 from ..planning.dry_run import plan
 from ..planning.estimate import estimate_memory
@@ -122,6 +123,12 @@ def report(args: argparse.Namespace) -> str:
             "gradients between them (not in the table above)"
         )
     bill += f"\ndevice memory: {f'{format_gib(memory)} GiB' if memory else 'unknown'} ({source})"
+    work = offload_work(estimate)
+    if work is not None and setup.tp == 1:
+        bill += (
+            f"\npredicted step time with CPU offload, host step {work.host_step.value} (planning/offload_time.py): "
+            f"{predicted_time(estimate, grad_accum=setup.grad_accum).describe()}"
+        )
     parts += [
         _section(
             "wrap plan",

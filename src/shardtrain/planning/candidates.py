@@ -25,7 +25,8 @@ from ..policy import CPUOffload
 from ..strategy import Strategy, parse_strategy
 from .activations import checkpointed_blocks
 from .compare import default_shard_size
-from .estimate import MemoryEstimate, estimate_memory, offloaded_share
+from .estimate import MemoryEstimate, estimate_memory, offloaded_units
+from .offload_time import OffloadWork, host_step_of
 from .speed import StepTime, step_time
 
 
@@ -144,21 +145,41 @@ def evaluate(
                         accumulation_bytes=accumulation_bytes(estimate, grad_accum=grad_accum),
                         disk_dir=disk_dir if policy else None,
                         disk_pool_bytes=disk_pool_bytes(estimate) if policy and disk_dir is not None else 0,
-                        time=step_time(
-                            model=spec,
-                            strategy=strategy,
-                            shard_size=estimate.inputs.shard_size,
-                            checkpointed_blocks=count,
-                            micro_batch=micro_batch,
-                            grad_accum=grad_accum,
-                            seq_len=seq_len,
-                            offloaded_params=offloaded_share(spec, policy)
-                            * spec.num_params
-                            / estimate.inputs.shard_size,
-                        ),
+                        time=predicted_time(estimate, grad_accum=grad_accum),
                     )
                 )
     return out
+
+
+def predicted_time(estimate: MemoryEstimate, *, grad_accum: int) -> StepTime:
+    """The step time of `estimate`'s configuration with `grad_accum` micro-batches per step (speed.py),
+    its CPU offload and disk tier included."""
+    inputs = estimate.inputs
+    layers = inputs.model.shape.n_layers if inputs.model.shape else 0
+    return step_time(
+        model=inputs.model,
+        strategy=inputs.strategy,
+        shard_size=inputs.shard_size,
+        checkpointed_blocks=checkpointed_blocks(layers, inputs.recompute_every),
+        micro_batch=inputs.micro_batch,
+        grad_accum=grad_accum,
+        seq_len=inputs.seq_len,
+        offload=offload_work(estimate),
+    )
+
+
+def offload_work(estimate: MemoryEstimate) -> OffloadWork | None:
+    """What `estimate`'s CPU offload moves per rank and how its host step runs (None: no offload)."""
+    policy = estimate.inputs.offload
+    if policy is None:
+        return None
+    units = offloaded_units(estimate.inputs.model, policy)
+    return OffloadWork(
+        params=sum(units) // estimate.inputs.shard_size,
+        units=max(1, len(units)),
+        host_step=host_step_of(policy),
+        disk_state_bytes=estimate.disk,
+    )
 
 
 def disk_pool_bytes(estimate: MemoryEstimate) -> int:

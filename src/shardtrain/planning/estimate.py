@@ -241,12 +241,17 @@ def _activations(inputs: EstimateInputs) -> ActivationBill:
     )
 
 
+def offloaded_units(model: ModelSpec, offload: CPUOffload | None) -> list[int]:
+    """The parameters of each unit `offload` moves to the host (whole units, in plan order)."""
+    if offload is None:
+        return []
+    sizes = (model.root_params, *model.unit_params)  # plan order, as CPUOffload.select walks it
+    return [size for size, on in zip(sizes, offload.select(sizes)) if on]
+
+
 def offloaded_share(model: ModelSpec, offload: CPUOffload | None) -> float:
     """The share of the parameters `offload` moves to the host (whole units, in plan order)."""
-    if offload is None:
-        return 0.0
-    sizes = (model.root_params, *model.unit_params)  # plan order, as CPUOffload.select walks it
-    return sum(size for size, on in zip(sizes, offload.select(sizes)) if on) / max(1, sum(sizes))
+    return sum(offloaded_units(model, offload)) / max(1, model.root_params + sum(model.unit_params))
 
 
 def _estimate(inputs: EstimateInputs) -> MemoryEstimate:

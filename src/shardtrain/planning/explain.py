@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .candidates import Candidate
-from .offload_time import DISK_READ_BYTES_PER_S, DISK_WRITE_BYTES_PER_S
+from .offload_time import disk_time
 from .sizes import GiB, format_gib
 from .speed import GATHER_EXPOSED_FRACTION, REFERENCE_TOKENS, StepTime
 
@@ -104,13 +104,10 @@ def _disk(best: Candidate, host_rejected: list[Candidate], usable: int, host_usa
             f" (the least host memory a configuration fitting the device needs, {least.describe()}, is "
             f"{_gib(least.host_bytes)} per process, {_gib(host_usable)} usable)"
         )
-    disk = best.estimate.disk
-    seconds = disk / DISK_READ_BYTES_PER_S + disk / DISK_WRITE_BYTES_PER_S
     return (
         f"disk tier: all units offloaded, their optimizer state in files under {best.disk_dir}: chosen because "
-        f"{why}; {_gib(disk)} per process on disk, {_gib(best.host_bytes)} in host memory with the disk "
-        f"buffers; reading and writing it takes at least {seconds:.1f} s per step at "
-        f"{DISK_READ_BYTES_PER_S / 1e9:.2f} / {DISK_WRITE_BYTES_PER_S / 1e9:.2f} GB/s (planning/offload_time.py)"
+        f"{why}; {_gib(best.estimate.disk)} per process on disk, {_gib(best.host_bytes)} in host memory with "
+        f"the disk buffers; {disk_time(best.time.disk_s)}"
     )
 
 
@@ -123,8 +120,9 @@ def _offload(best: Candidate, candidates: list[Candidate]) -> str:
     return (
         f"CPU offload of {share}: chosen because nothing fits on the device without it (the smallest "
         f"on-device configuration, {smallest.describe()}, needs {_gib(smallest.needed)}); it keeps "
-        f"{_gib(best.estimate.host)} per process in host memory, and the host step adds "
-        f"{best.time.offload / best.time.tokens:.2f} x the ideal step time"
+        f"{_gib(best.estimate.host)} per process in host memory, and the host step and copies add "
+        f"{best.time.offload / best.time.tokens:.2f} x the ideal step time "
+        f"({best.time.offload * best.time.token_s:.2f} s, planning/offload_time.py)"
     )
 
 

@@ -1,53 +1,124 @@
-"""Predicted step time of a CPU-offloaded configuration, with the host optimizer step in sequence or
-overlapped with the GPU's work (docs/design.md, Note [Overlapped host step]).
+"""Predicted step time of a CPU-offloaded configuration, with the host optimizer step in sequence,
+overlapped with the next forward, or during backward (docs/design.md, Note [Overlapped host step]).
+The automatic plan prices every offloaded candidate with it (`speed.step_time`).
 
 Four resources work per step: the GPU (forward, then backward), the host AdamW over the offloaded
 parameters, and PCIe each way. What runs beside what:
 
     sequential   max(forward, H2D of the forward's gathers)
                  + max(backward, H2D of the backward's re-gathers + D2H of the gradients)
-                 + host step over DTensors
-    overlapped   max(forward, H2D of the forward's gathers, host step)
+                 + host step over DTensors (alone)
+    overlapped   max(forward, H2D of the forward's gathers, host step beside the forward)
                  + max(backward, H2D of the backward's re-gathers + D2H of the gradients)
     in backward  max(forward phase + backward phase + host step / units,
-                     host step + backward phase / units)
+                     backward phase / units + host step beside backward + forward)
 
 Overlapped, the host step of unit k runs during the next forward just before unit k is needed, so the
 forward takes as long as the slowest of the three; the backward cannot hide it (clipping's norm, the
 non-finite verdict and the last micro-batch are only known at its end). In backward
 (CPUOffload(step_in_backward=True), a loop with nothing global between backward and step()), each
-unit steps once its gradients landed: the host starts a unit's share of the backward phase after it
-begins and runs on through the next forward, so the step is bounded by the GPU's phases or by the host
-step, whichever is longer; the first unit of the next forward gets its gradients last and its step is
-always exposed (one unit's share, the units assumed equal). In backward the host-to-device
-re-gathers and the device-to-host gradient copies share the link (measured 47.7 GB/s each way at once
-on an H200 host, about the one-way rate): they are counted one after the other, at the one-way rate.
-
-Defaults, measured on one H200 host (16 cores, PCIe Gen5 x16): pinned copies 54.5
-GB/s, fused AdamW 0.185 ns per fp32 parameter with 16 threads over plain tensors (283 ms at 1.5B,
-`benchmarks/optimizer_step.py`), 16% more over DTensors (329 ms), which the user's own `step()`
-steps in sequence and the overlapped step avoids (it steps the local rows). With these, 1.5B fully
-offloaded is predicted at 0.666 s in sequence (measured 0.660 s). The GPU's share: forward a third of the resident step, backward the
-rest (half of it again when every block is checkpointed: the recomputed forward). The offloaded shards
-are copied in their stored dtype (the cast runs on the device).
+unit steps once its gradients landed: the host starts after the first unit's share of the backward
+phase and runs on through the next forward, whose GPU work starts once the first unit, which gets its
+gradients last, is stepped; so the step is bounded by the GPU's phases plus that unit's step, or by
+the host step plus the forward, whichever is longer (the units assumed equal). In backward the
+host-to-device re-gathers and the device-to-host gradient copies share the link (measured 47.7 GB/s
+each way at once on an H200 host, about the one-way rate): they are counted one after the other, at
+the one-way rate. The GPU's share: forward a third of the resident step, backward the rest (half of
+it again when every block is checkpointed: the recomputed forward). The offloaded shards are copied
+in their stored dtype (the cast runs on the device).
 
 With the disk tier (Note [Disk tier]) the offloaded optimizer state is read and written once per step
 through the unit steps' pipeline; one device serves both directions, so the disk alone takes
 `disk_state_bytes` / read bandwidth + the same / write bandwidth, and the step takes the longer of
 that and the overlapped step above (read-ahead and write-behind run beside the GPU and the host
-AdamW). Defaults, measured on an H200 host's virtual disk: 8 threads of O_DIRECT `preadv` 1.33
-GB/s, O_DIRECT writes 1.43 GB/s.
+AdamW); in sequence it adds to the step.
+
+Note [Offload time constants]
+-----------------------------
+Measured on one H200 host (16 cores, PCIe Gen5 x16, torch 2.11); BENCHMARKS.md, sections "Offloaded
+optimizer step: overlapped with the next forward, and in backward (1 × H200)" and "Disk tier:
+optimizer state in files, streamed through the host step (1 × H200)":
+
+- PCIE_BYTES_PER_S: pinned copies, 54.5 GB/s one way.
+- HOST_ADAMW_S_PER_PARAM: torch's fused AdamW on the host alone (`benchmarks/optimizer_step.py` on
+  the host, 16 threads over plain tensors), 0.185 ns per fp32 parameter (283 ms at 1,532M
+  parameters); DTENSOR_FACTOR: the same over DTensors (329 ms), which the user's own step() steps in
+  sequence.
+- BESIDE_FORWARD / BESIDE_BACKWARD: the same kernel slows down beside the GPU's work, because the
+  copies and AdamW share the host's memory bandwidth and cores: 381 ms at 1.5B overlapped with the
+  next forward (1.35 x alone, about 0.25 ns per parameter), 491–535 ms stepped during backward beside
+  the copies both ways (1.78 x, about 0.33 ns).
+- DISK_READ / DISK_WRITE_BYTES_PER_S: what the disk tier achieved during training on that host's
+  virtual disk (bytes over the time its requests were in flight): 1.77 GB/s read, 2.54 GB/s written.
+
+With these and the planner's resident step (`speed.py`) for 1.5B, batch 2 × 4096, no checkpointing,
+everything offloaded in 19 units (resident 0.140 s; measured 0.167 s), the model predicts 0.606 s
+overlapped (measured 0.606 s), 0.564 s in backward (0.558 s with 15 host threads, 0.606 s with 16),
+0.558 s in backward with shard_grad_op (0.553 s) and 0.667 s in sequence (0.700 s in an earlier run); with the
+disk tier at 1.5B, batch 1 × 4096, every block checkpointed, its 12.26 GB of state take 11.75 s (the
+step measured 11.82 s). At 14.5B, half offloaded, the host step beside the GPU was slower still (0.27
+ns per parameter overlapped, 0.37 in backward): predicted 3.21 s overlapped and 2.92 s in backward
+against 3.50 and 3.47 s measured.
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
-PCIE_BYTES_PER_S = 54.5e9
-HOST_ADAMW_S_PER_PARAM = 0.185e-9
+from ..core.host_step import StepMode
+from ..policy import CPUOffload
+
+PCIE_BYTES_PER_S = 54.5e9  # Note [Offload time constants]
+HOST_ADAMW_S_PER_PARAM = 0.185e-9  # alone, over plain tensors
 DTENSOR_FACTOR = 329 / 283  # the same fused AdamW over DTensors: their dispatch
-DISK_READ_BYTES_PER_S = 1.33e9
-DISK_WRITE_BYTES_PER_S = 1.43e9
+BESIDE_FORWARD = 381 / 283  # the host step beside the next forward's copies and compute
+BESIDE_BACKWARD = 0.33 / 0.185  # ... beside the backward's copies both ways and the next forward
+DISK_READ_BYTES_PER_S = 1.77e9
+DISK_WRITE_BYTES_PER_S = 2.54e9
+
+
+class HostStep(enum.Enum):
+    """When the host AdamW over the offloaded units runs (core/host_step.py)."""
+
+    SEQUENTIAL = "in sequence"  # in the user's step(), after backward (SHARDTRAIN_HOST_STEP=sequential)
+    OVERLAPPED = "overlapped"  # deferred to the next forward, unit by unit (the default)
+    IN_BACKWARD = "in backward"  # CPUOffload(step_in_backward=True)
+
+
+def host_step_of(offload: CPUOffload) -> HostStep:
+    """The host step mode `st.shard` gives `offload` in this process's environment."""
+    if StepMode.from_env() is StepMode.SEQUENTIAL:
+        return HostStep.SEQUENTIAL
+    return HostStep.IN_BACKWARD if offload.step_in_backward else HostStep.OVERLAPPED
+
+
+@dataclass(frozen=True, kw_only=True)
+class OffloadWork:
+    """What CPU offload moves per rank, as `offload_step_time` prices it."""
+
+    params: int  # parameters of one rank whose shards live on the host
+    units: int  # the offloaded units they are in
+    host_step: HostStep = HostStep.OVERLAPPED
+    disk_state_bytes: int = 0  # the disk tier's optimizer state of one rank (0: none)
+
+
+def disk_seconds(
+    state_bytes: int,
+    *,
+    read_bytes_per_s: float = DISK_READ_BYTES_PER_S,
+    write_bytes_per_s: float = DISK_WRITE_BYTES_PER_S,
+) -> float:
+    """The disk tier's time per step: its state read once and written once, one device serving both."""
+    return state_bytes / read_bytes_per_s + state_bytes / write_bytes_per_s
+
+
+def disk_time(seconds: float) -> str:
+    """The disk tier's time per step for a person, with the bandwidths it assumes."""
+    return (
+        f"reading and writing its state takes {seconds:.1f} s per step at {DISK_READ_BYTES_PER_S / 1e9:.2f} / "
+        f"{DISK_WRITE_BYTES_PER_S / 1e9:.2f} GB/s (planning/offload_time.py), the step at least as long"
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,8 +127,9 @@ class OffloadTime:
 
     forward_s: float  # GPU forward
     backward_s: float  # GPU backward (with the recomputation when checkpointed)
-    host_step_s: float  # host AdamW over the offloaded parameters' local rows (overlapped)
-    sequential_host_step_s: float  # the same over the DTensors, inside the user's step()
+    host_step_s: float  # host AdamW over the offloaded parameters' local rows beside the next forward
+    in_backward_host_step_s: float  # the same stepped during backward, beside the copies both ways
+    sequential_host_step_s: float  # the same over the DTensors, alone inside the user's step()
     h2d_forward_s: float  # copies of the offloaded shards for the forward
     h2d_backward_s: float  # their copies again for the backward (units resharded after forward)
     d2h_s: float  # the offloaded gradients back to the host
@@ -69,6 +141,14 @@ class OffloadTime:
     @property
     def speedup(self) -> float:
         return self.sequential_s / self.overlapped_s
+
+    def step_s(self, mode: HostStep) -> float:
+        """The step's time with the host step run as `mode` says."""
+        return {
+            HostStep.SEQUENTIAL: self.sequential_s,
+            HostStep.OVERLAPPED: self.overlapped_s,
+            HostStep.IN_BACKWARD: self.in_backward_s,
+        }[mode]
 
 
 def offload_step_time(
@@ -86,7 +166,8 @@ def offload_step_time(
     disk_write_bytes_per_s: float = DISK_WRITE_BYTES_PER_S,
 ) -> OffloadTime:
     """The offloaded step's phases from the resident step's time (GPU work alone) and the offload over
-    `units` offloaded units (the in-backward step's granularity; 1 is the pessimistic bound)."""
+    `units` offloaded units (the in-backward step's granularity; 1 is the pessimistic bound);
+    `host_s_per_param`: the host AdamW alone (the rates beside the GPU scale with it)."""
     for name, value in (
         ("resident_step_s", resident_step_s),
         ("pcie_bytes_per_s", pcie_bytes_per_s),
@@ -110,20 +191,26 @@ def offload_step_time(
     shard_s = offloaded_params * stored_bytes / pcie_bytes_per_s
     h2d_backward = shard_s if reshard_after_forward else 0.0
     host = offloaded_params * host_s_per_param
+    beside_forward, beside_backward = host * BESIDE_FORWARD, host * BESIDE_BACKWARD
     backward_phase = max(backward, h2d_backward + shard_s)  # the re-gathers, then the gradients (d2h)
     forward_phase = max(forward, shard_s)
-    in_backward = max(forward_phase + backward_phase + host / units, host + backward_phase / units)
-    disk = disk_state_bytes / disk_read_bytes_per_s + disk_state_bytes / disk_write_bytes_per_s
+    in_backward = max(
+        forward_phase + backward_phase + beside_backward / units, backward_phase / units + beside_backward + forward
+    )
+    disk = disk_seconds(
+        disk_state_bytes, read_bytes_per_s=disk_read_bytes_per_s, write_bytes_per_s=disk_write_bytes_per_s
+    )
     return OffloadTime(
         forward_s=forward,
         backward_s=backward,
-        host_step_s=host,
+        host_step_s=beside_forward,
+        in_backward_host_step_s=beside_backward,
         sequential_host_step_s=host * DTENSOR_FACTOR,
         h2d_forward_s=shard_s,
         h2d_backward_s=h2d_backward,
         d2h_s=shard_s,
         disk_s=disk,
         sequential_s=forward_phase + backward_phase + host * DTENSOR_FACTOR + disk,
-        overlapped_s=max(max(forward_phase, host) + backward_phase, disk),
+        overlapped_s=max(max(forward_phase, beside_forward) + backward_phase, disk),
         in_backward_s=(in_backward if offloaded_params else forward + backward),
     )

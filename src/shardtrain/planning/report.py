@@ -11,6 +11,7 @@ from typing import Protocol
 import torch
 
 from .inputs import EstimateInputs
+from .offload_time import DISK_READ_BYTES_PER_S, DISK_WRITE_BYTES_PER_S, disk_seconds, disk_time
 from .sizes import format_count, format_gib
 
 
@@ -44,6 +45,8 @@ class MemoryEstimate(Protocol):
     def reserve(self) -> int: ...
     @property
     def host(self) -> int: ...
+    @property
+    def disk(self) -> int: ...
     @property
     def peak_phase(self) -> str: ...
     @property
@@ -142,6 +145,7 @@ def format_estimate(estimate: MemoryEstimate) -> str:
         lines.append(f"{'host memory (offloaded)':<{width}}  {format_gib(estimate.host):>8}")
     if estimate.disk:
         lines.append(f"{'disk (offloaded state)':<{width}}  {format_gib(estimate.disk):>8}")
+        lines.append(f"disk tier: {disk_time(disk_seconds(estimate.disk))}")
     phases = ", ".join(f"{name} {format_gib(total)}" for name, total in estimate.phase_totals)
     lines.append(f"peak during {estimate.peak_phase} ({phases})")
     if inputs.device_memory:
@@ -160,6 +164,8 @@ def format_comparison(comparison: StrategyComparison) -> str:
         extra.append(["host memory (offloaded)"] + [format_gib(e.host) for e in estimates])
     if any(e.disk for e in estimates):
         extra.append(["disk (offloaded state)"] + [format_gib(e.disk) for e in estimates])
+        rates = f"{DISK_READ_BYTES_PER_S / 1e9:.2f} / {DISK_WRITE_BYTES_PER_S / 1e9:.2f} GB/s"
+        extra.append([f"disk tier, s per step ({rates})"] + [f"{disk_seconds(e.disk):.1f}" for e in estimates])
     memory = comparison.device_memory
     if memory:
         extra.append([f"fits in {format_gib(memory)} GiB"] + ["yes" if e.fits(memory) else "no" for e in estimates])

@@ -5,7 +5,8 @@ device's achievable matmul rate (ACHIEVED_FLOPS). One step of `tokens` tokens pe
 
     compute    tokens * (1 + recompute) / efficiency(tokens per micro-batch)
     gathers    micro-batches * exposed all-gathers per micro-batch * GATHER_EXPOSED_TOKENS
-    overhead   STEP_OVERHEAD_TOKENS, plus the host step over the offloaded parameters with CPU offload
+    overhead   STEP_OVERHEAD_TOKENS
+    offload    with CPU offload: the host step and copies (and the disk tier) beyond the resident step
 
 and `relative` = total / tokens: 1.0 would be the step's FLOPs at full efficiency, with nothing
 recomputed, no exposed communication and no per-step overhead. Only ratios between configurations
@@ -40,27 +41,28 @@ checkpointed: full_shard on 2 × H200') and assumed the same in token-times for 
 configuration of one batch pays it, so it never changes which one wins; it keeps the predicted ratios
 honest (a third less compute is not a third less time).
 
-CPU offload (HOST_SECONDS_PER_PARAM): the host AdamW over the offloaded parameters of a rank, plus
-moving their gradients to the host and the shards back, grows with the parameters offloaded, not with
-the tokens. Calibrated against the 8.0B offload steps with each process's share of the host cores
-(BENCHMARKS.md, 'CPU offload and the largest model that trains (2 × H200)') and converted to
-token-times at ACHIEVED_FLOPS. The planner weighs offload only when nothing fits without it; the term
-then picks the smallest share of the model that must leave the device.
+CPU offload: priced by `offload_time.offload_step_time` (PCIe each way, the host AdamW beside the
+GPU, the host step mode the offload policy selects, the disk tier's reads and writes) from the resident
+step above converted to seconds at ACHIEVED_FLOPS; `offload` is what it adds to the resident step and
+`disk` what the disk tier adds beyond that, both in token-times. It grows with the parameters
+offloaded, not with the tokens: the planner weighs offload only when nothing fits without it, and the
+term then picks the smallest share of the model that must leave the device.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 
 from ..strategy import Strategy
 from .model_spec import LlamaShape, ModelSpec
+from .offload_time import OffloadWork, offload_step_time
 
 REFERENCE_TOKENS = 4096
 EFFICIENCY_TOKENS = 256
 GATHER_EXPOSED_FRACTION = 0.03
 GATHER_EXPOSED_TOKENS = GATHER_EXPOSED_FRACTION * REFERENCE_TOKENS
 STEP_OVERHEAD_TOKENS = 1950  # fitted with ACHIEVED_FLOPS to torch FSDP2's 8B steps (module docstring)
-HOST_SECONDS_PER_PARAM = 0.45e-9  # calibrated against the 8.0B offload steps (module docstring)
 ACHIEVED_FLOPS = 0.79 * 790e12  # one token-time is a token's training FLOPs at this rate (fitted)
 
 
@@ -73,11 +75,19 @@ class StepTime:
     recompute: float
     gathers: float
     overhead: float
-    offload: float
+    offload: float = 0.0  # the host step and the copies beyond the resident step
+    disk: float = 0.0  # the disk tier beyond the host step and the copies
+    disk_s: float = 0.0  # the disk tier's reads and writes per step, in seconds (0: no disk tier)
+    token_s: float  # seconds per token-time
 
     @property
     def total(self) -> float:
-        return self.compute + self.recompute + self.gathers + self.overhead + self.offload
+        return self.compute + self.recompute + self.gathers + self.overhead + self.offload + self.disk
+
+    @property
+    def seconds(self) -> float:
+        """The predicted step in seconds (at ACHIEVED_FLOPS)."""
+        return self.total * self.token_s
 
     @property
     def relative(self) -> float:
@@ -91,9 +101,10 @@ class StepTime:
             ("exposed all-gathers", self.gathers),
             ("step overhead", self.overhead),
             ("CPU offload", self.offload),
+            ("disk tier", self.disk),
         ]
         items = ", ".join(f"{name} {value / self.tokens:.3f}" for name, value in parts if value)
-        return f"{self.relative:.3f} x the ideal ({items})"
+        return f"{self.relative:.3f} x the ideal ({items}), {self.seconds:.2f} s"
 
 
 def flops_per_token(shape: LlamaShape, *, seq_len: int, trainable: int | None = None) -> float:
@@ -128,16 +139,14 @@ def exposed_gathers(strategy: Strategy, *, shard_size: int) -> int:
     return int(strategy.reshard_after_forward and shard_size > 1)
 
 
-def offload_tokens(model: ModelSpec, *, offloaded_params: float, seq_len: int) -> float:
-    """The host step over `offloaded_params` parameters of one rank, in token-times of `model`."""
-    if not offloaded_params:
-        return 0.0
+def token_seconds(model: ModelSpec, *, seq_len: int) -> float:
+    """Seconds of one token-time: a token's training FLOPs at ACHIEVED_FLOPS."""
     per_token = (
         flops_per_token(model.shape, seq_len=seq_len, trainable=_trainable(model))
         if model.shape
         else 6 * model.num_params
     )
-    return offloaded_params * HOST_SECONDS_PER_PARAM / (per_token / ACHIEVED_FLOPS)
+    return per_token / ACHIEVED_FLOPS
 
 
 def step_time(
@@ -149,10 +158,10 @@ def step_time(
     micro_batch: int,
     grad_accum: int,
     seq_len: int,
-    offloaded_params: float = 0.0,
+    offload: OffloadWork | None = None,
 ) -> StepTime:
     """Predicted time of one optimizer step (grad_accum micro-batches of micro_batch sequences);
-    `offloaded_params`: the parameters of one rank whose shards CPU offload keeps on the host."""
+    `offload`: what CPU offload moves per rank (None: nothing)."""
     micro_tokens = micro_batch * seq_len
     tokens = micro_tokens * grad_accum
     compute = tokens / efficiency(micro_tokens)
@@ -166,11 +175,25 @@ def step_time(
         recompute = compute * recompute_fraction(
             model.shape, seq_len=seq_len, checkpointed_blocks=checkpointed_blocks, trainable=_trainable(model)
         )
-    return StepTime(
+    resident = StepTime(
         tokens=tokens,
         compute=compute,
         recompute=recompute,
         gathers=grad_accum * exposed_gathers(strategy, shard_size=shard_size) * GATHER_EXPOSED_TOKENS,
         overhead=STEP_OVERHEAD_TOKENS,
-        offload=offload_tokens(model, offloaded_params=offloaded_params, seq_len=seq_len),
+        token_s=token_seconds(model, seq_len=seq_len),
     )
+    if offload is None or not offload.params:
+        return resident
+    phases = partial(
+        offload_step_time,
+        resident_step_s=resident.seconds,
+        offloaded_params=offload.params,
+        checkpointed=model.shape is not None and checkpointed_blocks == model.shape.n_layers,
+        reshard_after_forward=strategy.reshard_after_forward,
+        units=offload.units,
+    )
+    host, with_disk = phases(), phases(disk_state_bytes=offload.disk_state_bytes)
+    host_s = host.step_s(offload.host_step) - resident.seconds
+    disk_s = with_disk.step_s(offload.host_step) - resident.seconds - host_s
+    return replace(resident, offload=host_s / resident.token_s, disk=disk_s / resident.token_s, disk_s=with_disk.disk_s)

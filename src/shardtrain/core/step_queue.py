@@ -59,8 +59,8 @@ class StepQueue:
 def worker_threads() -> int:
     """The worker's intra-op threads: SHARDTRAIN_HOST_STEP_THREADS, else one fewer than this process's
     (which `st.shard` set to CPUOffload.host_threads()), so the main thread keeps a core to launch the
-    GPU's work and copies beside the step (on one H200 host, 1.5B fully offloaded, stepping in backward:
-    15 of 16 cores gave 14,669 tokens/s against 13,524 with all 16; BENCHMARKS.md)."""
+    GPU's work and copies beside the step (the gain measured: BENCHMARKS.md, 'Offloaded optimizer
+    step')."""
     value = os.environ.get(THREADS_ENV)
     if value is None:
         return max(1, torch.get_num_threads() - 1)

@@ -82,14 +82,15 @@ class DiskState:
 
     # ------------------------------------------------------------------ sizes
     def file_bytes(self) -> int:
-        """Bytes of the file given to unit regions."""
+        """Bytes of the file given to unit regions (introspection: tests and benchmarks read it)."""
         return self.file.end
 
     def slot_count(self) -> int:
-        """How many of the largest unit's regions the pool holds at once."""
+        """How many of the largest unit's regions the pool holds at once (introspection: tests read it)."""
         return self._pool.nbytes // self._largest() if self._pool is not None else 0
 
     def pool_bytes(self) -> int:
+        """Bytes of the ring of host buffers the units stream through (introspection: tests read it)."""
         return self._pool.nbytes if self._pool is not None else 0
 
     def _largest(self) -> int:

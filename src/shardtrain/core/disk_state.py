@@ -103,10 +103,10 @@ class DiskState:
         return self._pool.buffer[:nbytes]
 
     # ------------------------------------------------------------------ one step (main thread)
-    def begin(self, optimizer: torch.optim.Optimizer, flush: Any, tasks: list[tuple[ShardUnit, Any]]) -> None:
+    def begin(self, optimizer: torch.optim.Optimizer, tasks: list[tuple[ShardUnit, Any]]) -> None:
         """Before the deferred steps of `tasks` ((unit, optimizer view), in step order) are submitted:
         write what is resident to the files, point the views at slots on fetch, start the reads."""
-        self._bind(optimizer, flush)
+        self._bind(optimizer)
         self.drain()
         entries = {unit.index: self._entries(optimizer, unit) for unit, _ in tasks}
         fresh = {  # the state is not created yet
@@ -299,8 +299,13 @@ class DiskState:
         """The optimizer the first step bound, while it lives (None before that)."""
         return self._optimizer() if self._optimizer is not None else None
 
-    def _bind(self, optimizer: torch.optim.Optimizer, flush: Any) -> None:
-        """The first step: read the state back before anything reads it outside the unit steps."""
+    def holds(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether the state in the file is `optimizer`'s (the one the first step bound)."""
+        return self._bound_optimizer() is optimizer
+
+    def _bind(self, optimizer: torch.optim.Optimizer) -> None:
+        """The first step: the state in the file is `optimizer`'s from now on (HostSteps hooks it, so its
+        `state_dict()` reads the state back first and `load_state_dict()` waits for the writes)."""
         if self._optimizer is not None:
             if self._optimizer() is not optimizer:
                 raise ValueError(
@@ -310,28 +315,11 @@ class DiskState:
                 )
             return
         self._optimizer = weakref.ref(optimizer)
-        me = weakref.ref(self)
 
-        def before_read(*_args) -> None:
-            flush()
-            live = me()
-            if live is not None:
-                live.materialize()
-
-        def before_load(*_args) -> None:
-            flush()
-            live = me()
-            if live is not None:
-                live.drain()
-
-        def before_user_step(opt, *_args) -> None:  # what the user's own step() steps must be resident
-            live = me()
-            if live is not None:
-                live.materialize([i for i, u in live._units_of(opt) if any(p.grad is not None for p in u)])
-
-        optimizer.register_state_dict_pre_hook(before_read)
-        optimizer.register_load_state_dict_pre_hook(before_load)
-        optimizer.register_step_pre_hook(before_user_step)
+    def materialize_stepped(self, optimizer: torch.optim.Optimizer) -> None:
+        """Before the user's own `step()`: read back the state of what it steps (parameters whose
+        gradient HostSteps left to it)."""
+        self.materialize([i for i, u in self._units_of(optimizer) if any(p.grad is not None for p in u)])
 
     def _units_of(self, optimizer: torch.optim.Optimizer) -> list[tuple[int, list]]:
         """(unit index, the user's parameters with state in that region) for every region."""

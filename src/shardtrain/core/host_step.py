@@ -219,7 +219,7 @@ class HostSteps:
             if unit.index in per_unit and unit.index not in held.early
         ]
         if self.store is not None:  # the disk tier: state to the files, reads of the first units issued
-            self.store.begin(optimizer, _weak_flush(self), [(task.unit, task.view) for task in tasks])
+            self.store.begin(optimizer, [(task.unit, task.view) for task in tasks])
         for task in tasks:
             self._submit(task)
 
@@ -260,20 +260,48 @@ class HostSteps:
             if self.store is not None:
                 self.store.release(task.unit)  # the disk tier: write the buffer back behind the next steps
 
+    def before_state_dict(self, optimizer: torch.optim.Optimizer) -> None:
+        """`optimizer.state_dict()` reads every entry: complete the pending steps, and read the disk
+        tier's state back into host memory."""
+        self.flush()
+        if self.store is not None and self.store.holds(optimizer):
+            self.store.materialize()
+
+    def before_load_state_dict(self, optimizer: torch.optim.Optimizer) -> None:
+        """`optimizer.load_state_dict()` replaces every entry: complete the pending steps and the disk
+        tier's writes first."""
+        self.early.check_stepped("optimizer.load_state_dict()")
+        self.flush()
+        if self.store is not None and self.store.holds(optimizer):
+            self.store.drain()
+
+    def before_user_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """After every `before_step`: the disk tier reads back the state the user's own `step()` steps."""
+        if self.store is not None and self.store.holds(optimizer):
+            self.store.materialize_stepped(optimizer)
+
     def _adopt(self, optimizer: torch.optim.Optimizer) -> None:
-        """Flush before the optimizer's state is read or replaced, or its gradients zeroed in place."""
+        """Flush before the optimizer's state is read or replaced, or its gradients zeroed in place (the
+        one set of hooks on the optimizer, the disk tier's included)."""
         if optimizer in self._adopted:
             return
         self._adopted.add(optimizer)
-        flush = _weak_flush(self)
-        optimizer.register_state_dict_pre_hook(lambda opt: flush())
-        early = self.early
+        ref = weakref.ref(self)
+
+        def before_read(opt) -> None:
+            live = ref()
+            if live is not None:
+                live.before_state_dict(opt)
 
         def before_load(opt, state) -> None:
-            early.check_stepped("optimizer.load_state_dict()")
-            flush()
+            live = ref()
+            if live is not None:
+                live.before_load_state_dict(opt)
 
+        optimizer.register_state_dict_pre_hook(before_read)
         optimizer.register_load_state_dict_pre_hook(before_load)
+        flush = _weak_flush(self)
+        early = self.early
         zero_grad = optimizer.zero_grad
 
         def zero_grad_flushing(set_to_none: bool = True) -> None:
@@ -307,8 +335,11 @@ def _weak_flush(steps: HostSteps):
 
 
 def _pre_step(optimizer, args, kwargs) -> None:
-    for steps in list(_LIVE):
+    live = list(_LIVE)
+    for steps in live:
         steps.before_step(optimizer, args, kwargs)
+    for steps in live:
+        steps.before_user_step(optimizer)
 
 
 def _post_step(optimizer, args, kwargs) -> None:  # noqa: ARG001 - the hook's signature

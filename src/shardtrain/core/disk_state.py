@@ -45,7 +45,6 @@ from .disk_layout import (
     restore,
 )
 from .disk_pool import BufferRing
-from .host_step import ENV
 from .sharded_param import local_of
 
 if TYPE_CHECKING:
@@ -332,11 +331,8 @@ class DiskState:
 
 def attach_disk_state(steps: HostSteps | None, policy: CPUOffload, *, rank: int) -> DiskState:
     """Keep the optimizer state of the units `steps` defers in files under `policy.disk_dir`."""
-    if steps is None:
-        raise ValueError(
-            f"CPUOffload(disk_dir={policy.disk_dir!r}) with {ENV}=sequential: the disk tier streams the state "
-            f"through the per-unit host step; unset {ENV}"
-        )
+    # Note: resolve_options refuses the disk tier with SHARDTRAIN_HOST_STEP=sequential (no deferred steps).
+    assert steps is not None, "the disk tier streams the state through the per-unit host step"
     assert policy.disk_dir is not None, "attach_disk_state is for a policy with a disk_dir"
     steps.store = DiskState(directory=os.fspath(policy.disk_dir), rank=rank, buffer_bytes=policy.disk_buffer_bytes)
     return steps.store

@@ -35,10 +35,10 @@ import torch
 import torch.distributed as dist
 
 import shardtrain as st
-from shardtrain.core.host_step import ENV, HostSteps
+from shardtrain.core.host_step import HostSteps
 from shardtrain.core.shard_module import runtime_of
-from shardtrain.core.step_queue import THREADS_ENV
 from shardtrain.models.llama import SHARD_UNITS, Block, Llama, llama_config
+from shardtrain.options import HOST_STEP_ENV, HOST_STEP_THREADS_ENV
 
 
 def parse_args() -> argparse.Namespace:
@@ -63,9 +63,11 @@ def parse_args() -> argparse.Namespace:
         "--host-step",
         choices=["overlapped", "sequential", "backward"],
         default="overlapped",
-        help=f"sets {ENV}; backward: overlapped and CPUOffload(step_in_backward=True)",
+        help=f"sets {HOST_STEP_ENV}; backward: overlapped and CPUOffload(step_in_backward=True)",
     )
-    p.add_argument("--host-threads", type=int, default=None, help=f"the host step's threads (sets {THREADS_ENV})")
+    p.add_argument(
+        "--host-threads", type=int, default=None, help=f"the host step's threads (sets {HOST_STEP_THREADS_ENV})"
+    )
     p.add_argument("--engine", choices=["shardtrain", "fsdp2"], default="shardtrain", help="fsdp2: CPUOffloadPolicy")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=3)
@@ -129,9 +131,9 @@ def pinned_bandwidth(nbytes: int = 2**30) -> tuple[float, float]:
 
 
 def build_shardtrain(args: argparse.Namespace) -> torch.nn.Module:
-    os.environ[ENV] = "sequential" if args.host_step == "sequential" else "overlapped"
+    os.environ[HOST_STEP_ENV] = "sequential" if args.host_step == "sequential" else "overlapped"
     if args.host_threads is not None:
-        os.environ[THREADS_ENV] = str(args.host_threads)
+        os.environ[HOST_STEP_THREADS_ENV] = str(args.host_threads)
     offload = (
         False
         if args.offload is None
@@ -265,7 +267,7 @@ def main() -> None:
                     "h2d_gbs": h2d_gbs,
                     "d2h_gbs": d2h_gbs,
                     "threads": torch.get_num_threads(),
-                    "host_step_threads": int(os.environ.get(THREADS_ENV, torch.get_num_threads())),
+                    "host_step_threads": int(os.environ.get(HOST_STEP_THREADS_ENV, torch.get_num_threads())),
                     "peak_alloc_gib": torch.cuda.max_memory_allocated() / 2**30,
                     "host_rss_gib_rank0": rss.peak / 2**30,
                     "host_used_gib_machine": rss.machine_peak / 2**30,

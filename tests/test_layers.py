@@ -86,3 +86,38 @@ def test_every_package_imports_only_from_its_layer_or_below():
 def test_each_package_imports_alone(package):
     run = subprocess.run([sys.executable, "-c", f"import shardtrain.{package}"], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-2000:]
+
+
+def _core_names_reached(path: Path) -> set[str]:
+    """Names `path` imports from a module inside `core` (`from ..core.held import HeldParam`)."""
+    depth = len(path.relative_to(SRC).parts) - 1
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        module = node.module or ""
+        if node.level == 0 and module.startswith("shardtrain."):
+            module, level_ok = module.removeprefix("shardtrain."), True
+        else:
+            level_ok = node.level == depth + 1
+        if level_ok and module.startswith("core."):
+            names |= {alias.name for alias in node.names}
+    return names
+
+
+def test_outside_core_only_the_names_core_exports():
+    """`core.__all__` is the face the other packages use: an import of a core module's name from
+    outside core names one of those."""
+    tree = ast.parse((SRC / "core" / "__init__.py").read_text())
+    exported = next(
+        ast.literal_eval(node.value)
+        for node in tree.body
+        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["__all__"]
+    )
+    wrong = [
+        f"{path.relative_to(SRC)}: {name}"
+        for path in sorted(SRC.rglob("*.py"))
+        if _package(path) != "core"
+        for name in sorted(_core_names_reached(path) - set(exported))
+    ]
+    assert wrong == [], "\n".join(wrong)

@@ -17,7 +17,7 @@ from torch.distributed.fsdp import MixedPrecision as TorchMixedPrecision
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy, transformer_auto_wrap_policy
 
 import shardtrain as st
-from shardtrain.options import ShardOptions, offload_setting, precision_name, resolve_options
+from shardtrain.options import GatherMode, ShardOptions, offload_setting, precision_name, resolve_options
 from shardtrain.sharding import shard
 from shardtrain.strategy import Strategy
 
@@ -34,6 +34,10 @@ FIELDS = [
     "param_init_fn",
     "sync_module_states",
     "tp_plan",
+    "overlap_host_step",
+    "host_step_threads",
+    "gather",
+    "check_order",
 ]
 BF16 = st.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 FP16 = st.MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float32)
@@ -196,6 +200,41 @@ def test_device_and_prefetch_spellings():
 def test_bad_spellings_are_one_line_errors(kwargs, error, message):
     with pytest.raises(error, match=message):
         resolve_options(**kwargs)
+
+
+def test_the_environment_switches(monkeypatch, tmp_path):
+    """SHARDTRAIN_HOST_STEP, _HOST_STEP_THREADS, _GATHER and _CHECK_ORDER are read here, once."""
+    for name in ("SHARDTRAIN_HOST_STEP", "SHARDTRAIN_HOST_STEP_THREADS", "SHARDTRAIN_GATHER", "SHARDTRAIN_CHECK_ORDER"):
+        monkeypatch.delenv(name, raising=False)
+    default = resolve_options()
+    assert (default.overlap_host_step, default.host_step_threads, default.gather, default.check_order) == (
+        True,
+        None,
+        None,
+        True,
+    )
+    monkeypatch.setenv("SHARDTRAIN_HOST_STEP", "sequential")
+    monkeypatch.setenv("SHARDTRAIN_HOST_STEP_THREADS", "3")
+    monkeypatch.setenv("SHARDTRAIN_GATHER", "Grouped")
+    monkeypatch.setenv("SHARDTRAIN_CHECK_ORDER", "0")
+    given = resolve_options()
+    assert (given.overlap_host_step, given.host_step_threads, given.gather, given.check_order) == (
+        False,
+        3,
+        GatherMode.GROUPED,
+        False,
+    )
+    with pytest.raises(ValueError, match=r"SHARDTRAIN_HOST_STEP=sequential: the disk tier streams"):
+        resolve_options(cpu_offload=st.CPUOffload(disk_dir=str(tmp_path)))
+    for name, value, message in [
+        ("SHARDTRAIN_HOST_STEP", "later", "SHARDTRAIN_HOST_STEP='later': use 'overlapped' or 'sequential'"),
+        ("SHARDTRAIN_HOST_STEP_THREADS", "0", "SHARDTRAIN_HOST_STEP_THREADS='0': give a positive number of threads"),
+        ("SHARDTRAIN_GATHER", "ring", "SHARDTRAIN_GATHER='ring': use 'grouped' or 'flat'"),
+    ]:
+        monkeypatch.setenv(name, value)
+        with pytest.raises(ValueError, match=message):
+            resolve_options()
+        monkeypatch.delenv(name)
 
 
 def test_the_automatic_plan_is_its_own_entry_point():

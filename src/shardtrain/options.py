@@ -7,10 +7,17 @@ for all of them (compat.py). `resolve_options` reads every accepted spelling onc
 public `st.shard`, the Engine, the trainer adapters, `st.plan`), and returns a `ShardOptions`;
 `core.shard_module.shard_module` takes only that object. A new option is a field here, a keyword of
 `resolve_options` (and of `st.shard`, which forwards them), and a line of tests/test_options.py.
+
+Four switches for benchmarks and tests are environment variables (docs/api.md, 'Environment'), read
+here and nowhere else, into the last four fields: `SHARDTRAIN_HOST_STEP=overlapped|sequential`,
+`SHARDTRAIN_HOST_STEP_THREADS=N` (the host step worker's threads alone, beside `CPUOffload(threads=)`
+for the whole host), `SHARDTRAIN_GATHER=grouped|flat` and `SHARDTRAIN_CHECK_ORDER=0`.
 """
 
 from __future__ import annotations
 
+import enum
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +40,17 @@ from .policy import (
 from .strategy import Strategy, parse_strategy
 
 AUTO = "auto"
+HOST_STEP_ENV = "SHARDTRAIN_HOST_STEP"
+HOST_STEP_THREADS_ENV = "SHARDTRAIN_HOST_STEP_THREADS"
+GATHER_ENV = "SHARDTRAIN_GATHER"
+CHECK_ORDER_ENV = "SHARDTRAIN_CHECK_ORDER"
+
+
+class GatherMode(enum.Enum):
+    """How a unit is all-gathered (core/comm.py)."""
+
+    GROUPED = "grouped"  # per-parameter all-gathers straight into the parameter-major buffer
+    FLAT = "flat"  # one all-gather of the rank-major chunk, then one copy-out
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,6 +60,12 @@ class ShardOptions:
     `device` None is this rank's GPU (LOCAL_RANK), else the CPU, decided when the model is sharded;
     `offload` None is no offload (and offload is dropped on a CPU device, where everything already
     lives in host memory).
+
+    The last four come from the environment only (the module's docstring): `overlap_host_step` False
+    steps the offloaded units in the user's `step()`, after backward (core/host_step.py);
+    `host_step_threads` None gives the step worker one thread fewer than the host's; `gather` None
+    gathers grouped on NCCL and flat on Gloo (core/comm.py); `check_order` False skips the order
+    check (core/order_check.py).
     """
 
     strategy: Strategy = Strategy.FULL_SHARD
@@ -56,6 +80,10 @@ class ShardOptions:
     param_init_fn: Callable[[nn.Module], None] | None = None
     sync_module_states: bool = False
     tp_plan: Mapping[str, Any] | None = None
+    overlap_host_step: bool = True
+    host_step_threads: int | None = None
+    gather: GatherMode | None = None
+    check_order: bool = True
 
     def __post_init__(self) -> None:
         for name, kind in (("strategy", Strategy), ("precision", MixedPrecision)):
@@ -116,12 +144,19 @@ def resolve_options(
     refuse_auto(given["strategy"])
     for what, policy in (("wrap", given["wrap"]), ("activation_checkpointing", activation_checkpointing)):
         resolve_module_policy(policy, what=what)
+    offload_policy = parse_cpu_offload(offload)
+    overlap = _host_step_from_env()
+    if offload_policy is not None and offload_policy.disk_dir is not None and not overlap:
+        raise ValueError(
+            f"CPUOffload(disk_dir={offload_policy.disk_dir!r}) with {HOST_STEP_ENV}=sequential: the disk tier streams "
+            f"the state through the per-unit host step; unset {HOST_STEP_ENV}"
+        )
     return ShardOptions(
         strategy=parse_strategy(given["strategy"]),
         wrap=given["wrap"],
         precision=parse_mixed_precision(mixed),
         activation_checkpointing=activation_checkpointing,
-        offload=parse_cpu_offload(offload),
+        offload=offload_policy,
         mesh=mesh,
         device=_device(given["device"]),
         process_group=process_group,
@@ -129,7 +164,38 @@ def resolve_options(
         param_init_fn=param_init_fn,
         sync_module_states=sync_module_states,
         tp_plan=tp_plan,
+        overlap_host_step=overlap,
+        host_step_threads=_host_step_threads_from_env(),
+        gather=_gather_from_env(),
+        check_order=os.environ.get(CHECK_ORDER_ENV, "1").strip() not in ("0", "false", "off"),
     )
+
+
+def _host_step_from_env() -> bool:
+    """SHARDTRAIN_HOST_STEP: "overlapped" (the default) or "sequential"; True for overlapped."""
+    value = os.environ.get(HOST_STEP_ENV, "overlapped")
+    if value not in ("overlapped", "sequential"):
+        raise ValueError(f"{HOST_STEP_ENV}={value!r}: use 'overlapped' or 'sequential'")
+    return value == "overlapped"
+
+
+def _host_step_threads_from_env() -> int | None:
+    value = os.environ.get(HOST_STEP_THREADS_ENV)
+    if value is None:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{HOST_STEP_THREADS_ENV}={value!r}: give a positive number of threads")
+    return int(value)
+
+
+def _gather_from_env() -> GatherMode | None:
+    value = os.environ.get(GATHER_ENV)
+    if not value:
+        return None
+    try:
+        return GatherMode(value.strip().lower())
+    except ValueError:
+        raise ValueError(f"{GATHER_ENV}={value!r}: use 'grouped' or 'flat'") from None
 
 
 def is_auto(strategy: Any) -> bool:

@@ -416,8 +416,8 @@ def read_ahead_depth(directory: str) -> list[tuple[int, int]]:
     depths = []
     begin = store.begin
 
-    def counting_begin(optimizer, flush, tasks) -> None:
-        begin(optimizer, flush, tasks)  # the step's tasks are not submitted yet: nothing is fetched
+    def counting_begin(optimizer, tasks) -> None:
+        begin(optimizer, tasks)  # the step's tasks are not submitted yet: nothing is fetched
         sizes = [store._regions[u.index].nbytes for u, _ in tasks if u.index in store._regions]
         fit = next((k for k in range(len(sizes), -1, -1) if sum(sizes[:k]) <= store.pool_bytes()), 0)
         depths.append((len(store._reads), fit if sizes else 0))

@@ -24,10 +24,11 @@ import torch.distributed as dist
 from torch import nn
 
 import shardtrain as st
-from shardtrain.core.host_step import ENV, HostSteps, StepMode, overlap_host_steps
+from shardtrain.core.host_step import HostSteps, overlap_host_steps
 from shardtrain.core.shard_module import runtime_of
 from shardtrain.core.sharded_param import local_of
 from shardtrain.models.llama import Block
+from shardtrain.options import HOST_STEP_ENV
 from tests.core.parity import _chunk, nanogpt_groups
 from tests.models import lm_loss, make_batches, tiny_llama
 
@@ -79,12 +80,12 @@ def build(
     torch.manual_seed(0)
     model = tiny_llama().to(device())
     cuda = device().type == "cuda"
-    os.environ[ENV] = StepMode.OVERLAPPED.value if overlapped else StepMode.SEQUENTIAL.value
+    os.environ[HOST_STEP_ENV] = "overlapped" if overlapped else "sequential"
     try:
         offload = st.CPUOffload(step_in_backward=in_backward) if cuda else False
         st.shard(model, strategy="full_shard", wrap={Block}, cpu_offload=offload)
     finally:
-        del os.environ[ENV]
+        del os.environ[HOST_STEP_ENV]
     optimizer = make_optimizer(model, optim)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.8**s)
     stepped = [0, 0] if stepped is None else stepped

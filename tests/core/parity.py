@@ -18,8 +18,8 @@ import torch.distributed as dist
 from torch import nn
 
 import shardtrain as st
-from shardtrain.core.comm import GatherMode
 from shardtrain.models.llama import Block
+from shardtrain.options import GatherMode, resolve_options
 from tests import foreign_models
 from tests.models import MODELS, lm_loss, make_batches
 
@@ -229,7 +229,7 @@ def run_cases_gathering(mode: str, kind: str, cases: list[Case]) -> int:
     before = os.environ.get("SHARDTRAIN_GATHER")
     os.environ["SHARDTRAIN_GATHER"] = mode
     try:
-        assert GatherMode.for_backend(dist.get_backend()) is GatherMode(mode)
+        assert resolve_options().gather is GatherMode(mode)
         return run_cases(kind, cases)
     finally:
         if before is None:

@@ -5,7 +5,7 @@ import threading
 import pytest
 import torch
 
-from shardtrain.core.step_queue import THREADS_ENV, StepQueue, worker_threads
+from shardtrain.core.step_queue import StepQueue, worker_threads
 
 
 def test_runs_the_lowest_priority_first_then_by_arrival():
@@ -25,22 +25,18 @@ def test_runs_the_lowest_priority_first_then_by_arrival():
         failing.result(timeout=10)
 
 
-def test_worker_threads_from_the_environment(monkeypatch):
-    monkeypatch.delenv(THREADS_ENV, raising=False)
+def test_worker_threads():
     threads = torch.get_num_threads()
     try:  # the default leaves the main thread one core
         torch.set_num_threads(4)
-        assert worker_threads() == 3
+        assert worker_threads(None) == 3
         torch.set_num_threads(1)
-        assert worker_threads() == 1
+        assert worker_threads(None) == 1
     finally:
         torch.set_num_threads(threads)
-    monkeypatch.setenv(THREADS_ENV, "3")
-    assert worker_threads() == 3
-    monkeypatch.setenv(THREADS_ENV, "0")
-    with pytest.raises(ValueError, match="SHARDTRAIN_HOST_STEP_THREADS='0': give a positive number of threads"):
-        worker_threads()
-    monkeypatch.setenv(THREADS_ENV, "2")
+    assert worker_threads(3) == 3
     seen = []
-    StepQueue(device=torch.device("cpu")).submit(0, lambda: seen.append(torch.get_num_threads())).result(timeout=10)
+    StepQueue(device=torch.device("cpu"), threads=2).submit(0, lambda: seen.append(torch.get_num_threads())).result(
+        timeout=10
+    )
     assert seen == [2]

@@ -21,7 +21,6 @@ import torch
 from ..core.held import held_params
 from ..core.param_layout import ParamShard
 from ..core.shard_module import runtime_of
-from ..core.tensor_parallel import global_shape
 from ..core.unit import ShardUnit
 from ..ops.state_dict import gather_params
 from .collective import FirstError
@@ -73,9 +72,10 @@ def write_full_optimizers(
     rank 0's records; a local error is raised only after the last gather, as above."""
     records, failed = {}, FirstError()
     for key, snap in snapshots.items():
-        units = runtime_of(entries.modules[snap.module]).units
+        runtime = runtime_of(entries.modules[snap.module])
+        units, shapes = runtime.units, {h.name: h.shape for h in held_params(runtime)}
         specs = [
-            TensorSpec(name=full_state_tensor(s.fqn, k), dtype=snap.elementwise[k], shape=global_shape(unit, s))
+            TensorSpec(name=full_state_tensor(s.fqn, k), dtype=snap.elementwise[k], shape=shapes[s.fqn])
             for unit in units
             for k in snap.elementwise
             for s in unit.layout.params

@@ -2,9 +2,9 @@
 
 A request (read or write one byte range to or from one host buffer) is cut into `CHUNK`-sized pieces,
 each an `os.preadv` / `os.pwritev` on a thread of a small pool: those calls release the GIL, so the
-pieces run in parallel in the kernel and keep the device's queue full (on the H200 host's virtual disk
-8 threads of O_DIRECT `preadv` reached 1.33 GB/s against 0.93 GB/s for one, issue 29; the
-standard library needs no build step, and kvikio's host path does the same on threads). With
+pieces run in parallel in the kernel and keep the device's queue full (the throughput measured on one
+disk, one thread against several: BENCHMARKS.md, 'Disk tier'; the standard library needs no build
+step, and kvikio's host path does the same on threads). With
 `O_DIRECT` the page cache is bypassed (no second copy of the state in host memory, no write-back
 storm), which requires the buffer address, the file offset and the length to be multiples of `ALIGN`:
 `aligned_empty` hands out such buffers and the disk tier lays out its regions on `ALIGN` boundaries.

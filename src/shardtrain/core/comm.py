@@ -14,33 +14,15 @@ all-gather of the rank-major chunks followed by one copy into the parameter-majo
 from __future__ import annotations
 
 import contextlib
-import enum
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from ..options import GatherMode
 from . import collectives
 from .chunk_mean import mean_of_chunks
-
-
-class GatherMode(enum.Enum):
-    GROUPED = "grouped"  # per-parameter all-gathers straight into the parameter-major buffer
-    FLAT = "flat"  # one all-gather of the rank-major chunk, then one copy-out
-
-    @classmethod
-    def for_backend(cls, backend: str) -> GatherMode:
-        """Grouped on NCCL, flat on Gloo (Note [Gloo's grouped all-gather]), unless
-        `SHARDTRAIN_GATHER=grouped|flat` overrides it (for benchmarks and tests)."""
-        override = os.environ.get("SHARDTRAIN_GATHER")
-        if override:
-            try:
-                return cls(override.strip().lower())
-            except ValueError:
-                raise ValueError(f"SHARDTRAIN_GATHER={override!r}: use 'grouped' or 'flat'") from None
-        return cls.GROUPED if backend == "nccl" else cls.FLAT
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,8 +67,15 @@ class UnitComm:
     """The groups a unit talks to: it shards over `shard`, replicates over `replicate` (hybrid, no_shard)."""
 
     def __init__(
-        self, *, shard: dist.ProcessGroup | None, replicate: dist.ProcessGroup | None, device: torch.device
+        self,
+        *,
+        shard: dist.ProcessGroup | None,
+        replicate: dist.ProcessGroup | None,
+        device: torch.device,
+        gather: GatherMode | None = None,
     ) -> None:
+        """`gather` None: grouped on NCCL, flat on Gloo (Note [Gloo's grouped all-gather]); the
+        options' `gather` (SHARDTRAIN_GATHER) overrides it for benchmarks and tests."""
         self.shard = shard
         self.replicate = replicate
         self.shard_rank = dist.get_rank(shard) if shard is not None else 0
@@ -95,7 +84,7 @@ class UnitComm:
         self.device = device
         self.cuda = device.type == "cuda"
         backend = dist.get_backend(shard) if shard is not None else "gloo"
-        self.gather_mode = GatherMode.for_backend(backend)
+        self.gather_mode = gather or (GatherMode.GROUPED if backend == "nccl" else GatherMode.FLAT)
         self.groups_collectives = backend == "nccl"  # Note [Gloo's grouped all-gather]
         # Note: Gloo before torch 2.13 lacks ReduceOp.AVG; SUM then divide works everywhere.
         self.native_avg = backend == "nccl"

@@ -45,7 +45,6 @@ from .disk_layout import (
     restore,
 )
 from .disk_pool import BufferRing
-from .host_step import ENV
 from .sharded_param import local_of
 
 if TYPE_CHECKING:
@@ -82,14 +81,15 @@ class DiskState:
 
     # ------------------------------------------------------------------ sizes
     def file_bytes(self) -> int:
-        """Bytes of the file given to unit regions."""
+        """Bytes of the file given to unit regions (introspection: tests and benchmarks read it)."""
         return self.file.end
 
     def slot_count(self) -> int:
-        """How many of the largest unit's regions the pool holds at once."""
+        """How many of the largest unit's regions the pool holds at once (introspection: tests read it)."""
         return self._pool.nbytes // self._largest() if self._pool is not None else 0
 
     def pool_bytes(self) -> int:
+        """Bytes of the ring of host buffers the units stream through (introspection: tests read it)."""
         return self._pool.nbytes if self._pool is not None else 0
 
     def _largest(self) -> int:
@@ -102,10 +102,10 @@ class DiskState:
         return self._pool.buffer[:nbytes]
 
     # ------------------------------------------------------------------ one step (main thread)
-    def begin(self, optimizer: torch.optim.Optimizer, flush: Any, tasks: list[tuple[ShardUnit, Any]]) -> None:
+    def begin(self, optimizer: torch.optim.Optimizer, tasks: list[tuple[ShardUnit, Any]]) -> None:
         """Before the deferred steps of `tasks` ((unit, optimizer view), in step order) are submitted:
         write what is resident to the files, point the views at slots on fetch, start the reads."""
-        self._bind(optimizer, flush)
+        self._bind(optimizer)
         self.drain()
         entries = {unit.index: self._entries(optimizer, unit) for unit, _ in tasks}
         fresh = {  # the state is not created yet
@@ -298,8 +298,13 @@ class DiskState:
         """The optimizer the first step bound, while it lives (None before that)."""
         return self._optimizer() if self._optimizer is not None else None
 
-    def _bind(self, optimizer: torch.optim.Optimizer, flush: Any) -> None:
-        """The first step: read the state back before anything reads it outside the unit steps."""
+    def holds(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether the state in the file is `optimizer`'s (the one the first step bound)."""
+        return self._bound_optimizer() is optimizer
+
+    def _bind(self, optimizer: torch.optim.Optimizer) -> None:
+        """The first step: the state in the file is `optimizer`'s from now on (HostSteps hooks it, so its
+        `state_dict()` reads the state back first and `load_state_dict()` waits for the writes)."""
         if self._optimizer is not None:
             if self._optimizer() is not optimizer:
                 raise ValueError(
@@ -309,28 +314,11 @@ class DiskState:
                 )
             return
         self._optimizer = weakref.ref(optimizer)
-        me = weakref.ref(self)
 
-        def before_read(*_args) -> None:
-            flush()
-            live = me()
-            if live is not None:
-                live.materialize()
-
-        def before_load(*_args) -> None:
-            flush()
-            live = me()
-            if live is not None:
-                live.drain()
-
-        def before_user_step(opt, *_args) -> None:  # what the user's own step() steps must be resident
-            live = me()
-            if live is not None:
-                live.materialize([i for i, u in live._units_of(opt) if any(p.grad is not None for p in u)])
-
-        optimizer.register_state_dict_pre_hook(before_read)
-        optimizer.register_load_state_dict_pre_hook(before_load)
-        optimizer.register_step_pre_hook(before_user_step)
+    def materialize_stepped(self, optimizer: torch.optim.Optimizer) -> None:
+        """Before the user's own `step()`: read back the state of what it steps (parameters whose
+        gradient HostSteps left to it)."""
+        self.materialize([i for i, u in self._units_of(optimizer) if any(p.grad is not None for p in u)])
 
     def _units_of(self, optimizer: torch.optim.Optimizer) -> list[tuple[int, list]]:
         """(unit index, the user's parameters with state in that region) for every region."""
@@ -343,11 +331,8 @@ class DiskState:
 
 def attach_disk_state(steps: HostSteps | None, policy: CPUOffload, *, rank: int) -> DiskState:
     """Keep the optimizer state of the units `steps` defers in files under `policy.disk_dir`."""
-    if steps is None:
-        raise ValueError(
-            f"CPUOffload(disk_dir={policy.disk_dir!r}) with {ENV}=sequential: the disk tier streams the state "
-            f"through the per-unit host step; unset {ENV}"
-        )
+    # Note: resolve_options refuses the disk tier with SHARDTRAIN_HOST_STEP=sequential (no deferred steps).
+    assert steps is not None, "the disk tier streams the state through the per-unit host step"
     assert policy.disk_dir is not None, "attach_disk_state is for a policy with a disk_dir"
     steps.store = DiskState(directory=os.fspath(policy.disk_dir), rank=rank, buffer_bytes=policy.disk_buffer_bytes)
     return steps.store

@@ -1,6 +1,6 @@
 """The tensors of one `FlatGroup` on this rank: its shard, its unsharded buffer, its sharded gradient.
 
-`layout.py` says where each member lies; this class owns the tensors and cuts the views: the
+`param_layout.py` says where each member lies; this class owns the tensors and cuts the views: the
 members' local rows in the shard (what the optimizer's DTensors hold), their whole tensors in the
 unsharded buffer (what forward uses), their local rows in the sharded gradient (`.grad`), and the
 all-gather jobs that fill the unsharded buffer from the shard.

@@ -78,14 +78,6 @@ class HeldParam:
         """This rank's rows, as a view of the unit's shard (writes go into the shard)."""
         return self.unit.held(self.index)
 
-    @property
-    def flat_range(self) -> tuple[int, int]:
-        """(start, numel): the elements of the flattened original that this rank holds."""
-        if not self.layout.shape:
-            return 0, 1
-        start, stop = self.rows
-        return start * self.layout.row_numel, (stop - start) * self.layout.row_numel
-
 
 def held_params(model: nn.Module | Runtime) -> Iterator[HeldParam]:
     """This rank's record of every original parameter of the sharded `model`, in unit order."""

@@ -26,8 +26,6 @@ checkpoints, `full_state_dict`, export).
 
 from __future__ import annotations
 
-import enum
-import os
 import warnings
 import weakref
 from collections import defaultdict
@@ -39,6 +37,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from ..options import HOST_STEP_ENV
 from .backward_step import BackwardSteps
 from .optimizer_view import UnitStep, amp_of, hyperparameters, unit_step, unsplittable
 from .step_queue import StepQueue
@@ -47,21 +46,6 @@ if TYPE_CHECKING:
     from .disk_state import DiskState
     from .runtime import Runtime
     from .unit import ShardUnit
-
-ENV = "SHARDTRAIN_HOST_STEP"
-
-
-class StepMode(enum.Enum):
-    OVERLAPPED = "overlapped"  # host steps deferred per unit, beside the GPU's work (the default)
-    SEQUENTIAL = "sequential"  # the user's step() steps everything after backward
-
-    @classmethod
-    def from_env(cls) -> StepMode:
-        value = os.environ.get(ENV, cls.OVERLAPPED.value)
-        try:
-            return cls(value)
-        except ValueError:
-            raise ValueError(f"{ENV}={value!r}: use 'overlapped' or 'sequential'") from None
 
 
 @dataclass(kw_only=True)
@@ -82,14 +66,16 @@ _hooks_installed = False
 class HostSteps:
     """The deferred per-unit optimizer steps of one sharded model's host-stepped `units`."""
 
-    def __init__(self, *, runtime: Runtime, units: list[ShardUnit], in_backward: bool = False) -> None:
+    def __init__(
+        self, *, runtime: Runtime, units: list[ShardUnit], in_backward: bool = False, threads: int | None = None
+    ) -> None:
         self.runtime = runtime
         self.units = units
         self.early = BackwardSteps(enabled=in_backward)
         self._unit_of = {id(p): unit for unit in units for p in unit.params}
         self._indices = {unit.index for unit in units}
         self._pending: dict[int, Future] = {}  # unit.index -> its step on the worker
-        self._queue = StepQueue(device=runtime.comm.device)
+        self._queue = StepQueue(device=runtime.comm.device, threads=threads)
         self._position: dict[int, int] = {}  # unit.index -> its place in the next forward
         self._landing: list[tuple[ShardUnit, tuple[torch.cuda.Event, ...]]] = []  # reduced, not yet stepped
         self._held: _Held | None = None
@@ -186,7 +172,7 @@ class HostSteps:
                 self._warned.add(optimizer)
                 warnings.warn(
                     f"shardtrain: {type(optimizer).__name__} cannot be stepped per unit ({reason}); its "
-                    f"host-stepped parameters step after backward, in sequence (set {ENV}=sequential to "
+                    f"host-stepped parameters step after backward, in sequence (set {HOST_STEP_ENV}=sequential to "
                     "silence this)",
                     RuntimeWarning,
                     stacklevel=4,
@@ -219,7 +205,7 @@ class HostSteps:
             if unit.index in per_unit and unit.index not in held.early
         ]
         if self.store is not None:  # the disk tier: state to the files, reads of the first units issued
-            self.store.begin(optimizer, _weak_flush(self), [(task.unit, task.view) for task in tasks])
+            self.store.begin(optimizer, [(task.unit, task.view) for task in tasks])
         for task in tasks:
             self._submit(task)
 
@@ -260,20 +246,48 @@ class HostSteps:
             if self.store is not None:
                 self.store.release(task.unit)  # the disk tier: write the buffer back behind the next steps
 
+    def before_state_dict(self, optimizer: torch.optim.Optimizer) -> None:
+        """`optimizer.state_dict()` reads every entry: complete the pending steps, and read the disk
+        tier's state back into host memory."""
+        self.flush()
+        if self.store is not None and self.store.holds(optimizer):
+            self.store.materialize()
+
+    def before_load_state_dict(self, optimizer: torch.optim.Optimizer) -> None:
+        """`optimizer.load_state_dict()` replaces every entry: complete the pending steps and the disk
+        tier's writes first."""
+        self.early.check_stepped("optimizer.load_state_dict()")
+        self.flush()
+        if self.store is not None and self.store.holds(optimizer):
+            self.store.drain()
+
+    def before_user_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """After every `before_step`: the disk tier reads back the state the user's own `step()` steps."""
+        if self.store is not None and self.store.holds(optimizer):
+            self.store.materialize_stepped(optimizer)
+
     def _adopt(self, optimizer: torch.optim.Optimizer) -> None:
-        """Flush before the optimizer's state is read or replaced, or its gradients zeroed in place."""
+        """Flush before the optimizer's state is read or replaced, or its gradients zeroed in place (the
+        one set of hooks on the optimizer, the disk tier's included)."""
         if optimizer in self._adopted:
             return
         self._adopted.add(optimizer)
-        flush = _weak_flush(self)
-        optimizer.register_state_dict_pre_hook(lambda opt: flush())
-        early = self.early
+        ref = weakref.ref(self)
+
+        def before_read(opt) -> None:
+            live = ref()
+            if live is not None:
+                live.before_state_dict(opt)
 
         def before_load(opt, state) -> None:
-            early.check_stepped("optimizer.load_state_dict()")
-            flush()
+            live = ref()
+            if live is not None:
+                live.before_load_state_dict(opt)
 
+        optimizer.register_state_dict_pre_hook(before_read)
         optimizer.register_load_state_dict_pre_hook(before_load)
+        flush = _weak_flush(self)
+        early = self.early
         zero_grad = optimizer.zero_grad
 
         def zero_grad_flushing(set_to_none: bool = True) -> None:
@@ -307,8 +321,11 @@ def _weak_flush(steps: HostSteps):
 
 
 def _pre_step(optimizer, args, kwargs) -> None:
-    for steps in list(_LIVE):
+    live = list(_LIVE)
+    for steps in live:
         steps.before_step(optimizer, args, kwargs)
+    for steps in live:
+        steps.before_user_step(optimizer)
 
 
 def _post_step(optimizer, args, kwargs) -> None:  # noqa: ARG001 - the hook's signature
@@ -317,13 +334,19 @@ def _post_step(optimizer, args, kwargs) -> None:  # noqa: ARG001 - the hook's si
 
 
 def overlap_host_steps(
-    model: nn.Module, runtime: Runtime, units: list[ShardUnit], *, in_backward: bool = False
+    model: nn.Module,
+    runtime: Runtime,
+    units: list[ShardUnit],
+    *,
+    in_backward: bool = False,
+    threads: int | None = None,
 ) -> HostSteps:
     """Defer and overlap the optimizer step of `units` of the sharded `model` (`st.shard` does this for
     the offloaded units; on a CPU device, where nothing is offloaded, the tests do it for any unit);
-    `in_backward`: step them during backward where the loop allows it (CPUOffload.step_in_backward)."""
+    `in_backward`: step them during backward where the loop allows it (CPUOffload.step_in_backward);
+    `threads`: the worker's intra-op threads (core/step_queue.py)."""
     global _hooks_installed
-    steps = HostSteps(runtime=runtime, units=units, in_backward=in_backward)
+    steps = HostSteps(runtime=runtime, units=units, in_backward=in_backward, threads=threads)
     runtime.host_steps = steps
     _LIVE.add(steps)
     if not _hooks_installed:

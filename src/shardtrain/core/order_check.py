@@ -15,7 +15,6 @@ queued work, so the exchange overlaps it (the hooks' host time is off the critic
 from __future__ import annotations
 
 import enum
-import os
 from collections.abc import Callable
 
 import torch
@@ -47,11 +46,6 @@ class Collective(enum.IntEnum):
 
 class RanksDiverged(RuntimeError):
     """Ranks were about to issue different collectives."""
-
-
-def enabled() -> bool:
-    """The check runs unless `SHARDTRAIN_CHECK_ORDER=0` (to measure its cost)."""
-    return os.environ.get("SHARDTRAIN_CHECK_ORDER", "1").strip() not in ("0", "false", "off")
 
 
 class OrderCheck:

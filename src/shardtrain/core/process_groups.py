@@ -126,13 +126,11 @@ def _hybrid_groups(world_group, mesh, device: torch.device) -> DataParallelGroup
     return DataParallelGroups(shard=shard_group, replicate=replicate_group, mesh=device_mesh)
 
 
-def order_group(process_group) -> dist.ProcessGroup | None:
+def order_group(process_group, *, check: bool) -> dist.ProcessGroup | None:
     """A Gloo group of its own for the order check (core/order_check.py); None when there is nothing to
-    compare (one rank) or the check is turned off."""
-    from .order_check import enabled
-
+    compare (one rank) or the check is turned off (`check` False: the options' `check_order`)."""
     group = default_group(process_group)
-    if dist.get_world_size(group) == 1 or not enabled():
+    if dist.get_world_size(group) == 1 or not check:
         return None
     return derived(group, "order", lambda: subgroup(dist.get_process_group_ranks(group), parent=group, backend="gloo"))
 

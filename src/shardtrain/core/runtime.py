@@ -74,7 +74,7 @@ class Runtime:
         self._last_reduce: Pending | None = None
         self._deferred: tuple[ShardUnit, list] | None = None
         self.host_steps: HostSteps | None = None  # deferred optimizer steps (core/host_step.py), if any
-        # None: nothing to compare (one rank, or SHARDTRAIN_CHECK_ORDER=0)
+        # None: nothing to compare (one rank, or the options' check_order False)
         self.order = (
             OrderCheck(group=order_group, unit_name=lambda i: self.units[i].label, slots=2 + prefetch)
             if order_group is not None

@@ -15,7 +15,7 @@ from .comm import UnitComm
 from .disk_state import attach_disk_state
 from .flat_buffers import FlatBuffers
 from .gathered import GatheredUnit
-from .host_step import StepMode, overlap_host_steps
+from .host_step import overlap_host_steps
 from .lookup import LookupUnit, runs_sharded_lookup
 from .materialize import Materializer, current_tensors, cut_shards
 from .param_layout import layout_of_unit
@@ -58,7 +58,7 @@ def shard_module(model: nn.Module, options: ShardOptions) -> nn.Module:
             "without a 'tp' mesh dimension"
         )
     groups = resolve_groups(strategy, process_group=process_group, mesh=options.mesh, device=device)
-    comm = UnitComm(shard=groups.shard, replicate=groups.replicate, device=device)
+    comm = UnitComm(shard=groups.shard, replicate=groups.replicate, device=device, gather=options.gather)
     factory = ParamFactory(mesh=groups.mesh, tp=tp)
 
     plan = partition(model, options.wrap)
@@ -77,7 +77,7 @@ def shard_module(model: nn.Module, options: ShardOptions) -> nn.Module:
         prefetch=prefetch,
         cast_inputs_to=precision.param_dtype if precision.cast_forward_inputs else None,
         control_group=control_group(process_group),
-        order_group=order_group(process_group),
+        order_group=order_group(process_group, check=options.check_order),
         pinned=PinnedBuffers() if any(offloaded) else None,
     )
     materialize_unit = _unit_materializer(model, plan, device=device, param_init_fn=param_init_fn)
@@ -140,8 +140,10 @@ def shard_module(model: nn.Module, options: ShardOptions) -> nn.Module:
     offloaded_units = [u for u in runtime.units if u.behaviour.offload]
     if offload is None or not offloaded_units:
         return model
-    if StepMode.from_env() is StepMode.OVERLAPPED:
-        overlap_host_steps(model, runtime, offloaded_units, in_backward=offload.step_in_backward)
+    if options.overlap_host_step:
+        overlap_host_steps(
+            model, runtime, offloaded_units, in_backward=offload.step_in_backward, threads=options.host_step_threads
+        )
     if offload.disk_dir is not None:
         attach_disk_state(runtime.host_steps, offload, rank=dist.get_rank() if dist.is_initialized() else 0)
     return model

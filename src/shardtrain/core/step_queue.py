@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import os
 import threading
 import weakref
 from collections.abc import Callable
@@ -18,13 +17,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-THREADS_ENV = "SHARDTRAIN_HOST_STEP_THREADS"  # the worker's intra-op threads (default: one fewer than the process's)
-
 
 class StepQueue:
     """One worker thread running queued callables by priority (the lowest first, then by arrival)."""
 
-    def __init__(self, *, device: torch.device) -> None:
+    def __init__(self, *, device: torch.device, threads: int | None = None) -> None:
+        """`threads`: the worker's intra-op threads (`worker_threads`)."""
         self._heap: list[tuple[int, int, Callable[[], None], Future]] = []
         self._arrival = itertools.count()
         self._lock = threading.Lock()
@@ -32,7 +30,7 @@ class StepQueue:
             max_workers=1,
             thread_name_prefix="shardtrain-host-step",
             initializer=_init_worker,
-            initargs=(worker_threads(), device),
+            initargs=(worker_threads(threads), device),
         )
         weakref.finalize(self, self._worker.shutdown, wait=True)
 
@@ -56,22 +54,18 @@ class StepQueue:
             future.set_result(None)
 
 
-def worker_threads() -> int:
-    """The worker's intra-op threads: SHARDTRAIN_HOST_STEP_THREADS, else one fewer than this process's
+def worker_threads(threads: int | None) -> int:
+    """The worker's intra-op threads: `threads` (the options' `host_step_threads`,
+    SHARDTRAIN_HOST_STEP_THREADS), else one fewer than this process's
     (which `st.shard` set to CPUOffload.host_threads()), so the main thread keeps a core to launch the
-    GPU's work and copies beside the step (on one H200 host, 1.5B fully offloaded, stepping in backward:
-    15 of 16 cores gave 14,669 tokens/s against 13,524 with all 16; BENCHMARKS.md)."""
-    value = os.environ.get(THREADS_ENV)
-    if value is None:
-        return max(1, torch.get_num_threads() - 1)
-    if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"{THREADS_ENV}={value!r}: give a positive number of threads")
-    return int(value)
+    GPU's work and copies beside the step (the gain measured: BENCHMARKS.md, 'Offloaded optimizer
+    step')."""
+    return threads if threads is not None else max(1, torch.get_num_threads() - 1)
 
 
 def _init_worker(threads: int, device: torch.device) -> None:
     """Note: intra-op threads and the current CUDA device are per thread; the worker takes the thread
-    count st.shard chose for the host (or SHARDTRAIN_HOST_STEP_THREADS) and this rank's device (the
+    count st.shard chose for the host (or the options' host_step_threads) and this rank's device (the
     optimizer's capture check queries the current device's stream, which would otherwise open a
     context on GPU 0 from every rank)."""
     torch.set_num_threads(threads)

@@ -145,7 +145,7 @@ def resolve_options(
     for what, policy in (("wrap", given["wrap"]), ("activation_checkpointing", activation_checkpointing)):
         resolve_module_policy(policy, what=what)
     offload_policy = parse_cpu_offload(offload)
-    overlap = _host_step_from_env()
+    overlap = host_step_overlapped()
     if offload_policy is not None and offload_policy.disk_dir is not None and not overlap:
         raise ValueError(
             f"CPUOffload(disk_dir={offload_policy.disk_dir!r}) with {HOST_STEP_ENV}=sequential: the disk tier streams "
@@ -171,8 +171,9 @@ def resolve_options(
     )
 
 
-def _host_step_from_env() -> bool:
-    """SHARDTRAIN_HOST_STEP: "overlapped" (the default) or "sequential"; True for overlapped."""
+def host_step_overlapped() -> bool:
+    """SHARDTRAIN_HOST_STEP: "overlapped" (the default) or "sequential"; True for overlapped. Read here
+    for `resolve_options` and for the planner, which prices the step st.shard will run."""
     value = os.environ.get(HOST_STEP_ENV, "overlapped")
     if value not in ("overlapped", "sequential"):
         raise ValueError(f"{HOST_STEP_ENV}={value!r}: use 'overlapped' or 'sequential'")

@@ -66,7 +66,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from ..core.host_step import StepMode
+from ..options import host_step_overlapped
 from ..policy import CPUOffload
 
 PCIE_BYTES_PER_S = 54.5e9  # Note [Offload time constants]
@@ -88,7 +88,7 @@ class HostStep(enum.Enum):
 
 def host_step_of(offload: CPUOffload) -> HostStep:
     """The host step mode `st.shard` gives `offload` in this process's environment."""
-    if StepMode.from_env() is StepMode.SEQUENTIAL:
+    if not host_step_overlapped():
         return HostStep.SEQUENTIAL
     return HostStep.IN_BACKWARD if offload.step_in_backward else HostStep.OVERLAPPED
 

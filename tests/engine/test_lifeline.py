@@ -11,6 +11,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from shardtrain.engine import lifeline
 from tests.train.test_cli import ROOT, TINY, _on_one_file
 
 EXIT_WITHIN_S = 5.0
@@ -97,9 +98,13 @@ def test_killing_torchruns_agent_kills_its_ranks(tmp_path):
     assert took < EXIT_WITHIN_S, f"the ranks outlived torchrun's agent by {took:.2f}s"
 
 
+# The grandchild loads engine/lifeline.py (standard library only) by its path: importing it as
+# shardtrain.engine.lifeline would import the Engine, torch with it (~5 s), which the watch does not use.
 GRANDCHILD = (
-    "import os, threading; from shardtrain.engine.lifeline import watch; "
-    "t = threading.Thread(target=watch, args=(os.getppid(),), kwargs={'interval': 0.05}); t.start(); "
+    "import importlib.util, os, threading; "
+    f"spec = importlib.util.spec_from_file_location('lifeline', {str(Path(lifeline.__file__))!r}); "
+    "module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module); "
+    "t = threading.Thread(target=module.watch, args=(os.getppid(),), kwargs={'interval': 0.05}); t.start(); "
     "print('watching', flush=True); t.join()"
 )
 MIDDLE = (

@@ -5,6 +5,7 @@ bound that the state's bytes set (read it all and write it all once per step). P
 
     python benchmarks/disk_offload.py --dir /tmp/shardtrain-disk                  # 1 x H200, < 9 min
     python benchmarks/disk_offload.py --dir /tmp/shardtrain-disk --size 1.5b --layers 16
+    python benchmarks/disk_offload.py --dir /tmp/shardtrain-disk --size 14b --layers 48 --fraction 0.5
     python benchmarks/disk_offload.py --smoke                                     # CPU, seconds
 
 The default model is the 1.5b Llama deepened to 40 blocks (3.05B parameters: 24.4 GB of AdamW state
@@ -43,6 +44,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--size", default="1.5b", help="a key of shardtrain.models.llama.LLAMA_SIZES")
     p.add_argument("--layers", type=int, default=40, help="blocks (overrides the size's; 40: 3.05B at 1.5b)")
     p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--fraction", type=float, default=1.0, help="share of the parameters offloaded (whole units)")
     p.add_argument("--pool-units", type=int, default=3, help="host buffers, in units of the largest unit's state")
     p.add_argument("--probe-gib", type=float, default=8.0)
     p.add_argument("--warmup", type=int, default=2, help="untimed steps (the first creates the state)")
@@ -127,7 +129,7 @@ def build(args: argparse.Namespace, directory: str, cuda: bool) -> tuple[torch.n
     # moments in fp32 with each tensor's 64-byte alignment
     largest = max(sum(p.numel() for p in m.parameters()) for m in model.modules() if isinstance(m, tuple(SHARD_UNITS)))
     pool = args.pool_units * aio.align_up(2 * 4 * largest + 128 * 64)
-    offload = st.CPUOffload(disk_dir=directory, disk_buffer_bytes=pool)
+    offload = st.CPUOffload(fraction=args.fraction, disk_dir=directory, disk_buffer_bytes=pool)
     if cuda:
         st.shard(
             model,
@@ -205,6 +207,7 @@ def main() -> None:
                 "size": args.size,
                 "layers": args.layers,
                 "params_b": params / 1e9,
+                "fraction": args.fraction,
                 "seq": args.seq,
                 "state_on_disk_gb": store.file_bytes() / 1e9,
                 "direct": store.direct,

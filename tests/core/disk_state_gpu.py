@@ -1,5 +1,5 @@
 """The disk tier on CUDA with the units offloaded (the real path: `st.shard` attaches it), bitwise
-against host-memory offload. Run by test_disk_state.py on a GPU machine:
+against host-memory offload, with every unit and with half of them offloaded. Run by test_disk_state.py on a GPU machine:
 
     torchrun --nproc_per_node=1 tests/core/disk_state_gpu.py DIRECTORY BUFFERED_DIRECTORY
 """
@@ -22,6 +22,7 @@ def main() -> None:
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     disk_equals_memory(sys.argv[1], "direct")
     disk_equals_memory(sys.argv[2], "buffered")
+    disk_equals_memory(os.path.join(sys.argv[1], "half"), "direct", fraction=0.5)  # partial offload
     dist.barrier()
     if dist.get_rank() == 0:
         print("disk tier on CUDA: ok", flush=True)

@@ -43,22 +43,27 @@ from tests.models import lm_loss, make_batches, tiny_llama
 STEPS = 10
 
 
-def build(directory: str | None, *, buffer_bytes: int | None = None, direct: bool = True) -> Run:
+def build(directory: str | None, *, buffer_bytes: int | None = None, direct: bool = True, fraction: float = 1.0) -> Run:
     """The tiny Llama with its AdamW state in files under `directory` (None: in host memory). On CUDA
-    `st.shard` offloads every unit and attaches the disk tier; on the CPU every unit is host-stepped
-    and the tier attached here. `direct=False` makes the probe report no O_DIRECT (as tmpfs before
-    Linux 6.6 does)."""
+    `st.shard` offloads `fraction` of the parameters (whole units) and attaches the disk tier; on the
+    CPU every unit is host-stepped and the tier attached here. `direct=False` makes the probe report no
+    O_DIRECT (as tmpfs before Linux 6.6 does)."""
     torch.manual_seed(0)
     model = tiny_llama().to(device())
     cuda = device().type == "cuda"
     policy = None
     if directory is not None:
         os.makedirs(directory, exist_ok=True)
-        policy = st.CPUOffload(disk_dir=directory, disk_buffer_bytes=buffer_bytes)
+        policy = st.CPUOffload(fraction=fraction, disk_dir=directory, disk_buffer_bytes=buffer_bytes)
     real_probe = disk_file.direct_supported
     disk_file.direct_supported = real_probe if direct else lambda d: False
     try:
-        st.shard(model, strategy="full_shard", wrap={Block}, cpu_offload=(policy or True) if cuda else False)
+        st.shard(
+            model,
+            strategy="full_shard",
+            wrap={Block},
+            cpu_offload=(policy or st.CPUOffload(fraction=fraction)) if cuda else False,
+        )
         runtime = runtime_of(model)
         steps = runtime.host_steps if cuda else overlap_host_steps(model, runtime, runtime.units)
         if policy is not None and not cuda:
@@ -88,7 +93,8 @@ def expected_file_bytes(run: Run) -> int:
     """Each unit's AdamW moments (two fp32 tensors per parameter, 64-byte aligned), the unit's region
     rounded up to 4096 bytes."""
     total = 0
-    for unit in runtime_of(run.model).units:
+    assert run.steps is not None
+    for unit in run.steps.units:
         end = 0
         for p in unit.params:
             for _ in ("exp_avg", "exp_avg_sq"):
@@ -103,13 +109,17 @@ def region_bytes(unit) -> int:
 
 
 def check_on_disk(run: Run) -> int:
-    """Every moment is in the file (empty storage); the file has the expected size. The file's bytes."""
+    """Every moment of an offloaded unit is in the file (empty storage), the others where their unit
+    lives; the file has the expected size. The file's bytes."""
     runtime_of(run.model)  # completes the pending steps
     store = store_of(run)
     store.drain()
+    assert run.steps is not None
+    offloaded = {id(p) for unit in run.steps.units for p in unit.params}
     for p, state in run.optimizer.state.items():
         for key in ("exp_avg", "exp_avg_sq"):
-            assert on_disk(local_of(state[key])), f"{key} of a {tuple(p.shape)} parameter is in host memory"
+            where = on_disk(local_of(state[key]))
+            assert where == (id(p) in offloaded), f"{key} of a {tuple(p.shape)} parameter: on disk {where}"
         assert not on_disk(state["step"]), "the step count stays in host memory"
     size = os.path.getsize(store.file.path)
     assert store.file_bytes() == size == expected_file_bytes(run), (store.file_bytes(), size, expected_file_bytes(run))
@@ -148,22 +158,25 @@ def assert_same(got: list, want: list, what: str) -> None:
         assert torch.equal(a, b), f"{what}: {name} differs: max |diff| {(a.float() - b.float()).abs().max()}"
 
 
-def disk_equals_memory(directory: str, disk: str, steps: int = STEPS) -> dict:
+def disk_equals_memory(directory: str, disk: str, steps: int = STEPS, *, fraction: float = 1.0) -> dict:
     """10 steps with accumulation, clipping, a skipped step and a checkpoint resume, the state in host
     memory and then on disk, bitwise. `disk`: "direct" (O_DIRECT, the default pool) or "buffered"
-    (buffered I/O, a pool of one unit: read, step and write in turn). The resume comes after step
-    CHECKPOINT_STEP when `steps` go past it. The state file's bytes."""
+    (buffered I/O, a pool of one unit: read, step and write in turn). `fraction`: the share offloaded
+    (on CUDA; partial offload puts only the offloaded units' state on disk). The resume comes after
+    step CHECKPOINT_STEP when `steps` go past it. The state file's bytes."""
     data = batches(steps)
-    kw = {}
     state_dir = f"{directory}/state-{dist.get_rank()}"
+    memory_kw: dict = {"fraction": fraction}
+    disk_kw = dict(memory_kw)
     if disk == "buffered":
         largest = max(region_bytes(u) for u in runtime_of(build(None).model).units)
-        kw = {"direct": False, "buffer_bytes": largest}
+        disk_kw.update(direct=False, buffer_bytes=largest)
     results = {}
     for name, where in (("memory", None), (disk, state_dir)):
-        run = build(where, **kw if where else {})
+        kw = disk_kw if where else memory_kw
+        run = build(where, **kw)
         checkpoint = f"{directory}/ckpt-{name}"
-        run, norms = train(run, data, resume_to=lambda r, d=where, c=checkpoint: resume(r, d, c, **kw if d else {}))
+        run, norms = train(run, data, resume_to=lambda r, d=where, c=checkpoint, k=kw: resume(r, d, c, **k))
         if where is not None:
             size = check_on_disk(run)
             assert store_of(run).slot_count() == (1 if disk == "buffered" else 4)

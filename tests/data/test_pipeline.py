@@ -127,6 +127,11 @@ def test_batches_pad_by_length_and_restart_positions(tmp_path):
         for r in (0, 1)
     ]
     assert torch.equal(torch.cat([r.batch(0)["input_ids"] for r in ranks]), batch["input_ids"])
+    few = len(prepared.held_out)
+    with pytest.raises(ValueError, match=f"held-out data .*: {few} windows of at most 64 tokens, fewer than one batch"):
+        WindowBatches(
+            prepared.held_out, seq_len=64, pad_id=eos, global_batch=few + 1, rank=0, world_size=1, seed=0, shuffle=False
+        )
 
 
 @pytest.mark.parametrize(

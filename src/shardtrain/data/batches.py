@@ -24,13 +24,23 @@ from .pack import IGNORE
 
 class WindowOrder:
     """Which window global sample `i` reads: a permutation per epoch drawn from the seed (in order
-    without shuffling), and this rank's sample numbers of micro-batch `index`."""
+    without shuffling), and this rank's sample numbers of micro-batch `index`. `holds` says what the
+    windows are made of, for the error when they are fewer than one micro-batch (a batch would read
+    some twice)."""
 
-    def __init__(self, num_windows: int, *, global_batch: int, rank: int, world_size: int, seed: int, shuffle: bool):
+    def __init__(
+        self, num_windows: int, *, holds: str, global_batch: int, rank: int, world_size: int, seed: int, shuffle: bool
+    ):
         if global_batch % world_size:
             raise ValueError(
                 f"a global micro-batch of {global_batch} sequences does not split over {world_size} "
                 "ranks; use a batch size that is a multiple of the world size"
+            )
+        if num_windows < global_batch:
+            split = "training data" if shuffle else "held-out data (data.val_fraction or data.eval_path)"
+            raise ValueError(
+                f"the {split}: {holds}, fewer than one batch of {global_batch}; use more data or a smaller "
+                "data.seq_len / train.batch_size"
             )
         self.num_windows = num_windows
         self.global_batch = global_batch
@@ -62,9 +72,8 @@ class WindowBatches(WindowOrder):
     all_trained = False  # labels hold -100s: the step counts its trained tokens
 
     def __init__(self, windows, *, seq_len: int, pad_id: int, **order) -> None:
-        if len(windows) == 0:
-            raise ValueError("the data holds no window to train or evaluate on; use more rows")
-        super().__init__(len(windows), **order)
+        n = len(windows)
+        super().__init__(n, holds=f"{n} windows of at most {seq_len} tokens", **order)
         self.windows = windows
         self.seq_len = seq_len
         self.pad_id = pad_id

@@ -210,16 +210,11 @@ class TokenBatches(WindowOrder):
     all_trained = True  # every label is a real next token: the step knows its token count
 
     def __init__(self, tokens: np.ndarray, *, seq_len: int, global_batch: int, **order) -> None:
-        num_windows = (len(tokens) - 1) // seq_len
-        super().__init__(num_windows, global_batch=global_batch, **order)
+        num_windows = max(0, len(tokens) - 1) // seq_len
+        holds = f"{len(tokens):,} tokens hold only {num_windows} sequences of {seq_len + 1} tokens"
+        super().__init__(num_windows, holds=holds, global_batch=global_batch, **order)
         self.tokens = tokens
         self.seq_len = seq_len
-        if num_windows < global_batch:
-            raise ValueError(
-                f"{len(tokens):,} tokens hold only {num_windows} sequences of {seq_len + 1} tokens, "
-                f"fewer than one batch of {global_batch}; use more data or a smaller "
-                "data.seq_len / train.batch_size"
-            )
 
     def batch(self, index: int) -> dict[str, torch.Tensor]:
         rows = np.stack(

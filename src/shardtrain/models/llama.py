@@ -85,8 +85,8 @@ class PackedAttention(enum.Enum):
     FLEX: `flex_attention` with a document `BlockMask`, compiled into a fused kernel that skips the
     blocks across documents; the default on CUDA (unfused and slow elsewhere, no CPU backward). It is
     a graph break in a compiled block (`_flex`), so a block compiled with fullgraph=True needs MASK.
-    On an H200, 8B-shaped blocks, 8192 tokens in 10 documents: 131 ms a step with FLEX, 172 ms with
-    MASK, 140 ms for one causal document of 8192 tokens (compiled blocks, bf16).
+    FLEX is the faster on a GPU (BENCHMARKS.md, 'Fine-tuning on a packed chat dataset': the packed
+    8B fine-tune with transformers' flex path against its dense boolean mask).
     """
 
     MASK = "mask"

@@ -8,8 +8,7 @@ silently let tokens attend across documents.
 Supported, and why:
 - the built-in Llama: `Llama.forward(tokens, position_ids=...)` builds a document mask once per
   forward (sdpa's block-diagonal boolean mask, or flex_attention's BlockMask on CUDA, which skips
-  the blocks across documents: on an H200 an 8B-shaped step of 8192 tokens in 10 documents took
-  131 ms against 140 ms for one causal document and 172 ms with the boolean mask).
+  the blocks across documents: BENCHMARKS.md, 'Fine-tuning on a packed chat dataset').
 - transformers models (a peft model around one too) with attn_implementation "sdpa", "eager" or
   "flex_attention": their mask builder (`transformers.masking_utils`) detects packed rows from
   `position_ids` (a new document wherever the position does not grow by one) and makes the mask

@@ -7,6 +7,7 @@ the views and the norm go through core/tensor_parallel.py). bf16 compute, fp32 m
 AdamW with clipping; 1.5B at batch 2 x 4096, 8B at batch 1 x 4096 with every block checkpointed.
 Each configuration is built, warmed up, then timed over two windows of steps (device synchronised
 at both ends); the table gives tokens/s (the better window), the peak memory, and 2-D / 1-D.
+The two paths' host time alone, phase by phase, on one CPU thread: benchmarks/tp_host_time.py.
 
     python benchmarks/tp_overhead.py                 # one H200: 1.5B and 8B, both paths (~5 minutes)
     python benchmarks/tp_overhead.py --sizes 1.5b    # one size

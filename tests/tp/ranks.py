@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -259,3 +260,58 @@ def exports_hf(directory: str) -> int:
             torch.testing.assert_close(tensor, expected[name], rtol=0, atol=0, msg=name)
     dist.barrier()
     return 1
+
+
+def fused_counts(directory: str) -> int:
+    """Fused AdamW's step counts become DTensors replicated on the whole mesh after a step
+    (core/replicated_steps.py), also after a checkpoint's load; a step with them builds no DTensorSpec
+    once DTensor's sharding cache knows them, and updates the parameters bit for bit as a twin whose
+    counts stay plain (each of its steps builds a spec per parameter)."""
+    case = Case(mesh=(1, dist.get_world_size()))
+    model, twin = build(case)[0], build(case)[0]
+    opt, twin_opt = (torch.optim.AdamW(m.parameters(), **ADAMW, fused=True) for m in (model, twin))
+    built: dict[str, list[int]] = {"wrapped": [], "plain": []}
+    for step in range(4):
+        if step == 2:
+            st.save_checkpoint(directory, {"model": model, "optimizer": opt}, format="sharded")
+            st.load_checkpoint(directory, {"model": model, "optimizer": opt})
+        for kind, m, o in (("wrapped", model, opt), ("plain", twin, twin_opt)):
+            _loss(m, _batch(step, 0), case.model).backward()
+            if kind == "plain":
+                twin_opt.load_state_dict(_plain_counts(twin_opt.state_dict()))
+            with _counting_specs() as specs:
+                o.step()
+            o.zero_grad(set_to_none=True)
+            built[kind].append(len(specs))
+    params = list(model.parameters())
+    assert built["wrapped"][3] == 0 and min(built["plain"][1:]) >= len(params), built
+    for p, q in zip(params, twin.parameters()):
+        count = opt.state[p]["step"]
+        assert isinstance(count, DTensor) and count.placements == (Replicate(), Replicate()), count
+        assert count.device_mesh == p.device_mesh and count.to_local().item() == 4.0
+        torch.testing.assert_close(p.to_local(), q.to_local(), rtol=0, atol=0)
+    return 1
+
+
+def _plain_counts(state_dict: dict) -> dict:
+    for entries in state_dict["state"].values():
+        if isinstance(entries["step"], DTensor):
+            entries["step"] = entries["step"].to_local().clone()
+    return state_dict
+
+
+@contextlib.contextmanager
+def _counting_specs():
+    """The DTensorSpecs built inside the block (DTensor's dispatch builds one per plain tensor it meets)."""
+    built: list[int] = []
+    original = DTensorSpec.__post_init__
+
+    def counting(self) -> None:
+        built.append(1)
+        original(self)
+
+    DTensorSpec.__post_init__ = counting
+    try:
+        yield built
+    finally:
+        DTensorSpec.__post_init__ = original

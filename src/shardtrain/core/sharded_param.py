@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
+from . import replicated_steps
 from .param_layout import ParamShard
 from .tensor_parallel import TensorParallel
 
@@ -73,7 +74,10 @@ class ParamFactory:
         return views if self.tp is None else self.tp.compute_views(views, shards)
 
     def parameter(self, local: torch.Tensor, shard: ParamShard) -> nn.Parameter:
-        return nn.Parameter(self.wrap(local, shard), requires_grad=shard.requires_grad)
+        param = nn.Parameter(self.wrap(local, shard), requires_grad=shard.requires_grad)
+        if self.mesh is not None:
+            replicated_steps.track(param)  # a fused optimizer's step count of it becomes a DTensor
+        return param
 
 
 def local_of(tensor: torch.Tensor) -> torch.Tensor:

@@ -6,11 +6,14 @@ a 1-D mesh) and once through the tensor-parallel path on a (1, 1) mesh named ("d
 the views and the norm go through core/tensor_parallel.py). bf16 compute, fp32 master weights, fused
 AdamW with clipping; 1.5B at batch 2 x 4096, 8B at batch 1 x 4096 with every block checkpointed.
 Each configuration is built, warmed up, then timed over two windows of steps (device synchronised
-at both ends); the table gives tokens/s (the better window), the peak memory, and 2-D / 1-D.
+at both ends); the table gives tokens/s (the better window), the peak memory, and 2-D / 1-D. With
+`--rounds N` each size is measured N times, the two paths' order alternating from round to round
+(so neither always runs first), and the mean and spread of the N ratios close the table.
 The two paths' host time alone, phase by phase, on one CPU thread: benchmarks/tp_host_time.py.
 
     python benchmarks/tp_overhead.py                 # one H200: 1.5B and 8B, both paths (~5 minutes)
     python benchmarks/tp_overhead.py --sizes 1.5b    # one size
+    python benchmarks/tp_overhead.py --rounds 5      # five alternating rounds per size
     python benchmarks/tp_overhead.py --smoke         # CPU, Gloo, a tiny model: checks the script runs
 """
 
@@ -49,6 +52,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8, help="steps per timed window (two windows)")
+    parser.add_argument("--rounds", type=int, default=1, help="measurements of both paths per size, order alternating")
     parser.add_argument("--smoke", action="store_true", help="CPU, a tiny model, 2 steps: the script runs")
     return parser.parse_args()
 
@@ -139,12 +143,25 @@ def main() -> None:
         args.sizes, args.seq, args.warmup, args.steps = ["tiny"], 64, 1, 2
     init_single_process(device)
     started = time.perf_counter()
-    results = [measure_and_free(size, path, args, device) for size in args.sizes for path in ("1-D", "2-D")]
     print(f"{'size':>5} {'path':>4} {'tokens/s':>10} {'peak GiB':>9} {'loss':>8} {'2-D / 1-D':>10}")
-    for one, two in zip(results[::2], results[1::2]):
-        for r in (one, two):
-            ratio = f"{two.tokens_per_s / one.tokens_per_s:10.4f}" if r is two else ""
-            print(f"{r.size:>5} {r.path:>4} {r.tokens_per_s:10.0f} {r.peak_gib:9.2f} {r.loss:8.4f} {ratio}")
+    for size in args.sizes:
+        ratios = []
+        for round_ in range(args.rounds):
+            order = ("1-D", "2-D") if round_ % 2 == 0 else ("2-D", "1-D")
+            by_path = {path: measure_and_free(size, path, args, device) for path in order}
+            one, two = by_path["1-D"], by_path["2-D"]
+            ratios.append(two.tokens_per_s / one.tokens_per_s)
+            for r in (one, two):
+                ratio = f"{ratios[-1]:10.4f}" if r is two else ""
+                print(
+                    f"{r.size:>5} {r.path:>4} {r.tokens_per_s:10.0f} {r.peak_gib:9.2f} {r.loss:8.4f} {ratio}",
+                    flush=True,
+                )
+        if args.rounds > 1:
+            mean = sum(ratios) / len(ratios)
+            print(
+                f"{size:>5} 2-D / 1-D over {len(ratios)} rounds: mean {mean:.4f}, min {min(ratios):.4f}, max {max(ratios):.4f}"
+            )
     print(f"total {time.perf_counter() - started:.0f} s on {device}")
     dist.destroy_process_group()
 

@@ -70,17 +70,18 @@ def compare_with_from_pretrained(
     from shardtrain.pretrained import load
 
     reads: dict[str, tuple[int, int]] = {}
-    read_rows = load._read_rows
+    read_box = load._read_box
 
-    def recording(handles, entry, first, count):
-        reads[entry.key] = (first, first + count) if entry.shape else (0, 1)
-        return read_rows(handles, entry, first, count)
+    def recording(handles, entry, box):
+        assert box.cols is None, "no tensor parallelism here: whole rows"
+        reads[entry.key] = box.rows if entry.shape else (0, 1)
+        return read_box(handles, entry, box)
 
-    load._read_rows = recording
+    load._read_box = recording
     try:
         return _compare(folder, strategies, mesh, reads, embedding_unit)
     finally:
-        load._read_rows = read_rows
+        load._read_box = read_box
 
 
 def _compare(folder, strategies, mesh, reads, embedding_unit) -> dict[str, dict]:

@@ -248,10 +248,13 @@ def agrees_with_fsdp2(mesh_shape: tuple[int, int]) -> int:
 
 def exports_hf(directory: str) -> int:
     """st.save_pretrained of a tensor-parallel transformers model writes the global tensors:
-    `from_pretrained` gives back the unsharded model's weights."""
+    `from_pretrained` gives back the unsharded model's weights; st.load_pretrained of that folder into
+    a fresh tensor-parallel model (other weights) gives each rank its block of each tensor: every
+    `full_tensor()` is the original."""
     from transformers import LlamaForCausalLM
 
-    model, reference, _ = build(Case(mesh=(1, dist.get_world_size()), model="hf"))
+    case = Case(mesh=(1, dist.get_world_size()), model="hf")
+    model, reference, mesh = build(case)
     st.save_pretrained(model, directory)
     if dist.get_rank() == 0:
         loaded = LlamaForCausalLM.from_pretrained(directory).float()
@@ -259,6 +262,14 @@ def exports_hf(directory: str) -> int:
         for name, tensor in loaded.state_dict().items():
             torch.testing.assert_close(tensor, expected[name], rtol=0, atol=0, msg=name)
     dist.barrier()
+    torch.manual_seed(1)
+    fresh = hf_llama(case.ffn_dim)  # tensor parallelism splits materialised weights (meta is refused)
+    st.shard(fresh, mesh=mesh, tp_plan=st.tp.hf_plan(fresh), wrap={type(fresh.model.layers[0])})
+    report = st.load_pretrained(fresh, directory)
+    assert not report.missing and not report.unexpected, report
+    expected = dict(reference.named_parameters())
+    for name, param in fresh.named_parameters():
+        torch.testing.assert_close(param.full_tensor(), expected[name], rtol=0, atol=0, msg=name)
     return 1
 
 

@@ -93,5 +93,5 @@ def test_placements_and_tensors_match_torch_fsdp2_four_ranks(pools):
     assert pools(4).run(agrees_with_fsdp2, (2, 2)) == [1] * 4
 
 
-def test_save_pretrained_writes_global_tensors(pools, tmp_path):
+def test_save_pretrained_writes_global_tensors_and_load_pretrained_reads_blocks(pools, tmp_path):
     assert pools(2).run(exports_hf, str(tmp_path / "hf")) == [1, 1]

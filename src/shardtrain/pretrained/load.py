@@ -2,7 +2,8 @@
 
 Every rank reads the headers of the weights files (files.py), matches names (keys.py) and checks
 shapes, so every rank reaches the same verdict before any data is read. Then, unit by unit, each
-rank reads exactly the rows it holds of every parameter (`get_slice(key)[start:stop]`) and copies
+rank reads exactly the block it holds of every parameter (its rows, `get_slice(key)[start:stop]`;
+under tensor parallelism a range of columns too where "tp" splits dim 1: tp/boxes.py) and copies
 them into its shard in place, converting dtype on the way (a bf16 file into fp32 masters). Files
 are memory-mapped; a unit's handles are closed before the next unit is read, so the file pages a
 rank has touched leave its resident memory with them and no rank ever holds a whole file or model.
@@ -27,7 +28,7 @@ from ..checkpoint.format import short_list
 from ..checkpoint.this_rank import persistent_buffers
 from ..core.held import held_params
 from ..core.shard_module import runtime_of
-from ..core.tensor_parallel import tensor_parallel_of
+from ..tp import Box
 from .export import install_save_pretrained
 from .files import TensorEntry, WeightFiles, resolve_weights
 from .keys import KeyMatch, match_keys
@@ -66,11 +67,6 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike, *, strict: bool =
     raise if any fails. The model also gets a `save_pretrained` that writes full tensors (export.py).
     """
     runtime = runtime_of(model)
-    if tensor_parallel_of(runtime) is not None:
-        raise ValueError(
-            "load_pretrained into a tensor-parallel model is not supported yet; load the weights into the "
-            "model (from_pretrained) before st.shard(..., tp_plan=...), or shard without a 'tp' mesh dimension"
-        )
     comm = Comm.over(runtime.control_group)
 
     def load() -> LoadReport:
@@ -79,7 +75,7 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike, *, strict: bool =
         held = list(held_params(runtime))
         params = [h.layout for h in held]
         match = match_keys(params=params, buffers=buffers, file_keys=weights.tensors, model=model)
-        _check(weights, match, params=params, buffers=buffers, strict=strict)
+        _check(weights, match, shapes={h.name: h.shape for h in held}, buffers=buffers, strict=strict)
         with torch.no_grad():
             for _, of_unit in itertools.groupby(held, key=lambda h: h.unit):
                 with _Handles() as handles:  # the files stay open for one unit at a time
@@ -88,8 +84,7 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike, *, strict: bool =
                         local = h.local
                         if key is None or local.numel() == 0:
                             continue
-                        first, stop = h.rows
-                        rows = _read_rows(handles, weights.tensors[key], first, stop - first).view(local.shape)
+                        rows = _read_box(handles, weights.tensors[key], h.box).view(local.shape)
                         # Note: the rows cross to the device in the file's dtype and are converted there
                         # (copy_ would convert on the host first: twice the bytes over the bus for bf16
                         # -> fp32, and a host temporary). An in-place copy bumps the shard's version, so
@@ -112,9 +107,16 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike, *, strict: bool =
     return report
 
 
-def _check(weights: WeightFiles, match: KeyMatch, *, params, buffers: dict[str, torch.Tensor], strict: bool) -> None:
-    """Shapes always; missing and unexpected keys with `strict`. One line naming the file and the key."""
-    shapes = {s.fqn: s.shape for s in params}
+def _check(
+    weights: WeightFiles,
+    match: KeyMatch,
+    *,
+    shapes: dict[str, tuple[int, ...]],
+    buffers: dict[str, torch.Tensor],
+    strict: bool,
+) -> None:
+    """Shapes (the parameters' global ones) always; missing and unexpected keys with `strict`. One line
+    naming the file and the key."""
     for name, key in [*match.params.items(), *match.buffers.items()]:
         entry = weights.tensors[key]
         expected = shapes[name] if name in shapes else tuple(buffers[name].shape)
@@ -141,13 +143,16 @@ def _check(weights: WeightFiles, match: KeyMatch, *, params, buffers: dict[str, 
         )
 
 
-def _read_rows(handles: _Handles, entry: TensorEntry, first: int, count: int) -> torch.Tensor:
-    """Rows `[first, first + count)` of `entry` (the whole tensor when it is 0-dim), read from its file."""
+def _read_box(handles: _Handles, entry: TensorEntry, box: Box) -> torch.Tensor:
+    """The block `box` of `entry` (its rows, and under tensor parallelism perhaps a range of its
+    columns; the whole tensor when it is 0-dim), read from its file."""
     handle = handles.open(entry.file)
     try:
         if not entry.shape:
             return handle.get_tensor(entry.key)
-        return handle.get_slice(entry.key)[first : first + count]
+        piece = handle.get_slice(entry.key)
+        (first, stop), cols = box.rows, box.cols
+        return piece[first:stop] if cols is None else piece[first:stop, cols[0] : cols[1]]
     except SafetensorError as exc:
         raise ValueError(
             f"{entry.file}: cannot read tensor {entry.key!r} ({exc}); the file is damaged: copy it again"

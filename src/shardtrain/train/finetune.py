@@ -30,8 +30,9 @@ def check_finetune_config(cfg: Config) -> None:
         )
     if cfg.engine.tp > 1 and cfg.model.pretrained is not None:
         raise ValueError(
-            f"engine.tp={cfg.engine.tp} with model.pretrained={cfg.model.pretrained!r}: loading pretrained weights "
-            "into a tensor-parallel model is not supported yet; fine-tune with --engine.tp 1"
+            f"engine.tp={cfg.engine.tp} with model.pretrained={cfg.model.pretrained!r}: the run builds the model "
+            "on the meta device, which tensor parallelism does not split yet; fine-tune with --engine.tp 1, or "
+            "from Python: build the model on the CPU, st.shard(..., tp_plan=...), then st.load_pretrained"
         )
     if lora.merge_on_export and not (lora.rank and run.export_hf):
         raise ValueError(

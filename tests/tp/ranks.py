@@ -217,6 +217,8 @@ def refusals() -> list[str]:
         lambda: st.shard(uneven_llama(90), mesh=dp_tp, tp_plan=st.tp.llama_plan(), strategy="no_shard"),
         lambda: st.shard(Llama(llama_config("tiny", tie_embeddings=True)), mesh=dp_tp, tp_plan=st.tp.llama_plan()),
         lambda: st.shard(uneven_llama(90), mesh=dp_tp, tp_plan={"blocks.*.wq": "colwise"}),
+        lambda: _compiled_block_forward(dp_tp),
+        lambda: _lora_model_split(dp_tp),
     ]
     messages = []
     for attempt in attempts:
@@ -225,6 +227,21 @@ def refusals() -> list[str]:
         except ValueError as exc:
             messages.append(str(exc))
     return messages
+
+
+def _compiled_block_forward(mesh) -> None:
+    model = uneven_llama(90)
+    st.shard(model, mesh=mesh, tp_plan=st.tp.llama_plan(), wrap={Block})
+    next(m for m in model.modules() if isinstance(m, Block)).compile(backend="eager")
+    tokens = _batch(0, 0)
+    model.loss(tokens[:, :-1], tokens[:, 1:])
+
+
+def _lora_model_split(mesh) -> None:
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(hf_llama(96), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    st.shard(model, mesh=mesh, tp_plan=st.tp.plan_for(model))
 
 
 def agrees_with_fsdp2(mesh_shape: tuple[int, int]) -> int:

@@ -61,6 +61,7 @@ class Runtime:
         self.pinned = pinned  # host buffers of the offloaded units (None: nothing offloaded)
         self.comm = comm
         self.units: list[ShardUnit] = []
+        self._modules: list[torch.nn.Module] = []  # each unit's module, as registered
         self.prefetch = prefetch  # units gathered ahead of the one computing, in forward and in backward
         self.cast_inputs_to = cast_inputs_to
         self.control_group = control_group  # a CPU (Gloo) group for host-side agreement
@@ -88,6 +89,7 @@ class Runtime:
     # ------------------------------------------------------------------ hooks
     def register(self, unit: ShardUnit, module: torch.nn.Module) -> None:
         self.units.append(unit)
+        self._modules.append(module)
         module.register_forward_pre_hook(lambda m, a, k: self._pre_forward(unit, a, k), with_kwargs=True, prepend=True)
         module.register_forward_hook(lambda m, a, o: self._post_forward(unit, o))
 
@@ -102,6 +104,8 @@ class Runtime:
 
     def _begin_iteration(self) -> None:
         """The first unit of a new forward runs: free gradients the user cleared since the last step."""
+        if self.root.factory.tp is not None:
+            self._refuse_compiled_units()
         self.state = TrainingState.FORWARD
         if self.host_steps is not None:
             self.host_steps.begin_pass("the next forward")
@@ -111,6 +115,17 @@ class Runtime:
             u.release_cleared_grads()
         if not self._order_recorded:
             self._forward_order, self._post_forward_order = [], []
+
+    def _refuse_compiled_units(self) -> None:
+        """A compiled unit (`module.compile()`) of a tensor-parallel model fails deep in backward, inside
+        DTensor's redistribution of a gradient the compiled graph returns as a plain tensor: say so first."""
+        for unit, module in zip(self.units, self._modules):
+            if getattr(module, "_compiled_call_impl", None) is not None:
+                raise ValueError(
+                    f"unit {unit.label} ({type(module).__name__}) is compiled (module.compile()) in a "
+                    "tensor-parallel model: compiling with tensor parallelism is not supported yet; run its "
+                    "units eagerly, or shard without a 'tp' mesh dimension to compile them"
+                )
 
     @torch._dynamo.disable
     def _pre_forward(self, unit: ShardUnit, args, kwargs):

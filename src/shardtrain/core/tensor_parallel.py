@@ -242,7 +242,15 @@ def prepare_tensor_parallel(
 
 
 def _check_splittable(model: nn.Module) -> None:
-    """Refuse what parallelize_module would silently get wrong: tied parameters and meta tensors."""
+    """Refuse what parallelize_module would silently get wrong or fail on deep inside: tied parameters,
+    meta tensors, peft's adapter layers (their base layer and adapters would need splits of their own)."""
+    for name, module in model.named_modules():
+        if type(module).__module__.startswith("peft.") and hasattr(module, "base_layer"):
+            raise ValueError(
+                f"module {name!r} is a peft adapter layer ({type(module).__name__}): tensor parallelism does not "
+                "split LoRA adapters yet; train them without a 'tp' mesh dimension (the frozen base sharded over "
+                "dp), or merge them into the base (merge_and_unload) before st.shard(..., tp_plan=...)"
+            )
     seen: dict[int, str] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         if p.is_meta:

@@ -179,11 +179,29 @@ def test_pretrained_builds_on_meta_and_names_bad_folders(hf_folders, tmp_path):
         (["--model.pretrained", "x", "--lora.merge_on_export", "true"], "lora.merge_on_export=true merges LoRA"),
         (["--run.export_hf", "true"], "run.export_hf=true writes a Hugging Face folder, but model.name='llama-2m'"),
         (
-            ["--model.pretrained", "x", "--engine.tp", "2"],
-            "engine.tp=2 with model.pretrained='x': the run builds the model on the meta device",
+            ["--model.pretrained", "x", "--lora.rank", "8", "--engine.tp", "2"],
+            "lora.rank=8 with engine.tp=2: tensor parallelism does not split LoRA adapters",
         ),
     ],
 )
 def test_option_combinations_that_cannot_work(args, message):
     with pytest.raises(ValueError, match=message):
         check_finetune_config(load_config(None, args))
+
+
+@pytest.mark.slow  # one 2-process run and a conversion, about 15 s
+def test_tensor_parallel_fine_tune_reads_each_ranks_block(tmp_path, hf_folders):
+    """--engine.tp 2 over pretrained weights: each rank loads its (dp, tp) block; one step at lr 0 then
+    `convert` gives back the pretrained weights bit for bit (the model is untied: TP refuses tied ones)."""
+    folder = hf_folders["llama_untied"]
+    run = _shardtrain(
+        *_common(tmp_path, folder),
+        *("--train.steps", "1", "--optim.lr", "0", "--run.checkpoint_every", "1", "--run.name", "tp"),
+        *("--engine.accelerator", "cpu", "--engine.devices", "2", "--engine.tp", "2"),
+    )
+    assert f"loaded 21 tensors from {folder}" in run.stdout and "tp 2" in run.stdout, run.stdout
+    out = tmp_path / "out"
+    _shardtrain("convert", str(tmp_path / "runs" / "tp" / "checkpoints"), str(out), "--hf-config", str(folder))
+    original, converted = load_file(folder / "model.safetensors"), load_file(out / "model.safetensors")
+    assert set(converted) == set(original)
+    assert all(torch.equal(converted[k], v) for k, v in original.items())

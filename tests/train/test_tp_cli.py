@@ -31,7 +31,6 @@ def test_tp_2_trains_the_losses_of_tp_1(tmp_path):
         (["--engine.cpu_offload", "true"], "Engine(tp=2) with cpu_offload=True: offload is not supported"),
         (["--engine.strategy", "auto"], "engine.tp=2: the automatic plan does not plan tensor parallelism"),
         (["--engine.strategy", "hybrid_shard"], "use 'full_shard' or 'shard_grad_op'"),
-        (["--model.pretrained", "/no/model"], "fine-tune with --engine.tp 1"),
     ],
 )
 def test_tp_refusals_are_one_line_with_the_fix(capsys, args, message):

@@ -28,11 +28,11 @@ def check_finetune_config(cfg: Config) -> None:
             f"lora.rank={lora.rank} trains adapters over pretrained weights; pass --model.pretrained "
             "DIR (a Hugging Face model folder), or --lora.rank 0 for full training"
         )
-    if cfg.engine.tp > 1 and cfg.model.pretrained is not None:
+    if lora.rank and cfg.engine.tp > 1:
         raise ValueError(
-            f"engine.tp={cfg.engine.tp} with model.pretrained={cfg.model.pretrained!r}: the run builds the model "
-            "on the meta device, which tensor parallelism does not split yet; fine-tune with --engine.tp 1, or "
-            "from Python: build the model on the CPU, st.shard(..., tp_plan=...), then st.load_pretrained"
+            f"lora.rank={lora.rank} with engine.tp={cfg.engine.tp}: tensor parallelism does not split LoRA adapters "
+            "yet; train them with --engine.tp 1 (the frozen base sharded over every rank), or fully fine-tune "
+            "with --lora.rank 0"
         )
     if lora.merge_on_export and not (lora.rank and run.export_hf):
         raise ValueError(

@@ -5,12 +5,12 @@ import pytest
 import shardtrain as st
 
 
-def test_partial_offload_selects_whole_units_in_plan_order():
-    sizes = [40, 10, 10, 10, 10, 20]  # 100 parameters; the root (40) comes first
+def test_partial_offload_selects_whole_units_from_the_end_of_the_plan():
+    sizes = [40, 10, 10, 10, 10, 20]  # 100 parameters in plan order; the root (40) first, the head (20) last
     assert st.CPUOffload().select(sizes) == [True] * 6
-    assert st.CPUOffload(fraction=0.5).select(sizes) == [True, True, False, False, False, False]
-    assert st.CPUOffload(fraction=0.51).select(sizes) == [True, True, True, False, False, False]
-    assert st.CPUOffload(fraction=0.01).select(sizes) == [True] + [False] * 5
+    assert st.CPUOffload(fraction=0.5).select(sizes) == [False, False, True, True, True, True]
+    assert st.CPUOffload(fraction=0.51).select(sizes) == [False, True, True, True, True, True]
+    assert st.CPUOffload(fraction=0.01).select(sizes) == [False] * 5 + [True]
 
 
 @pytest.mark.parametrize("fraction", [0, 0.0, -0.5, 1.5, True, "half"])

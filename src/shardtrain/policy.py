@@ -94,9 +94,10 @@ def storage_dtypes(
 class CPUOffload:
     """Keep fp32 shards, their gradients and the optimizer state in host memory.
 
-    `fraction` < 1 is partial offload: whole units are offloaded in plan order (the root first) until
-    at least that share of the parameters lives on the host; the other units stay on the device, so a
-    model that almost fits pays the host optimizer's time only for what does not.
+    `fraction` < 1 is partial offload: whole units are offloaded from the end of the plan order (the
+    last units of the forward first) until at least that share of the parameters lives on the host;
+    the other units stay on the device, so a model that almost fits pays the host optimizer's time
+    only for what does not.
     """
 
     params: bool = True
@@ -145,13 +146,16 @@ class CPUOffload:
         return max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
     def select(self, unit_sizes: Iterable[int]) -> list[bool]:
-        """Which units (in plan order, by parameter count) this policy offloads."""
+        """Which units (given in plan order, by parameter count) this policy offloads: the last ones
+        first. Those are the units whose gradients are final first in backward and that the next
+        forward needs last, so their host steps have the rest of backward and the resident units'
+        forward to run beside the GPU (docs/design.md, Note [Overlapped host step])."""
         sizes = list(unit_sizes)
         target, offloaded, chosen = self.fraction * sum(sizes), 0, []
-        for size in sizes:
+        for size in reversed(sizes):
             chosen.append(offloaded < target)
             offloaded += size if chosen[-1] else 0
-        return chosen
+        return chosen[::-1]
 
 
 def _check_disk_tier(policy: CPUOffload) -> None:

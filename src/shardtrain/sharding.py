@@ -70,7 +70,7 @@ def shard(
             parameters keep their dtype. Units may mix dtypes.
         activation_checkpointing: modules (a policy like `wrap`) whose activations are recomputed in
             backward.
-        cpu_offload: True, a share of the parameters such as 0.5 (whole units, in plan order), or
+        cpu_offload: True, a share of the parameters such as 0.5 (whole units, the last of the plan order first), or
             `st.CPUOffload(...)`: shards, gradients and optimizer state live in pinned host memory and
             the optimizer steps them on the CPU. Ignored on a CPU device.
         mesh: hybrid only: (replicate_size, shard_size) or a 2-D DeviceMesh (default: one shard group

@@ -139,13 +139,13 @@ def test_offload_moves_states_to_host():
     assert off.parameters == off.gradients == off.optimizer_state == 0
     assert off.host == P8 * 16 // 4
     assert off.total < base.total
-    # Partial offload: whole units in plan order (root first) until at least the share is on the host.
+    # Partial offload: whole units from the end of the plan order until at least the share is on the host.
     half = st.estimate_memory("8b", world_size=4, cpu_offload=st.CPUOffload(fraction=0.5))
     spec = half.inputs.model
     sizes = [spec.root_params, *spec.unit_params]
-    # root (norm) + embedding 525M + 16 blocks of 218M >= 4.015B, then 16 blocks and the head stay
-    on_host = ROOT8 + TABLE8 + 16 * BLOCK8
-    assert st.CPUOffload(fraction=0.5).select(sizes) == [True] * 18 + [False] * 17
+    # the head 525M + the last 17 blocks of 218M >= 4.015B; the root (norm), the embedding and 15 blocks stay
+    on_host = TABLE8 + 17 * BLOCK8
+    assert st.CPUOffload(fraction=0.5).select(sizes) == [False] * 17 + [True] * 18
     assert on_host >= P8 / 2 > on_host - BLOCK8
     assert half.host == pytest.approx(off.host * on_host / P8, rel=1e-6)
     # What stays on the device: the other units' fp32 shards (4 B) and Adam moments (8 B) per parameter / 4.

@@ -242,7 +242,7 @@ def _activations(inputs: EstimateInputs) -> ActivationBill:
 
 
 def offloaded_units(model: ModelSpec, offload: CPUOffload | None) -> list[int]:
-    """The parameters of each unit `offload` moves to the host (whole units, in plan order)."""
+    """The parameters of each unit `offload` moves to the host (whole units, as CPUOffload.select picks them)."""
     if offload is None:
         return []
     sizes = (model.root_params, *model.unit_params)  # plan order, as CPUOffload.select walks it
@@ -250,7 +250,7 @@ def offloaded_units(model: ModelSpec, offload: CPUOffload | None) -> list[int]:
 
 
 def offloaded_share(model: ModelSpec, offload: CPUOffload | None) -> float:
-    """The share of the parameters `offload` moves to the host (whole units, in plan order)."""
+    """The share of the parameters `offload` moves to the host (whole units, as CPUOffload.select picks them)."""
     return sum(offloaded_units(model, offload)) / max(1, model.root_params + sum(model.unit_params))
 
 

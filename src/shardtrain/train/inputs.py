@@ -11,7 +11,7 @@ any communication; the tokenizing runs once per node (local rank 0 first, the ot
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -101,19 +101,8 @@ def data_spec(cfg: Config):
     """The data section as shardtrain.data's DataSpec."""
     from ..data.pipeline import DataSpec
 
-    d = cfg.data
-    return DataSpec(
-        path=d.path,
-        eval_path=d.eval_path,
-        seq_len=d.seq_len,
-        format=d.format,
-        train_on=d.train_on,
-        packing=d.packing,
-        overlong=d.overlong,
-        val_fraction=d.val_fraction,
-        seed=cfg.train.seed,
-        pattern=d.pattern,
-    )
+    shared = {f.name for f in fields(DataSpec)} - {"seed"}  # the data section's own fields
+    return DataSpec(**{name: getattr(cfg.data, name) for name in shared}, seed=cfg.train.seed)
 
 
 def build_data(cfg: Config, engine, plan: DataPlan, *, micro_batch: int) -> TrainData:

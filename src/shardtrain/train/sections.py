@@ -13,6 +13,7 @@ from typing import Any
 
 from ..data.encode import Overlong, TrainOn
 from ..data.formats import FORMAT_NAMES
+from ..data.pipeline import DataSpec
 
 
 class ConfigError(ValueError):
@@ -23,6 +24,10 @@ def _help(text: str, default: Any = dataclasses.MISSING, **kwargs: Any) -> Any:
     if default is dataclasses.MISSING:
         return field(metadata={"help": text}, **kwargs)
     return field(default=default, metadata={"help": text}, **kwargs)
+
+
+# The data section's fields that shardtrain.data's DataSpec also has take DataSpec's defaults: one source.
+_SPEC_DEFAULTS = {f.name: f.default for f in dataclasses.fields(DataSpec)}
 
 
 def _require(ok: bool, key: str, value: Any, remedy: str) -> None:
@@ -115,7 +120,7 @@ class DataConfig:
     val_fraction: float = _help(
         "fraction held out for evaluation: of the rows (of the files for plain text; of the tokens "
         "where there are too few files, e.g. a single one: its last part)",
-        0.02,
+        _SPEC_DEFAULTS["val_fraction"],
     )
     eval_path: str | None = _help("held-out data in the same layout as data.path (instead of data.val_fraction)", None)
     tokenizer: str | None = _help(
@@ -125,18 +130,20 @@ class DataConfig:
     format: str = _help(
         "row layout: 'auto' (from the columns: text, prompt + completion, messages or ShareGPT's "
         "conversations), 'text', 'prompt_completion' or 'messages'",
-        "auto",
+        _SPEC_DEFAULTS["format"],
     )
     train_on: str = _help(
         "tokens the loss is taken on: 'completion' (the completion, or the assistant turns of a chat) or 'all'",
-        "completion",
+        _SPEC_DEFAULTS["train_on"],
     )
     packing: bool = _help(
         "pack rows into seq_len windows, positions restarting at each row and no attention across "
         "rows (false: one padded row per sequence)",
-        True,
+        _SPEC_DEFAULTS["packing"],
     )
-    overlong: str = _help("a row longer than seq_len: 'truncate' (keep its start) or 'drop' (counted)", "truncate")
+    overlong: str = _help(
+        "a row longer than seq_len: 'truncate' (keep its start) or 'drop' (counted)", _SPEC_DEFAULTS["overlong"]
+    )
     num_proc: int = _help("processes that tokenize and pack (0: one per 2,000 rows, up to the CPU count)", 0)
     show: int = _help("print this many decoded training rows with the trained spans in [[ ]] before training", 0)
     cache_dir: str | None = _help("where the tokenized data is cached (default: ~/.cache/shardtrain)", None)

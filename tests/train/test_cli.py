@@ -1,12 +1,15 @@
 """`shardtrain` command line: dispatcher, config errors, and short end-to-end `shardtrain train` runs."""
 
+import contextlib
 import importlib.util
+import io
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from shardtrain import cli
 from shardtrain.train.schedule import warmup_cosine
@@ -49,7 +52,27 @@ def _records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_short_run_writes_metrics_plot_and_config_and_resumes_exactly(tmp_path):
+def _train_here(args: list[str]) -> tuple[int, str]:
+    """On a pool rank: `shardtrain train ARGS` through the command's own entry point, in a process and
+    group that exist already (a fresh launch costs seconds of imports); its exit code and stderr. The
+    Engine gives the rank as many threads as a launched rank gets; the pool's count comes back after."""
+    threads = torch.get_num_threads()
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+            code = cli.main(["train", *args])
+    finally:
+        torch.set_num_threads(threads)
+    return code, err.getvalue()
+
+
+def _train_on(pool, args: list[str]) -> None:
+    """`_train_here` on every rank of `pool`; fails with the ranks' stderr unless every rank exits 0."""
+    results = pool.run(_train_here, args)
+    assert [code for code, _ in results] == [0] * len(results), [err for _, err in results]
+
+
+def test_short_run_writes_metrics_plot_and_config_and_resumes_exactly(pools, tmp_path):
     common = [
         *TINY,
         "--train.steps",
@@ -90,9 +113,9 @@ def test_short_run_writes_metrics_plot_and_config_and_resumes_exactly(tmp_path):
     assert records[-1]["kind"] == "summary" and evals[-1]["eval_loss"] < evals[0]["eval_loss"]
     assert "eval_loss_ema" in evals[-1]
 
-    # Resuming from step 3 (model, optimizer, scheduler, EMA, data position, RNG) replays steps 4-6 exactly.
-    resumed = _train([*common, "--run.name", "resumed", "--resume", str(run_dir / "checkpoints" / "step_000003")])
-    assert resumed.returncode == 0, resumed.stderr
+    # Resuming from step 3 (model, optimizer, scheduler, EMA, data position, RNG) replays steps 4-6 exactly,
+    # in processes that ran other tests before (the launch itself is what the first run tests).
+    _train_on(pools(2), [*common, "--run.name", "resumed", "--resume", str(run_dir / "checkpoints" / "step_000003")])
     keys = ("step", "loss", "lr", "grad_norm", "eval_loss", "eval_loss_ema")
     replay = [{k: r.get(k) for k in keys} for r in _records(tmp_path / "resumed") if r["kind"] != "summary"]
     original = [

@@ -52,24 +52,26 @@ def _records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def _train_here(args: list[str]) -> tuple[int, str]:
+def _train_here(args: list[str]) -> tuple[int, str, str]:
     """On a pool rank: `shardtrain train ARGS` through the command's own entry point, in a process and
-    group that exist already (a fresh launch costs seconds of imports); its exit code and stderr. The
-    Engine gives the rank as many threads as a launched rank gets; the pool's count comes back after."""
+    group that exist already (a fresh launch costs seconds of imports); its exit code, stdout and stderr.
+    The Engine gives the rank as many threads as a launched rank gets; the pool's count comes back after."""
     threads = torch.get_num_threads()
-    err = io.StringIO()
+    out, err = io.StringIO(), io.StringIO()
     try:
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             code = cli.main(["train", *args])
     finally:
         torch.set_num_threads(threads)
-    return code, err.getvalue()
+    return code, out.getvalue(), err.getvalue()
 
 
-def _train_on(pool, args: list[str]) -> None:
-    """`_train_here` on every rank of `pool`; fails with the ranks' stderr unless every rank exits 0."""
+def _train_on(pool, args: list[str]) -> str:
+    """`_train_here` on every rank of `pool`; fails with the ranks' stderr unless every rank exits 0;
+    rank 0's stdout (the run's summary table)."""
     results = pool.run(_train_here, args)
-    assert [code for code, _ in results] == [0] * len(results), [err for _, err in results]
+    assert [code for code, _, _ in results] == [0] * len(results), [err for _, _, err in results]
+    return results[0][1]
 
 
 def test_short_run_writes_metrics_plot_and_config_and_resumes_exactly(pools, tmp_path):
@@ -152,8 +154,10 @@ def _on_one_file(tmp_path: Path) -> list[str]:
 
 
 @pytest.mark.slow  # the Engine-level test (tests/engine) covers the scheduler fix in the default tier
-def test_fp16_with_the_scheduler_trains_on_a_single_file(tmp_path):
-    run = _train(
+def test_fp16_with_the_scheduler_trains_on_a_single_file(pools, tmp_path):
+    # On the pool through cli.main: the launch is what the other runs here test.
+    out = _train_on(
+        pools(2),
         [
             *TINY,
             "--engine.precision",
@@ -167,10 +171,9 @@ def test_fp16_with_the_scheduler_trains_on_a_single_file(tmp_path):
             *_on_one_file(tmp_path),
             "--run.name",
             "fp16",
-        ]
+        ],
     )
-    assert run.returncode == 0, run.stderr
-    assert "2 x cpu, full_shard, 16-mixed" in run.stdout
+    assert "2 x cpu, full_shard, 16-mixed" in out
     train = [r for r in _records(tmp_path / "fp16") if r["kind"] == "train"]
     assert [r["step"] for r in train] == [1, 2]
     for r in train:  # the scheduler stepped once per optimizer step
@@ -186,14 +189,15 @@ def test_user_errors_are_reported_by_every_rank():
     assert "Traceback" not in run.stderr
 
 
-@pytest.mark.slow  # end to end in fresh processes; tests/pretrained/ trains Hugging Face models on pools
+@pytest.mark.slow  # the command on the pool (cli.main); tests/pretrained/ trains Hugging Face models there too
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers (extra 'hf')")
-def test_hugging_face_llama_from_config_trains(tmp_path):
+def test_hugging_face_llama_from_config_trains(pools, tmp_path):
     hf = (
         "{model_type: llama, hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2, num_attention_heads: 4, "
         "num_key_value_heads: 2, vocab_size: 256, max_position_embeddings: 128}"
     )
-    run = _train(
+    out = _train_on(
+        pools(2),
         [
             "--model.name",
             "hf",
@@ -217,10 +221,9 @@ def test_hugging_face_llama_from_config_trains(tmp_path):
             "hf",
             "--run.progress",
             "false",
-        ]
+        ],
     )
-    assert run.returncode == 0, run.stderr
-    assert "LlamaForCausalLM" in run.stdout
+    assert "LlamaForCausalLM" in out
     evals = [
         json.loads(line) for line in (tmp_path / "hf" / "metrics.jsonl").read_text().splitlines() if '"eval"' in line
     ]

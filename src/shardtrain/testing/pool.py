@@ -4,8 +4,8 @@ Starting processes and a process group costs seconds; a pool pays it once per wo
 runs test functions on every rank. Fail-fast: when any rank raises or the deadline passes, the pool
 is killed (so no rank stays blocked in a collective) and restarted for the next call, and the call
 raises `RankFailure` carrying the failing rank's traceback. Between calls the ranks are stopped
-(SIGSTOP): every Gloo group a test created keeps a transport thread that wakes every few milliseconds,
-and a session's idle pools would otherwise take CPU from the tests that run meanwhile.
+(SIGSTOP): every Gloo group a test created keeps transport threads that keep waking while idle, so a
+session's idle pools would otherwise take CPU from the tests that run meanwhile.
 """
 
 from __future__ import annotations

@@ -163,12 +163,39 @@ def _load_buffers(model: nn.Module, buffers: dict[str, torch.Tensor]) -> None:
             b.copy_(buffers[name])
 
 
+@dataclass(frozen=True)
+class ReferenceRun:
+    """What the reference computed for a case: per step, every rank's loss; at the end, its weights and
+    every rank's buffers."""
+
+    losses: list[list[torch.Tensor]]
+    state: dict[str, torch.Tensor]
+    buffers: list[dict[str, torch.Tensor]]
+
+
+_REFERENCES: dict[tuple, ReferenceRun] = {}  # per pool process: the matrix repeats each reference
+
+
+def reference_run(kind: str, case: Case, *, world: int, per: int, device: torch.device) -> ReferenceRun:
+    """The reference's run for `case`, computed once per process for every case that shares what the
+    reference reads (model, optimizer, micro-batches, clipping, precision, steps, world): the strategy,
+    activation checkpointing, mesh and offload change only the sharded side."""
+    key = (kind, case.optim, case.micro, case.clip, case.precision, case.steps, world, per, str(device))
+    if key not in _REFERENCES:
+        torch.manual_seed(0)
+        model = factory(kind)().to(device)
+        reference = Reference(model, case, world)
+        batches = make_batches(kind, steps=case.steps, global_batch=world * case.micro * per)
+        losses = [reference.step(tuple(t.to(device) for t in batch), per) for batch in batches]
+        _REFERENCES[key] = ReferenceRun(losses=losses, state=model.state_dict(), buffers=reference.buffers)
+    return _REFERENCES[key]
+
+
 def run_case(kind: str, case: Case) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     torch.manual_seed(0)
-    ref_model = factory(kind)().to(device)
-    model = copy.deepcopy(ref_model)
+    model = factory(kind)().to(device)  # the reference's initial weights (reference_run seeds alike)
     st.shard(
         model,
         strategy=case.strategy,
@@ -179,8 +206,8 @@ def run_case(kind: str, case: Case) -> None:
         cpu_offload=st.CPUOffload(fraction=case.offload) if isinstance(case.offload, float) else case.offload,
     )
     opt = make_optimizer(model, case.optim)
-    reference = Reference(ref_model, case, world)
     per = 2
+    reference = reference_run(kind, case, world=world, per=per, device=device)
     tol = LOW_PRECISION_CUDA_TOL if case.precision and device.type == "cuda" else FP32_TOL
     for step, batch in enumerate(make_batches(kind, steps=case.steps, global_batch=world * case.micro * per)):
         batch = tuple(t.to(device) for t in batch)
@@ -198,15 +225,14 @@ def run_case(kind: str, case: Case) -> None:
             assert all(torch.equal(n, norm) for n in norms), f"grad norm differs across ranks: {norms}"
         opt.step()
         opt.zero_grad(set_to_none=True)
-        ref_losses = reference.step(batch, per)
         torch.testing.assert_close(
             loss_sum.float(),
-            ref_losses[rank].float(),
+            reference.losses[step][rank].float(),
             **tol,
             msg=lambda m: f"{kind} {case} step {step} rank {rank}: loss {m}",
         )
     full = st.full_state_dict(model, rank0_only=False)
-    expected = ref_model.state_dict()
+    expected = dict(reference.state)
     for name, b in reference.buffers[rank].items():
         if name in expected:
             expected[name] = b

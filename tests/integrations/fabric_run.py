@@ -2,8 +2,8 @@
 
 Run as a script (`python fabric_run.py OUT_DIR [--more]`): Fabric's launcher re-runs it once per
 device (2 CPU ranks, Gloo). Rank 0 writes OUT_DIR/result.json with the losses, gradient norms and
-parameter differences the test asserts on. `--more`: the half precisions and full checkpoints;
-`--resume CKPT`: steps 4-6 from the parity run's checkpoint, in fresh processes.
+parameter differences the test asserts on. `--resume CKPT`: steps 4-6 from the parity run's checkpoint,
+in fresh processes; `--more` (alone or after `--resume`): the half precisions and full checkpoints.
 """
 
 from __future__ import annotations
@@ -121,8 +121,11 @@ def main() -> None:
     parser.add_argument("--resume", type=Path, help="a checkpoint to continue from in a fresh run")
     args = parser.parse_args()
     if args.more or args.resume:
-        result = more(args.out) if args.more else resume(args.resume)
-        if result:
+        # One launch does both (fresh processes cost seconds): the resume first, in processes that have
+        # run nothing else; rank 0 writes the file (more's full-checkpoint differences are its own).
+        result = resume(args.resume) if args.resume else {}
+        result.update(more(args.out) if args.more else {})
+        if torch.distributed.get_rank() == 0:
             (args.out / "result.json").write_text(json.dumps(result))
         return
     ddp_losses, ddp_norms, ddp_params = ddp_reference()

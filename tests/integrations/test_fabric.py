@@ -54,16 +54,13 @@ def test_the_name_shardtrain_and_precision_names():
 
 
 @pytest.mark.slow
-def test_fabric_resumes_in_fresh_processes(tmp_path):
+def test_fabric_resumes_in_fresh_processes_then_half_precisions_and_full_checkpoints(tmp_path):
+    """A second launch resumes the first's step-3 checkpoint in fresh processes, then (same launch: a
+    launch costs seconds) trains the half precisions and round-trips a "full" checkpoint."""
     first = run_script("fabric_run.py", str(tmp_path / "first"))
-    fresh = run_script("fabric_run.py", str(tmp_path / "fresh"), "--resume", str(tmp_path / "first" / "ckpt"))
-    assert fresh["resumed_step"] == 3
-    assert fresh["resumed_losses"] == pytest.approx(first["losses"][3:], abs=1e-6)
-
-
-@pytest.mark.slow
-def test_fabric_half_precisions_and_full_checkpoints(tmp_path):
-    r = run_script("fabric_run.py", str(tmp_path), "--more")
+    r = run_script("fabric_run.py", str(tmp_path / "fresh"), "--resume", str(tmp_path / "first" / "ckpt"), "--more")
+    assert r["resumed_step"] == 3
+    assert r["resumed_losses"] == pytest.approx(first["losses"][3:], abs=1e-6)
     assert r["bf16-mixed"]["dtypes"] == ["torch.float32"]  # fp32 masters, bf16 compute
     assert r["bf16-true"]["dtypes"] == ["torch.bfloat16"]
     scales = r["16-mixed"]["scales"]

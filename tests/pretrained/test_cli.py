@@ -10,9 +10,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from shardtrain import cli
 from shardtrain.train.config import load_config
 from shardtrain.train.finetune import check_finetune_config
 from shardtrain.train.model_builder import build_model
+from tests.train.test_cli import _train_on
 
 pytest.importorskip("peft")
 
@@ -51,24 +53,15 @@ def _common(tmp_path: Path, folder: Path) -> list[str]:
     ]
 
 
-@pytest.mark.slow  # one 2-process run and a conversion, about 25 s
-def test_one_step_at_lr_0_then_convert_gives_back_the_pretrained_weights(tmp_path, hf_folders):
+@pytest.mark.slow  # one 2-rank run (on the pool, through cli.main: the LoRA runs below launch) and a conversion
+def test_one_step_at_lr_0_then_convert_gives_back_the_pretrained_weights(pools, tmp_path, hf_folders):
     folder = hf_folders["llama_tied"]
-    run = _shardtrain(
-        *_common(tmp_path, folder),
-        "--train.steps",
-        "1",
-        "--optim.lr",
-        "0",
-        "--run.checkpoint_every",
-        "1",
-        "--run.name",
-        "acc",
-    )
-    assert f"loaded 20 tensors from {folder}" in run.stdout and "LlamaForCausalLM" in run.stdout
-    _shardtrain(
-        "convert", str(tmp_path / "runs" / "acc" / "checkpoints"), str(tmp_path / "out"), "--hf-config", str(folder)
-    )
+    train = [*_common(tmp_path, folder)[1:], "--train.steps", "1", "--optim.lr", "0", "--run.checkpoint_every", "1"]
+    out = _train_on(pools(2), [*train, "--run.name", "acc"])
+    assert f"loaded 20 tensors from {folder}" in out and "LlamaForCausalLM" in out
+    # In this process (as tests/checkpoint/test_full.py converts): a fresh one would import torch again.
+    convert = ["convert", str(tmp_path / "runs" / "acc" / "checkpoints"), str(tmp_path / "out"), "--hf-config"]
+    assert cli.main([*convert, str(folder)]) == 0
     original, converted = load_file(folder / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
     assert all(torch.equal(converted[k], v) for k, v in original.items())
     assert set(converted) - set(original) == {"lm_head.weight"}  # convert writes tied weights under every name
@@ -83,8 +76,8 @@ def _records(run_dir: Path) -> list[dict]:
     ]
 
 
-@pytest.mark.slow  # two 2-process runs, about 40 s
-def test_lora_trains_adapters_only_resumes_exactly_and_exports_merged(tmp_path, hf_folders):
+@pytest.mark.slow  # a 2-process run and its resume on the pool
+def test_lora_trains_adapters_only_resumes_exactly_and_exports_merged(pools, tmp_path, hf_folders):
     from transformers import AutoModelForCausalLM
 
     folder = hf_folders["llama_untied"]
@@ -119,7 +112,8 @@ def test_lora_trains_adapters_only_resumes_exactly_and_exports_merged(tmp_path, 
     saved = {p["fqn"] for p in metadata["modules"]["model"]["params"]}
     assert set(metadata["optimizers"]["optimizer"]["state"]) == saved  # the optimizer holds the adapters only
 
-    _shardtrain(*lora, "--run.name", "resumed", "--resume", str(run_dir / "checkpoints" / "step_000002"))
+    # The resume on the pool through cli.main (the first run above is the launch).
+    _train_on(pools(2), [*lora[1:], "--run.name", "resumed", "--resume", str(run_dir / "checkpoints" / "step_000002")])
     replay = _records(tmp_path / "runs" / "resumed")
     original = [
         r

@@ -1,12 +1,15 @@
 """`shardtrain` command line: dispatcher, config errors, and short end-to-end `shardtrain train` runs."""
 
+import contextlib
 import importlib.util
+import io
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from shardtrain import cli
 from shardtrain.train.schedule import warmup_cosine
@@ -49,7 +52,29 @@ def _records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_short_run_writes_metrics_plot_and_config_and_resumes_exactly(tmp_path):
+def _train_here(args: list[str]) -> tuple[int, str, str]:
+    """On a pool rank: `shardtrain train ARGS` through the command's own entry point, in a process and
+    group that exist already (a fresh launch costs seconds of imports); its exit code, stdout and stderr.
+    The Engine gives the rank as many threads as a launched rank gets; the pool's count comes back after."""
+    threads = torch.get_num_threads()
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = cli.main(["train", *args])
+    finally:
+        torch.set_num_threads(threads)
+    return code, out.getvalue(), err.getvalue()
+
+
+def _train_on(pool, args: list[str]) -> str:
+    """`_train_here` on every rank of `pool`; fails with the ranks' stderr unless every rank exits 0;
+    rank 0's stdout (the run's summary table)."""
+    results = pool.run(_train_here, args)
+    assert [code for code, _, _ in results] == [0] * len(results), [err for _, _, err in results]
+    return results[0][1]
+
+
+def test_short_run_writes_metrics_plot_and_config_and_resumes_exactly(pools, tmp_path):
     common = [
         *TINY,
         "--train.steps",
@@ -90,9 +115,9 @@ def test_short_run_writes_metrics_plot_and_config_and_resumes_exactly(tmp_path):
     assert records[-1]["kind"] == "summary" and evals[-1]["eval_loss"] < evals[0]["eval_loss"]
     assert "eval_loss_ema" in evals[-1]
 
-    # Resuming from step 3 (model, optimizer, scheduler, EMA, data position, RNG) replays steps 4-6 exactly.
-    resumed = _train([*common, "--run.name", "resumed", "--resume", str(run_dir / "checkpoints" / "step_000003")])
-    assert resumed.returncode == 0, resumed.stderr
+    # Resuming from step 3 (model, optimizer, scheduler, EMA, data position, RNG) replays steps 4-6 exactly,
+    # in processes that ran other tests before (the launch itself is what the first run tests).
+    _train_on(pools(2), [*common, "--run.name", "resumed", "--resume", str(run_dir / "checkpoints" / "step_000003")])
     keys = ("step", "loss", "lr", "grad_norm", "eval_loss", "eval_loss_ema")
     replay = [{k: r.get(k) for k in keys} for r in _records(tmp_path / "resumed") if r["kind"] != "summary"]
     original = [
@@ -129,8 +154,10 @@ def _on_one_file(tmp_path: Path) -> list[str]:
 
 
 @pytest.mark.slow  # the Engine-level test (tests/engine) covers the scheduler fix in the default tier
-def test_fp16_with_the_scheduler_trains_on_a_single_file(tmp_path):
-    run = _train(
+def test_fp16_with_the_scheduler_trains_on_a_single_file(pools, tmp_path):
+    # On the pool through cli.main: the launch is what the other runs here test.
+    out = _train_on(
+        pools(2),
         [
             *TINY,
             "--engine.precision",
@@ -144,10 +171,9 @@ def test_fp16_with_the_scheduler_trains_on_a_single_file(tmp_path):
             *_on_one_file(tmp_path),
             "--run.name",
             "fp16",
-        ]
+        ],
     )
-    assert run.returncode == 0, run.stderr
-    assert "2 x cpu, full_shard, 16-mixed" in run.stdout
+    assert "2 x cpu, full_shard, 16-mixed" in out
     train = [r for r in _records(tmp_path / "fp16") if r["kind"] == "train"]
     assert [r["step"] for r in train] == [1, 2]
     for r in train:  # the scheduler stepped once per optimizer step
@@ -163,14 +189,15 @@ def test_user_errors_are_reported_by_every_rank():
     assert "Traceback" not in run.stderr
 
 
-@pytest.mark.slow  # end to end in fresh processes; tests/pretrained/ trains Hugging Face models on pools
+@pytest.mark.slow  # the command on the pool (cli.main); tests/pretrained/ trains Hugging Face models there too
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers (extra 'hf')")
-def test_hugging_face_llama_from_config_trains(tmp_path):
+def test_hugging_face_llama_from_config_trains(pools, tmp_path):
     hf = (
         "{model_type: llama, hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2, num_attention_heads: 4, "
         "num_key_value_heads: 2, vocab_size: 256, max_position_embeddings: 128}"
     )
-    run = _train(
+    out = _train_on(
+        pools(2),
         [
             "--model.name",
             "hf",
@@ -194,10 +221,9 @@ def test_hugging_face_llama_from_config_trains(tmp_path):
             "hf",
             "--run.progress",
             "false",
-        ]
+        ],
     )
-    assert run.returncode == 0, run.stderr
-    assert "LlamaForCausalLM" in run.stdout
+    assert "LlamaForCausalLM" in out
     evals = [
         json.loads(line) for line in (tmp_path / "hf" / "metrics.jsonl").read_text().splitlines() if '"eval"' in line
     ]

@@ -4,16 +4,16 @@ import pytest
 
 from shardtrain import cli
 
-from .test_cli import TINY, _on_one_file, _records, _train
+from .test_cli import TINY, _on_one_file, _records, _train, _train_on
 
 
-@pytest.mark.slow  # two 2-rank trainings in fresh processes: ~20 s on 2 idle cores; tests/tp checks the core's parity
-def test_tp_2_trains_the_losses_of_tp_1(tmp_path):
+@pytest.mark.slow  # a 2-rank training in fresh processes and one on the pool; tests/tp checks the core's parity
+def test_tp_2_trains_the_losses_of_tp_1(pools, tmp_path):
     steps = "--train.steps 3 --train.log_every 1 --train.eval_every 0 --train.eval_batches 1".split()
     common = [*TINY, *steps, *_on_one_file(tmp_path)]
-    # tp 1: two data-parallel ranks of 4 rows; tp 2 (sequence parallel): one tp group reading all 8 rows
-    plain = _train([*common, "--run.name", "dp"])
-    assert plain.returncode == 0, plain.stderr
+    # tp 1: two data-parallel ranks of 4 rows (the reference: on the pool, through the same entry point);
+    # tp 2 (sequence parallel), launched: one tp group reading all 8 rows
+    _train_on(pools(2), [*common, "--run.name", "dp"])
     split = _train([*common, "--run.name", "tp", "--engine.tp", "2", "--engine.sequence_parallel", "true"])
     assert split.returncode == 0, split.stderr
     assert "2 x cpu, full_shard, 32-true, tp 2" in split.stdout

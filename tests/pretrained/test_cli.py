@@ -183,19 +183,17 @@ def test_option_combinations_that_cannot_work(args, message):
         check_finetune_config(load_config(None, args))
 
 
-@pytest.mark.slow  # one 2-process run and a conversion, about 15 s
-def test_tensor_parallel_fine_tune_reads_each_ranks_block(tmp_path, hf_folders):
+@pytest.mark.slow  # one 2-rank run on the pool, through cli.main, and a conversion in this process
+def test_tensor_parallel_fine_tune_reads_each_ranks_block(pools, tmp_path, hf_folders):
     """--engine.tp 2 over pretrained weights: each rank loads its (dp, tp) block; one step at lr 0 then
     `convert` gives back the pretrained weights bit for bit (the model is untied: TP refuses tied ones)."""
     folder = hf_folders["llama_untied"]
-    run = _shardtrain(
-        *_common(tmp_path, folder),
-        *("--train.steps", "1", "--optim.lr", "0", "--run.checkpoint_every", "1", "--run.name", "tp"),
-        *("--engine.accelerator", "cpu", "--engine.devices", "2", "--engine.tp", "2"),
-    )
-    assert f"loaded 21 tensors from {folder}" in run.stdout and "tp 2" in run.stdout, run.stdout
-    out = tmp_path / "out"
-    _shardtrain("convert", str(tmp_path / "runs" / "tp" / "checkpoints"), str(out), "--hf-config", str(folder))
-    original, converted = load_file(folder / "model.safetensors"), load_file(out / "model.safetensors")
+    train = [*_common(tmp_path, folder)[1:], "--train.steps", "1", "--optim.lr", "0", "--run.checkpoint_every", "1"]
+    out = _train_on(pools(2), [*train, "--run.name", "tp", "--engine.devices", "2", "--engine.tp", "2"])
+    assert f"loaded 21 tensors from {folder}" in out and "tp 2" in out, out
+    converted_dir = tmp_path / "out"
+    convert = ["convert", str(tmp_path / "runs" / "tp" / "checkpoints"), str(converted_dir), "--hf-config"]
+    assert cli.main([*convert, str(folder)]) == 0
+    original, converted = load_file(folder / "model.safetensors"), load_file(converted_dir / "model.safetensors")
     assert set(converted) == set(original)
     assert all(torch.equal(converted[k], v) for k, v in original.items())

@@ -3,9 +3,7 @@
 Starting processes and a process group costs seconds; a pool pays it once per world size and then
 runs test functions on every rank. Fail-fast: when any rank raises or the deadline passes, the pool
 is killed (so no rank stays blocked in a collective) and restarted for the next call, and the call
-raises `RankFailure` carrying the failing rank's traceback. Between calls the ranks are stopped
-(SIGSTOP): every Gloo group a test created keeps transport threads that keep waking while idle, so a
-session's idle pools would otherwise take CPU from the tests that run meanwhile.
+raises `RankFailure` carrying the failing rank's traceback.
 """
 
 from __future__ import annotations
@@ -74,11 +72,6 @@ class ProcessGroupPool:
         self._procs: list = []
         self._start()
 
-    def _signal(self, signum: int) -> None:
-        for p in self._procs:
-            if p.is_alive():
-                os.kill(p.pid, signum)
-
     def _start(self) -> None:
         port = _free_port()
         self._tasks = [self._ctx.Queue() for _ in range(self.world_size)]
@@ -109,12 +102,13 @@ class ProcessGroupPool:
 
     def _dump_stacks(self) -> None:
         """Every live rank prints its threads' Python stacks to stderr: where a hung call is stuck."""
-        self._signal(signal.SIGUSR1)
+        for p in self._procs:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGUSR1)
         time.sleep(2)
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 240.0, **kwargs: Any) -> list[Any]:
         """Run `fn(*args, **kwargs)` on every rank; return the per-rank results in rank order."""
-        self._signal(signal.SIGCONT)
         for q in self._tasks:
             q.put((fn, args, kwargs))
         out: dict[int, Any] = {}
@@ -138,13 +132,11 @@ class ProcessGroupPool:
             self._kill()
             self._start()
             raise
-        self._signal(signal.SIGSTOP)  # every rank has answered and waits for the next task
         return [out[r] for r in range(self.world_size)]
 
     def close(self) -> None:
         """Ask every rank to leave, then kill what has not: a pool holds nothing that must be flushed, and
         tearing down the groups the tests created can take seconds."""
-        self._signal(signal.SIGCONT)
         for q in self._tasks:
             q.put(None)
         deadline = time.monotonic() + 1

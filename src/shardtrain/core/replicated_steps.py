@@ -46,7 +46,9 @@ def wrap_counts(optimizer: torch.optim.Optimizer) -> None:
             continue
         for p in group["params"]:
             entries = state.get(p)
-            count = entries.get("step") if entries else None
+            if not entries:
+                continue
+            count = entries.get("step")
             if type(count) is torch.Tensor and _wrappable(count, p):
                 entries["step"] = DTensor(count, _spec(p.device_mesh, count.dtype), requires_grad=False)
 

@@ -58,6 +58,12 @@ def parse_args() -> argparse.Namespace:
         help="CPU offload (shards and AdamW on the host), of every unit or of the units holding FRACTION "
         "of the parameters (st.CPUOffload(fraction=...))",
     )
+    p.add_argument(
+        "--keep-offloaded",
+        action="store_true",
+        help="the offloaded units keep their bf16 parameters from forward to backward "
+        "(st.CPUOffload(reshard_after_forward=False)): copied to the device once a step",
+    )
     p.add_argument("--split", action="store_true", help="the embedding and the head as units of their own")
     p.add_argument(
         "--host-step",
@@ -137,7 +143,11 @@ def build_shardtrain(args: argparse.Namespace) -> torch.nn.Module:
     offload = (
         False
         if args.offload is None
-        else st.CPUOffload(fraction=args.offload, step_in_backward=args.host_step == "backward")
+        else st.CPUOffload(
+            fraction=args.offload,
+            step_in_backward=args.host_step == "backward",
+            reshard_after_forward=False if args.keep_offloaded else None,
+        )
     )
     with torch.device("meta"):
         model = Llama(llama_config(args.size))
@@ -249,6 +259,7 @@ def main() -> None:
                     "ac": args.ac,
                     "offload": args.offload,
                     "split": args.split,
+                    "keep_offloaded": args.keep_offloaded,
                     "host_step": args.host_step if args.offload is not None else None,
                     "batch": args.batch,
                     "tok_s_gpu": args.batch * args.seq / step_s,

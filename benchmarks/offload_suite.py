@@ -8,7 +8,8 @@ its gradients landed, `st.CPUOffload(step_in_backward=True)`), also under shard_
 parameters kept from forward to backward: no second host-to-device copy, planning/offload_time.py
 says why it matters), and in backward with every core for the step (the default leaves the main thread
 one); torch FSDP2 with CPUOffloadPolicy; 14.5B (`14b`) batch 2, every block checkpointed, half
-offloaded, in backward, overlapped and in sequence. Prints each row's JSON line, a table with the
+offloaded, in backward (also with the offloaded units kept gathered from forward to backward,
+`st.CPUOffload(reshard_after_forward=False)`), overlapped and in sequence. Prints each row's JSON line, a table with the
 breakdown (offload_step.py's docstring) and the ratios issue 28 asks for, each beside the estimate of
 planning/offload_time.py. A row that fails or runs out of time is reported and the next one runs.
 
@@ -38,6 +39,8 @@ ROWS = {
     "offload in backward 16 threads": "--size 1.5b --batch 2 --split --offload --host-step backward --host-threads 16",
     "fsdp2 CPUOffloadPolicy": "--size 1.5b --batch 2 --offload --engine fsdp2",
     "14b half in backward": "--size 14b --batch 2 --ac --split --offload 0.5 --host-step backward",
+    "14b half in backward kept": "--size 14b --batch 2 --ac --split --offload 0.5 --host-step backward "
+    "--keep-offloaded",
     "14b half overlapped": "--size 14b --batch 2 --ac --split --offload 0.5",
     "14b half sequential": "--size 14b --batch 2 --ac --split --offload 0.5 --host-step sequential",
 }
@@ -106,7 +109,7 @@ def ratios(rows: dict[str, dict]) -> list[str]:
             out.append(f"1.5B {name} step / max({what}): {row['step_ms'] / max(parts.values()):.2f} (need <= 1.25)")
         if resident:
             out.append(f"1.5B {name}: {row['step_ms']:.0f} ms, estimated {estimate(name, resident, row):.0f} ms")
-    for name in ("14b half in backward", "14b half overlapped", "14b half sequential"):
+    for name in ("14b half in backward", "14b half in backward kept", "14b half overlapped", "14b half sequential"):
         if rows.get(name):
             out.append(
                 f"{name} / today's {TODAY_14B_TOK_S} tok/s: {rows[name]['tok_s_gpu'] / TODAY_14B_TOK_S:.2f} (need >= 1.5)"

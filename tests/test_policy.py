@@ -39,3 +39,13 @@ def test_offload_host_threads(monkeypatch):
     for bad in (0, -2, 1.5, True):
         with pytest.raises(ValueError, match="threads="):
             st.CPUOffload(threads=bad)
+
+
+def test_offloaded_units_reshard_as_the_strategy_unless_told():
+    assert st.CPUOffload().reshards_after_forward(strategy_reshards=True)
+    assert not st.CPUOffload().reshards_after_forward(strategy_reshards=False)
+    kept = st.CPUOffload(reshard_after_forward=False)
+    assert not kept.reshards_after_forward(strategy_reshards=True)
+    assert st.CPUOffload(reshard_after_forward=True).reshards_after_forward(strategy_reshards=False)
+    with pytest.raises(TypeError, match=r"reshard_after_forward='no'.*True, False, or None"):
+        st.CPUOffload(reshard_after_forward="no")  # type: ignore[arg-type]

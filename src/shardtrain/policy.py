@@ -111,6 +111,12 @@ class CPUOffload:
     # global in between (no clipping, loss scaling or skipped steps; accumulation under st.no_sync);
     # step() verifies it (docs/design.md, Note [Overlapped host step]).
     step_in_backward: bool = False
+    # The offloaded units' parameters between forward and backward. None: as the strategy says (full_shard
+    # copies them to the device again for backward, shard_grad_op keeps them). False keeps the offloaded
+    # units' compute-dtype parameters on the device from forward to backward: they cross PCIe once a step
+    # instead of twice, which frees host memory bandwidth for the host step, at the cost of their
+    # compute-dtype size in device memory (BENCHMARKS.md, "Offloaded optimizer step").
+    reshard_after_forward: bool | None = None
 
     # The disk tier (core/disk_state.py): a directory for per-rank files holding the offloaded units'
     # optimizer state, streamed through `disk_buffer_bytes` of host buffers (None: 4 units' worth).
@@ -121,6 +127,11 @@ class CPUOffload:
         _check_disk_tier(self)
         if not isinstance(self.step_in_backward, bool):
             raise TypeError(f"CPUOffload(step_in_backward={self.step_in_backward!r}): give True or False")
+        if self.reshard_after_forward is not None and not isinstance(self.reshard_after_forward, bool):
+            raise TypeError(
+                f"CPUOffload(reshard_after_forward={self.reshard_after_forward!r}): give True, False, or None for "
+                "the strategy's"
+            )
         if (
             isinstance(self.fraction, bool)
             or not isinstance(self.fraction, (int, float))
@@ -144,6 +155,11 @@ class CPUOffload:
             return self.threads
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         return max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+    def reshards_after_forward(self, *, strategy_reshards: bool) -> bool:
+        """Whether the offloaded units free their parameters after forward, under a strategy that does
+        (`strategy_reshards`) or does not."""
+        return strategy_reshards if self.reshard_after_forward is None else self.reshard_after_forward
 
     def select(self, unit_sizes: Iterable[int]) -> list[bool]:
         """Which units (given in plan order, by parameter count) this policy offloads: the last ones

@@ -42,7 +42,7 @@ class Case:
     clip: float | None = None
     steps: int = 10
     mesh: tuple[int, int] | None = None
-    offload: bool | float = False  # a float: partial offload of that share of the parameters
+    offload: bool | float | st.CPUOffload = False  # a float: partial offload of that share of the parameters
 
     @property
     def micro(self) -> int:

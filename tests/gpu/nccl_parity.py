@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+import shardtrain as st
 from shardtrain.core.sharded_param import local_of
 from tests.core.parity import Case, run_case
 
@@ -44,6 +45,9 @@ def main() -> None:
         for s in ["full_shard", "optimizer_only"]
     ]
     cases += [("llama", Case(strategy="full_shard", offload=0.5, accum="no_sync", clip=0.05, optim="adamw_fused"))]
+    # The offloaded units kept gathered from forward to backward, through the checkpointed recomputation.
+    kept = st.CPUOffload(fraction=0.5, reshard_after_forward=False)
+    cases += [("llama", Case(strategy="full_shard", offload=kept, accum="no_sync", ac=True, optim="adamw_fused"))]
     cases += [("llama", Case(strategy="optimizer_only", optim="adamw_fused"))]
     # The embedding as its own unit: a sharded lookup (core/lookup.py), over NCCL with bf16 rows.
     cases += [
@@ -95,13 +99,18 @@ def _partial_offload_splits_units() -> int:
     from shardtrain.models.llama import Block
     from tests.models import tiny_llama
 
-    policy = st.CPUOffload(fraction=0.5)
+    policy = st.CPUOffload(fraction=0.5, reshard_after_forward=False)
     model = st.shard(tiny_llama(), wrap={Block}, mixed_precision="bf16", cpu_offload=policy)
     units = runtime_of(model).units
     expected = policy.select(u.layout.numel for u in units)
     placed = [not u.buffers[0].shard.is_cuda for u in units]
     if placed != expected or all(placed) or not any(placed):
         print(f"rank {dist.get_rank()} FAILED partial offload: on host {placed}, expected {expected}", flush=True)
+        return 1
+    # reshard_after_forward=False applies to the offloaded units only
+    reshards = [u.behaviour.reshard_after_forward for u in units]
+    if reshards != [not on for on in expected]:
+        print(f"rank {dist.get_rank()} FAILED partial offload: reshard {reshards}, offloaded {expected}", flush=True)
         return 1
     return 0
 

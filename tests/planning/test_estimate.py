@@ -157,6 +157,24 @@ def test_offload_moves_states_to_host():
         st.estimate_memory("8b", world_size=4, cpu_offload=st.CPUOffload(params=False, optimizer=True))
 
 
+def test_offloaded_units_kept_from_forward_to_backward():
+    """CPUOffload(reshard_after_forward=False): the offloaded units' bf16 parameters (2 B each, whole on
+    every rank) stay on the device from forward to backward; the resident units still reshard."""
+    kwargs = dict(world_size=4, precision="bf16", micro_batch=1, seq_len=4096)
+    half = st.estimate_memory("8b", cpu_offload=st.CPUOffload(fraction=0.5), **kwargs)
+    kept = st.estimate_memory("8b", cpu_offload=st.CPUOffload(fraction=0.5, reshard_after_forward=False), **kwargs)
+    on_host = TABLE8 + 17 * BLOCK8  # test_offload_moves_states_to_host names these units
+    assert kept.unsharded_params - half.unsharded_params == on_host * 2
+    assert kept.total - half.total == on_host * 2
+    assert kept.host == half.host and kept.parameters == half.parameters
+    # shard_grad_op keeps every unit already: the offload's setting adds nothing
+    sgo = dict(kwargs, strategy="shard_grad_op")
+    assert (
+        st.estimate_memory("8b", cpu_offload=st.CPUOffload(fraction=0.5, reshard_after_forward=False), **sgo).total
+        == st.estimate_memory("8b", cpu_offload=st.CPUOffload(fraction=0.5), **sgo).total
+    )
+
+
 def test_largest_micro_batch_is_monotone_and_tight():
     e = st.estimate_memory("8b", world_size=2)
     sizes = [e.largest_micro_batch(f"{g}GiB") for g in (60, 80, 100, 139, 200)]

@@ -94,7 +94,11 @@ def shard_module(model: nn.Module, options: ShardOptions) -> nn.Module:
         behaviour = UnitBehaviour(
             # Note: the root too: re-gathering it at the start of backward cost nothing measurable,
             # and holding it would add its whole size to the activation peak.
-            reshard_after_forward=strategy.reshard_after_forward,
+            reshard_after_forward=(
+                offload.reshards_after_forward(strategy_reshards=strategy.reshard_after_forward)
+                if offload and offloaded[index]
+                else strategy.reshard_after_forward
+            ),
             resident=strategy.keeps_params_resident,
             reduce_dtype=precision.reduce_dtype,
             offload=offloaded[index],

@@ -179,6 +179,9 @@ def offload_work(estimate: MemoryEstimate) -> OffloadWork | None:
         units=max(1, len(units)),
         host_step=host_step_of(policy),
         disk_state_bytes=estimate.disk,
+        reshard_after_forward=policy.reshards_after_forward(
+            strategy_reshards=estimate.inputs.strategy.reshard_after_forward
+        ),
     )
 
 

@@ -301,9 +301,15 @@ def _estimate(inputs: EstimateInputs) -> MemoryEstimate:
     lookups_gather = n == 1 or resident or bool(inputs.offload)
     if s.reshard_after_forward:  # only the outermost unit and the units in flight are gathered
         in_flight = m.largest_units(inputs.in_flight, lookups_gather=lookups_gather)
-        at_loss = 0
-        gathered = unsharded(m.enclosing_params, m.trainable_of("enclosing")) + unsharded(
-            in_flight, inputs.in_flight * m.trainable_of("unit")
+        # CPUOffload(reshard_after_forward=False): the offloaded units stay gathered from forward to backward
+        offload = inputs.offload
+        keeps = offload is not None and not offload.reshards_after_forward(strategy_reshards=True)
+        kept = sum(offloaded_units(m, offload)) if keeps else 0
+        at_loss = unsharded(kept, kept)
+        gathered = (
+            at_loss
+            + unsharded(m.enclosing_params, m.trainable_of("enclosing"))
+            + unsharded(in_flight, inputs.in_flight * m.trainable_of("unit"))
         )
     else:  # gathered in forward, kept until each unit's backward ends (or for good)
         at_loss = gathered = whole - (0 if lookups_gather else sum(m.lookup_params) * copy)  # copy == frozen_copy here

@@ -101,6 +101,7 @@ class OffloadWork:
     units: int  # the offloaded units they are in
     host_step: HostStep = HostStep.OVERLAPPED
     disk_state_bytes: int = 0  # the disk tier's optimizer state of one rank (0: none)
+    reshard_after_forward: bool = True  # copied to the device again for backward (CPUOffload.reshards_after_forward)
 
 
 def disk_seconds(

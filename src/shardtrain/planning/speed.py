@@ -190,7 +190,7 @@ def step_time(
         resident_step_s=resident.seconds,
         offloaded_params=offload.params,
         checkpointed=model.shape is not None and checkpointed_blocks == model.shape.n_layers,
-        reshard_after_forward=strategy.reshard_after_forward,
+        reshard_after_forward=offload.reshard_after_forward,
         units=offload.units,
     )
     host, with_disk = phases(), phases(disk_state_bytes=offload.disk_state_bytes)

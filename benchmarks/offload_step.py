@@ -37,6 +37,7 @@ import torch.distributed as dist
 import shardtrain as st
 from shardtrain.core.host_step import HostSteps
 from shardtrain.core.shard_module import runtime_of
+from shardtrain.core.step_queue import worker_threads
 from shardtrain.models.llama import SHARD_UNITS, Block, Llama, llama_config
 from shardtrain.options import HOST_STEP_ENV, HOST_STEP_THREADS_ENV
 
@@ -278,7 +279,9 @@ def main() -> None:
                     "h2d_gbs": h2d_gbs,
                     "d2h_gbs": d2h_gbs,
                     "threads": torch.get_num_threads(),
-                    "host_step_threads": int(os.environ.get(HOST_STEP_THREADS_ENV, torch.get_num_threads())),
+                    "host_step_threads": worker_threads(
+                        int(os.environ[HOST_STEP_THREADS_ENV]) if HOST_STEP_THREADS_ENV in os.environ else None
+                    ),
                     "peak_alloc_gib": torch.cuda.max_memory_allocated() / 2**30,
                     "host_rss_gib_rank0": rss.peak / 2**30,
                     "host_used_gib_machine": rss.machine_peak / 2**30,

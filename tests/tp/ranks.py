@@ -219,6 +219,7 @@ def refusals() -> list[str]:
         lambda: st.shard(uneven_llama(90), mesh=dp_tp, tp_plan={"blocks.*.wq": "colwise"}),
         lambda: _compiled_block_forward(dp_tp),
         lambda: _lora_model_split(dp_tp),
+        lambda: _compiled_block_put_back(dp_tp),
     ]
     messages = []
     for attempt in attempts:
@@ -233,6 +234,14 @@ def _compiled_block_forward(mesh) -> None:
     model = uneven_llama(90)
     st.shard(model, mesh=mesh, tp_plan=st.tp.llama_plan(), wrap={Block})
     next(m for m in model.modules() if isinstance(m, Block)).compile(backend="eager")
+    tokens = _batch(0, 0)
+    model.loss(tokens[:, :-1], tokens[:, 1:])
+
+
+def _compiled_block_put_back(mesh) -> None:
+    model = uneven_llama(90)
+    st.shard(model, mesh=mesh, tp_plan=st.tp.llama_plan(), wrap={Block})
+    model.layers[1] = torch.compile(model.layers[1], backend="eager")
     tokens = _batch(0, 0)
     model.loss(tokens[:, :-1], tokens[:, 1:])
 

@@ -76,7 +76,7 @@ def test_collectives_of_one_forward_four_ranks(pools, case):
 
 def test_refusals_name_the_fix(pools):
     messages = pools(2).run(refusals)[0]
-    assert len(messages) == 7, messages
+    assert len(messages) == 8, messages
     assert "tp_plan given with mesh=None" in messages[0] and "('dp', 'tp')" in messages[0]
     assert "dimensions ('data', 'tp')" in messages[1] and "mesh_dim_names=('dp', 'tp')" in messages[1]
     assert "strategy='no_shard' with a tensor-parallel mesh" in messages[2]
@@ -84,6 +84,7 @@ def test_refusals_name_the_fix(pools):
     assert "tp_plan split no parameter of Llama: its paths ['blocks.*.wq']" in messages[4]
     assert "(Block) is compiled (module.compile()) in a tensor-parallel model" in messages[5], messages[5]
     assert "peft" in messages[6] and "LoRA" in messages[6], messages[6]
+    assert "layers.1 (Block) is compiled (torch.compile(module) in its parent)" in messages[7], messages[7]
 
 
 def test_placements_and_tensors_match_torch_fsdp2_two_ranks(pools):

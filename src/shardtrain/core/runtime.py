@@ -117,12 +117,23 @@ class Runtime:
             self._forward_order, self._post_forward_order = [], []
 
     def _refuse_compiled_units(self) -> None:
-        """A compiled unit (`module.compile()`) of a tensor-parallel model fails deep in backward, inside
-        DTensor's redistribution of a gradient the compiled graph returns as a plain tensor: say so first."""
+        """A compiled unit of a tensor-parallel model (`module.compile()`, or `torch.compile(module)` put
+        back into its parent) fails deep in backward, inside DTensor's redistribution of a gradient the
+        compiled graph returns as a plain tensor: say so first."""
+        wrapped = {
+            id(m._orig_mod): "torch.compile(module) in its parent"
+            for m in self._modules[0].modules()
+            if isinstance(m, torch._dynamo.eval_frame.OptimizedModule)
+        }
         for unit, module in zip(self.units, self._modules):
-            if getattr(module, "_compiled_call_impl", None) is not None:
+            how = (
+                "module.compile()"
+                if getattr(module, "_compiled_call_impl", None) is not None
+                else wrapped.get(id(module))
+            )
+            if how is not None:
                 raise ValueError(
-                    f"unit {unit.label} ({type(module).__name__}) is compiled (module.compile()) in a "
+                    f"unit {unit.label} ({type(module).__name__}) is compiled ({how}) in a "
                     "tensor-parallel model: compiling with tensor parallelism is not supported yet; run its "
                     "units eagerly, or shard without a 'tp' mesh dimension to compile them"
                 )

@@ -45,7 +45,7 @@ def test_the_collectives_per_block_are_named():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(world=3, tp=2), "tp=2 must divide world_size=3"),
+        (dict(world=3, tp=2), "tp=2 with 3 processes: the world must be a multiple of tp"),
         (dict(world=4, tp=4), "tp=4 does not divide the model's 2 key/value heads"),
         (dict(world=2, sequence_parallel=True), "also give tp > 1"),
     ],

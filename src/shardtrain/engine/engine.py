@@ -28,6 +28,7 @@ from ..core.shard_module import runtime_of
 from ..options import ShardOptions, is_auto, precision_name, resolve_options
 from ..policy import AutoPolicy, MixedPrecision
 from ..sharding import shard_with
+from ..tp.mesh import check_tp_divides
 from . import launch as _launch
 from .devices import (
     RankInfo,
@@ -41,7 +42,7 @@ from .devices import (
 from .fp16_step import step_through_scaler
 from .lifeline import die_with_launcher
 from .rank_collectives import RankCollectives
-from .tp_setup import check_tensor_parallel, check_world, dp_tp_mesh, rebind_replaced, with_tensor_parallel
+from .tp_setup import check_tensor_parallel, dp_tp_mesh, rebind_replaced, with_tensor_parallel
 
 
 class Engine(RankCollectives):
@@ -115,7 +116,7 @@ class Engine(RankCollectives):
         if tp > 1:
             check_tensor_parallel(tp=tp, options=self._options, auto=self._auto, cpu_offload=cpu_offload)
             if not launched_externally():
-                check_world(tp=tp, world_size=self._topology.num_processes)
+                check_tp_divides(tp=tp, world_size=self._topology.num_processes, spelled=f"Engine(tp={tp})")
         self._strategy: Any = self._auto or self._options.strategy
         self._timeout = timeout
         self._info: RankInfo | None = None
@@ -147,7 +148,7 @@ class Engine(RankCollectives):
         if launched_externally():
             die_with_launcher()  # a killed launcher (ours or torchrun's agent) takes its ranks along
             info = rank_info_from_env()
-            check_world(tp=self._tp, world_size=info.world_size)
+            check_tp_divides(tp=self._tp, world_size=info.world_size, spelled=f"Engine(tp={self._tp})")
             if self._devices != "auto" and self._devices != info.local_world_size:
                 raise ValueError(
                     f"Engine(devices={self._devices}) but the launcher started {info.local_world_size} "

@@ -40,15 +40,6 @@ def check_tensor_parallel(*, tp: int, options: ShardOptions, auto: Any, cpu_offl
         )
 
 
-def check_world(*, tp: int, world_size: int) -> None:
-    """The world must split into whole tp groups."""
-    if world_size % tp:
-        raise ValueError(
-            f"Engine(tp={tp}) with {world_size} processes: the world must be a multiple of tp "
-            f"(data-parallel ranks = world / tp); use tp in {[d for d in range(1, world_size + 1) if world_size % d == 0]}"
-        )
-
-
 def dp_tp_mesh(device: torch.device, *, data_parallel: int, tp: int) -> Any:
     """The ("dp", "tp") DeviceMesh of `data_parallel` x `tp` ranks."""
     from torch.distributed.device_mesh import init_device_mesh

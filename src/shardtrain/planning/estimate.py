@@ -59,6 +59,7 @@ from typing import Any
 
 from ..options import resolve_options
 from ..policy import CPUOffload, MixedPrecision
+from ..tp.mesh import check_tp_divides
 from .activations import ActivationBill, activation_bill
 from .finetune import fine_tune_spec
 from .inputs import EstimateInputs, optimizer_bytes, positive_int, recompute_every_of, shard_size_of
@@ -194,8 +195,7 @@ def estimate_memory(
     strategy = options.strategy
     world_size = positive_int(world_size, "world_size")
     tp = positive_int(tp, "tp")
-    if world_size % tp:
-        raise ValueError(f"tp={tp} must divide world_size={world_size}; use a divisor of {world_size}")
+    check_tp_divides(tp=tp, world_size=world_size, spelled=f"tp={tp}")
     if sequence_parallel and tp == 1:
         raise ValueError("sequence_parallel=True splits activations over the tp ranks: also give tp > 1")
     optimizer_name, optimizer_state_bytes = optimizer_bytes(optimizer)

@@ -38,6 +38,17 @@ class MeshDims:
         return self.replicate is not None
 
 
+def check_tp_divides(*, tp: int, world_size: int, spelled: str) -> None:
+    """The world must split into whole tp groups (data-parallel ranks = world / tp); `spelled` is the
+    option as the caller's user wrote it (`Engine(tp=2)`, `engine.tp=2`, `tp=2`)."""
+    if world_size % tp:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise ValueError(
+            f"{spelled} with {world_size} processes: the world must be a multiple of tp "
+            f"(data-parallel ranks = world / tp); use tp in {divisors}"
+        )
+
+
 def is_tensor_parallel_mesh(mesh: object) -> bool:
     """Whether `mesh` is a DeviceMesh with a dimension named "tp"."""
     return isinstance(mesh, DeviceMesh) and TP in (mesh.mesh_dim_names or ())

@@ -29,6 +29,7 @@ from ..engine.devices import launched_externally, resolve_topology
 from ..options import offload_setting, precision_name, resolve_options
 from ..planning.auto import AutoChoice, choose_plan
 from ..planning.machine import plan_memory
+from ..tp.mesh import check_tp_divides
 from .finetune import build_dtype, check_finetune_config, describe_lora, with_lora
 from .loop import check_batch
 from .model_builder import BuiltModel, build_model
@@ -78,8 +79,10 @@ def planned_setup(cfg: Config) -> PlannedSetup:
     accelerator, world_size = _target(cfg.engine)
     precision = precision_name(cfg.engine.precision, accelerator=accelerator)
     tp = cfg.engine.tp
-    if world_size % tp:
-        raise ConfigError(f"engine.tp={tp} does not divide the {world_size} processes: use a divisor of {world_size}")
+    try:
+        check_tp_divides(tp=tp, world_size=world_size, spelled=f"engine.tp={tp}")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     try:
         global_micro_batch = check_batch(cfg, world_size // tp)
     except ValueError as exc:

@@ -14,8 +14,7 @@ The face the rest of shardtrain may use (`__all__`); everything else in `core` i
 - for the packages that work on whole units: `ShardUnit` (gathering a unit's parameters, `ops/`,
   `checkpoint/`), `GatheredUnit` (the units `ops/compile.py` compiles), `tensor_parallel_of` /
   `tp_coordinates` (the tensor parallelism a runtime runs under, this rank's place in it).
-- for the Engine's tensor-parallel setup: `materialize_whole` (a meta model materialised whole, as
-  `shard_module` would) and `record` (a parameter replaced before sharding, for `rebind`);
+- for the Engine's tensor-parallel setup: `record` (a parameter replaced before sharding, for `rebind`);
   `DefaultInit` (what `st.shard` initialises a meta module with; LoRA falls back to it);
   `DEFAULT_SLOTS` (the disk tier's default pool, in units, which the planner's estimate reuses).
 """
@@ -30,7 +29,7 @@ from .partition import clean_name, matching_paths, partition, repeated_blocks
 from .process_groups import require_process_group, resolve_device
 from .rebind_optimizers import rebind, record
 from .runtime import Runtime
-from .shard_module import RUNTIME_ATTR, materialize_whole, runtime_of, shard_module
+from .shard_module import RUNTIME_ATTR, runtime_of, shard_module
 from .sharded_param import local_of
 from .tensor_parallel import tensor_parallel_of, tp_coordinates
 from .unit import ShardUnit
@@ -50,7 +49,6 @@ __all__ = [
     "layout_of_unit",
     "local_of",
     "matching_paths",
-    "materialize_whole",
     "partition",
     "rebind",
     "record",

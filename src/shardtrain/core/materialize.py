@@ -2,7 +2,10 @@
 
 For a model built on the meta device, modules are materialised unit by unit (their own parameters
 and buffers allocated on the device, then initialised), so no rank ever holds more than one unit
-unsharded. A module is initialised by `param_init_fn(module)` when given; else, inside a Hugging Face
+unsharded. A parameter tensor parallelism already split on the meta device (a DTensor) is initialised
+whole, exactly as without tensor parallelism, then split over its mesh as `parallelize_module` splits
+a materialised one (rank 0 of the mesh scatters its values): the model's values do not depend on the
+mesh, and no rank holds more than one unit's whole weights. A module is initialised by `param_init_fn(module)` when given; else, inside a Hugging Face
 model, by that model's own `_init_weights(module)` (what `from_config` would have run, rotary tables
 included); else by `module.reset_parameters()`. A module with meta state and none of these is an
 error that names it: its tensors would otherwise hold whatever memory they were given.
@@ -16,6 +19,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .param_layout import FlatGroup, UnitLayout
 from .partition import Occurrence, UnitSpec
@@ -46,14 +50,24 @@ class Materializer:
             meta_buffers = [n for n, b in module._buffers.items() if b is not None and b.is_meta]
             if not meta_params and not meta_buffers:
                 continue
+            split: list[tuple[DTensor, torch.Tensor]] = []
             for _, p in meta_params:
-                new = nn.Parameter(torch.empty_like(p, device=self.device), requires_grad=p.requires_grad)
-                for occ in self.occurrences[id(p)]:
-                    occ.module._parameters[occ.attr] = new
-                self.occurrences[id(new)] = self.occurrences[id(p)]
+                whole = torch.empty(p.shape, dtype=p.dtype, device=self.device)  # a DTensor's global shape
+                self._install(p, nn.Parameter(whole, requires_grad=p.requires_grad))
+                if isinstance(p, DTensor):
+                    split.append((p, whole))
             for name in meta_buffers:
                 module._buffers[name] = torch.empty_like(cast(torch.Tensor, module._buffers[name]), device=self.device)
             self._initialise(module, state=[n for n, _ in meta_params] + meta_buffers)
+            for meta, whole in split:
+                local = distribute_tensor(whole, meta.device_mesh, meta.placements, src_data_rank=0)
+                self._install(meta, nn.Parameter(local, requires_grad=meta.requires_grad))
+
+    def _install(self, original: torch.Tensor, new: nn.Parameter) -> None:
+        """Register `new` wherever the meta parameter `original` is registered."""
+        for occ in self.occurrences[id(original)]:
+            occ.module._parameters[occ.attr] = new
+        self.occurrences[id(new)] = self.occurrences[id(original)]
 
     def _initialise(self, module: nn.Module, *, state: list[str]) -> None:
         with torch.no_grad():

@@ -153,16 +153,6 @@ def shard_module(model: nn.Module, options: ShardOptions) -> nn.Module:
     return model
 
 
-def materialize_whole(model: nn.Module, options: ShardOptions, *, device: torch.device) -> None:
-    """Materialise a model built on the meta device, whole, on `device`, with the values `shard_module`
-    gives it (the same units, initialised in the same order): tensor parallelism splits whole weights,
-    so a model built on the meta device is materialised here before the split."""
-    plan = partition(model, options.wrap)
-    materialize_unit = _unit_materializer(model, plan, device=device, param_init_fn=options.param_init_fn)
-    for spec in plan.units:
-        materialize_unit(spec)
-
-
 def _unit_materializer(
     model: nn.Module, plan: Partition, *, device: torch.device, param_init_fn: Callable[[nn.Module], None] | None
 ) -> Callable[[UnitSpec], None]:

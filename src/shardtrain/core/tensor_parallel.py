@@ -12,6 +12,10 @@ parallelism; this module supplies the three places where they differ:
   so torch's parallel styles compute with them; `from_local`'s backward brings each gradient to
   the parameter's TP placement (a partial sum is all-reduced over "tp") before the unit reduces
   it over the data-parallel ranks.
+
+A model built on the meta device is split on the meta device; each unit's weights are initialised
+whole when the unit is materialised, then split (core/materialize.py), so the values do not depend
+on the mesh.
 """
 
 from __future__ import annotations
@@ -228,10 +232,6 @@ def prepare_tensor_parallel(
                 )
     params = {}
     for name, p in split.items():
-        if p.is_meta:
-            raise ValueError(
-                f"parameter {name!r} is a DTensor on the meta device: materialise the model before st.shard"
-            )
         if p.device_mesh != dims.tp_mesh or len(p.placements) != 1:
             raise ValueError(
                 f"parameter {name!r} is a DTensor on {p.device_mesh} {p.placements}; split it over the "
@@ -243,7 +243,7 @@ def prepare_tensor_parallel(
 
 def _check_splittable(model: nn.Module) -> None:
     """Refuse what parallelize_module would silently get wrong or fail on deep inside: tied parameters,
-    meta tensors, peft's adapter layers (their base layer and adapters would need splits of their own)."""
+    peft's adapter layers (their base layer and adapters would need splits of their own)."""
     for name, module in model.named_modules():
         if type(module).__module__.startswith("peft.") and hasattr(module, "base_layer"):
             raise ValueError(
@@ -253,11 +253,6 @@ def _check_splittable(model: nn.Module) -> None:
             )
     seen: dict[int, str] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
-        if p.is_meta:
-            raise ValueError(
-                f"parameter {name!r} is on the meta device: tensor parallelism splits materialised weights; "
-                "build the model on the CPU (or load it) before st.shard(..., tp_plan=...)"
-            )
         if id(p) in seen:
             raise ValueError(
                 f"parameters {seen[id(p)]!r} and {name!r} are tied: tensor parallelism splits them differently; "

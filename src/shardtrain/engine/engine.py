@@ -280,7 +280,7 @@ class Engine(RankCollectives):
         """`options` on the ("dp", "tp") mesh (built once) with the model's plan (engine/tp_setup.py)."""
         if self._mesh is None:
             self._mesh = dp_tp_mesh(self.device, data_parallel=self.data_parallel_size, tp=self._tp)
-        return with_tensor_parallel(model, options, mesh=self._mesh, device=self.device)
+        return with_tensor_parallel(model, options, mesh=self._mesh)
 
     def backward(self, loss: torch.Tensor) -> None:
         """`loss.backward()`, with the loss scaled first under fp16."""

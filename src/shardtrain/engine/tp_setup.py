@@ -16,7 +16,6 @@ import torch
 from torch import nn
 
 from ..core.rebind_optimizers import record
-from ..core.shard_module import materialize_whole
 from ..options import ShardOptions
 
 
@@ -49,13 +48,11 @@ def dp_tp_mesh(device: torch.device, *, data_parallel: int, tp: int) -> Any:
     return init_device_mesh(device.type, (data_parallel, tp), mesh_dim_names=FLAT_NAMES)
 
 
-def with_tensor_parallel(model: nn.Module, options: ShardOptions, *, mesh: Any, device: torch.device) -> ShardOptions:
-    """`options` on `mesh` with the model's plan; a model built on the meta device is materialised
-    first, whole, with the values st.shard would give it."""
+def with_tensor_parallel(model: nn.Module, options: ShardOptions, *, mesh: Any) -> ShardOptions:
+    """`options` on `mesh` with the model's plan (a model built on the meta device stays there: st.shard
+    materialises it unit by unit)."""
     from ..tp import plan_for
 
-    if any(p.is_meta for p in model.parameters()):
-        materialize_whole(model, options, device=device)
     return dataclasses.replace(options, mesh=mesh, tp_plan=options.tp_plan or plan_for(model))
 
 

@@ -36,6 +36,14 @@ def test_activations_split_over_tp_and_further_under_sequence_parallelism():
     assert split.logits == whole.logits  # the loss runs on the whole logits (no loss parallelism)
 
 
+def test_loss_parallelism_splits_the_logits_over_tp():
+    split, lost = _estimate(world=2, tp=2), _estimate(world=2, tp=2, loss_parallel=True)
+    assert lost.logits * 2 == split.logits and lost.activations == split.activations
+    assert ", tp 2 (loss parallel)" in lost.inputs.label
+    both = _estimate(world=2, tp=2, sequence_parallel=True, loss_parallel=True)
+    assert ", tp 2 (sequence parallel, loss parallel)" in both.inputs.label
+
+
 def test_the_collectives_per_block_are_named():
     assert "per block, 2 all-reduces over tp of 0.0 MiB each" in str(_estimate(world=2, tp=2))
     note = str(_estimate(world=2, tp=2, sequence_parallel=True))
@@ -48,6 +56,7 @@ def test_the_collectives_per_block_are_named():
         (dict(world=3, tp=2), "tp=2 with 3 processes: the world must be a multiple of tp"),
         (dict(world=4, tp=4), "tp=4 does not divide the model's 2 key/value heads"),
         (dict(world=2, sequence_parallel=True), "also give tp > 1"),
+        (dict(world=2, loss_parallel=True), "loss_parallel=True splits the logits over the tp ranks: also give tp > 1"),
     ],
 )
 def test_tp_estimate_errors(kwargs, message):
@@ -57,10 +66,11 @@ def test_tp_estimate_errors(kwargs, message):
 
 def test_plan_and_estimate_commands_know_tp(capsys):
     args = ["--model.name", "llama-tiny", "--data.seq_len", "64", "--train.batch_size", "8", "--engine.devices", "2"]
-    assert cli.main(["plan", *args, "--engine.tp", "2", "--engine.sequence_parallel", "true"]) == 0
+    split = ["--engine.tp", "2", "--engine.sequence_parallel", "true", "--engine.loss_parallel", "true"]
+    assert cli.main(["plan", *args, *split]) == 0
     out = capsys.readouterr().out
-    assert "micro-batch 8 x 1 accumulation step" in out and ", tp 2 (sequence parallel)" in out
-    assert "strategy full_shard, tp 2 (sequence parallel), shard group of 1" in out
+    assert "micro-batch 8 x 1 accumulation step" in out and ", tp 2 (sequence parallel, loss parallel)" in out
+    assert "strategy full_shard, tp 2 (sequence parallel, loss parallel), shard group of 1" in out
     assert "2 all-gathers + 2 reduce-scatters over tp" in out
     # 12 GPUs, tp 4: 3 data-parallel ranks, too few for a hybrid group (the default strategies drop it)
     assert cli.main(["estimate", "--model", "8b", "--gpus", "12", "--tp", "4"]) == 0

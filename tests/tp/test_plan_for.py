@@ -25,3 +25,5 @@ def test_plan_for_picks_the_built_in_llamas_or_the_hf_models_own():
     ).keys() and "model.layers.*.self_attn.q_proj" in st.tp.plan_for(hf)
     with pytest.raises(ValueError, match="only the built-in Llama's plan has sequence parallelism"):
         st.tp.plan_for(hf, sequence_parallel=True)
+    with pytest.raises(ValueError, match="only the built-in Llama's plan keeps the logits split"):
+        st.tp.plan_for(hf, loss_parallel=True)

@@ -12,9 +12,10 @@ def test_tp_2_trains_the_losses_of_tp_1(pools, tmp_path):
     steps = "--train.steps 3 --train.log_every 1 --train.eval_every 0 --train.eval_batches 1".split()
     common = [*TINY, *steps, *_on_one_file(tmp_path)]
     # tp 1: two data-parallel ranks of 4 rows (the reference: on the pool, through the same entry point);
-    # tp 2 (sequence parallel), launched: one tp group reading all 8 rows
+    # tp 2 (sequence and loss parallel), launched: one tp group reading all 8 rows
     _train_on(pools(2), [*common, "--run.name", "dp"])
-    split = _train([*common, "--run.name", "tp", "--engine.tp", "2", "--engine.sequence_parallel", "true"])
+    parallel = ["--engine.sequence_parallel", "true", "--engine.loss_parallel", "true"]
+    split = _train([*common, "--run.name", "tp", "--engine.tp", "2", *parallel])
     assert split.returncode == 0, split.stderr
     assert "2 x cpu, full_shard, 32-true, tp 2" in split.stdout
     want, got = ([r for r in _records(tmp_path / name) if r["kind"] != "summary"] for name in ("dp", "tp"))
@@ -39,6 +40,8 @@ def test_tp_refusals_are_one_line_with_the_fix(capsys, args, message):
     assert err.count("\n") == 0 and message in err, err
 
 
-def test_sequence_parallel_needs_tp(capsys):
+def test_sequence_and_loss_parallel_need_tp(capsys):
     assert cli.main(["train", "--engine.sequence_parallel", "true"]) == 2
     assert "also give --engine.tp N" in capsys.readouterr().err
+    assert cli.main(["train", "--engine.loss_parallel", "true"]) == 2
+    assert "loss parallelism splits the logits over the tp ranks: also give --engine.tp N" in capsys.readouterr().err

@@ -73,6 +73,9 @@ def register(subparsers) -> None:
     parser.add_argument(
         "--sequence-parallel", action="store_true", help="with --tp: norms and residual split along the sequence"
     )
+    parser.add_argument(
+        "--loss-parallel", action="store_true", help="with --tp: logits and cross-entropy split over the vocabulary"
+    )
     parser.add_argument("--shard-size", type=int, help="hybrid_shard group size (default: up to 8, below --gpus)")
     parser.add_argument("--seq", type=int, default=4096, help="sequence length (default 4096)")
     parser.add_argument("--batch", type=int, default=1, help="micro-batch per device (default 1)")
@@ -166,6 +169,7 @@ def run(args: argparse.Namespace) -> int:
             trainable_fraction=args.trainable,
             tp=args.tp,
             sequence_parallel=args.sequence_parallel,
+            loss_parallel=args.loss_parallel,
             **hints,
         )
     except ValueError as exc:

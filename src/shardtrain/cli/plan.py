@@ -80,7 +80,7 @@ def _header(description: str, setup: PlannedSetup) -> str:
         f"{setup.precision}, micro-batch {setup.micro_batch} x {setup.grad_accum} accumulation "
         f"step{'s' * (setup.grad_accum > 1)}, seq "
         f"{setup.seq_len}, activation checkpointing {checkpointing}{offload}"
-        f"{tp_label(setup.tp, sequence_parallel=setup.sequence_parallel)}"
+        f"{tp_label(setup.tp, sequence_parallel=setup.sequence_parallel, loss_parallel=setup.loss_parallel)}"
     )
 
 
@@ -114,6 +114,7 @@ def report(args: argparse.Namespace) -> str:
         device_memory=memory,
         tp=setup.tp,
         sequence_parallel=setup.sequence_parallel,
+        loss_parallel=setup.loss_parallel,
     )
     held = accumulation_bytes(estimate, grad_accum=setup.grad_accum)
     bill = str(estimate)

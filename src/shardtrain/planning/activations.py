@@ -127,8 +127,10 @@ def activation_bill(
     recompute_every: int,
     trained: TrainedParts = FULL_TRAINING,
     sequence_split: int = 1,
+    vocab_split: int = 1,
 ) -> ActivationBill:
-    """`sequence_split`: the tp ranks sequence parallelism splits the norms and the residual over (1: none)."""
+    """`sequence_split`: the tp ranks sequence parallelism splits the norms and the residual over (1: none);
+    `vocab_split`: the tp ranks loss parallelism splits the logits and the cross-entropy over (1: none)."""
     tokens = micro_batch * seq_len
     block = block_bytes(
         shape,
@@ -150,4 +152,6 @@ def activation_bill(
     extra = block + 3 * compute_bytes * tokens * shape.ffn_dim if n_ckpt else 0
     if compute_bytes >= FP32:
         extra += 2 * tokens * attention_matrix_bytes(shape, seq_len=seq_len)
-    return ActivationBill(saved=saved, backward_extra=extra, loss_peak=LOSS_BYTES_PER_LOGIT * tokens * shape.vocab_size)
+    return ActivationBill(
+        saved=saved, backward_extra=extra, loss_peak=LOSS_BYTES_PER_LOGIT * tokens * -(-shape.vocab_size // vocab_split)
+    )

@@ -171,6 +171,7 @@ def estimate_memory(
     trainable_fraction: float | None = None,
     tp: int = 1,
     sequence_parallel: bool = False,
+    loss_parallel: bool = False,
     **shape_hints: Any,
 ) -> MemoryEstimate:
     """Estimate one device's peak memory for a training step (see the module docstring for the bill).
@@ -198,6 +199,8 @@ def estimate_memory(
     check_tp_divides(tp=tp, world_size=world_size, spelled=f"tp={tp}")
     if sequence_parallel and tp == 1:
         raise ValueError("sequence_parallel=True splits activations over the tp ranks: also give tp > 1")
+    if loss_parallel and tp == 1:
+        raise ValueError("loss_parallel=True splits the logits over the tp ranks: also give tp > 1")
     optimizer_name, optimizer_state_bytes = optimizer_bytes(optimizer)
     model = fine_tune_spec(
         resolve_model(model_or_spec, params=params, wrap=wrap, **shape_hints),
@@ -222,6 +225,7 @@ def estimate_memory(
         device_memory=None if device_memory is None else parse_bytes(device_memory),
         tp=tp,
         sequence_parallel=bool(sequence_parallel),
+        loss_parallel=bool(loss_parallel),
     )
     return _estimate(inputs)
 
@@ -238,6 +242,7 @@ def _activations(inputs: EstimateInputs) -> ActivationBill:
         recompute_every=inputs.recompute_every,
         trained=inputs.model.trained,
         sequence_split=inputs.tp if inputs.sequence_parallel else 1,
+        vocab_split=inputs.tp if inputs.loss_parallel else 1,
     )
 
 

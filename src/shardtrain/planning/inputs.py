@@ -35,6 +35,7 @@ class EstimateInputs:
     device_memory: int | None
     tp: int = 1  # ranks each layer is split over; `model` is then what one of them holds (tensor_parallel.py)
     sequence_parallel: bool = False
+    loss_parallel: bool = False
 
     @property
     def param_bytes(self) -> int:
@@ -54,14 +55,15 @@ class EstimateInputs:
     @property
     def label(self) -> str:
         label = f"{self.strategy.value}({self.shard_size})" if self.strategy.is_hybrid else self.strategy.value
-        return label + tp_label(self.tp, sequence_parallel=self.sequence_parallel)
+        return label + tp_label(self.tp, sequence_parallel=self.sequence_parallel, loss_parallel=self.loss_parallel)
 
 
-def tp_label(tp: int, *, sequence_parallel: bool) -> str:
-    """ ", tp N" (with " (sequence parallel)") under tensor parallelism, "" without."""
+def tp_label(tp: int, *, sequence_parallel: bool, loss_parallel: bool) -> str:
+    """ ", tp N" (with " (sequence parallel, loss parallel)") under tensor parallelism, "" without."""
     if tp == 1:
         return ""
-    return f", tp {tp}" + " (sequence parallel)" * sequence_parallel
+    parts = [name for name, on in (("sequence parallel", sequence_parallel), ("loss parallel", loss_parallel)) if on]
+    return f", tp {tp}" + (f" ({', '.join(parts)})" if parts else "")
 
 
 def positive_int(value: Any, name: str) -> int:

@@ -120,15 +120,20 @@ def hf_plan(model: nn.Module) -> TpPlan:
     return translate_hf_plan(strings, prefix=prefix)
 
 
-def plan_for(model: nn.Module, *, sequence_parallel: bool = False) -> TpPlan:
+def plan_for(model: nn.Module, *, sequence_parallel: bool = False, loss_parallel: bool = False) -> TpPlan:
     """The plan of `model`: `llama_plan` for the built-in Llama, else the transformers model's own
-    (`hf_plan`); sequence parallelism is in the built-in Llama's plan only."""
+    (`hf_plan`); sequence and loss parallelism are in the built-in Llama's plan only."""
     if isinstance(model, Llama):
-        return llama_plan(sequence_parallel=sequence_parallel)
+        return llama_plan(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
     if sequence_parallel:
         raise ValueError(
             f"sequence_parallel=True with {type(model).__name__}: only the built-in Llama's plan has sequence "
             "parallelism; drop it, or pass your own tp_plan with SequenceParallel() styles"
+        )
+    if loss_parallel:
+        raise ValueError(
+            f"loss_parallel=True with {type(model).__name__}: only the built-in Llama's plan keeps the logits "
+            "split; drop it, or pass your own tp_plan whose output head returns Shard(-1) DTensors"
         )
     return hf_plan(model)
 

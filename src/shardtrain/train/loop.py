@@ -130,13 +130,14 @@ def build_job(cfg: Config, engine: Engine) -> tuple[Job, str]:
         betas=(cfg.optim.beta1, cfg.optim.beta2),
         fused=engine.device.type == "cuda",
     )
+    split = cfg.engine.tp > 1
     model, optimizer = engine.setup(
         model,
         optimizer,
         wrap=built.wrap,
         activation_checkpointing=recompute_policy(model, wrap=built.wrap, every=cfg.model.activation_checkpointing),
         **({"param_init_fn": adapter_init} if adapter_init else {}),
-        **({"tp_plan": plan_for(model, sequence_parallel=cfg.engine.sequence_parallel)} if cfg.engine.tp > 1 else {}),
+        **({"tp_plan": plan_for(model, **_parallel_styles(cfg))} if split else {}),
     )
     loaded = load_base(cfg, model)
     if loaded and engine.rank == 0:
@@ -298,3 +299,8 @@ def _progress_bar(cfg: Config, first_step: int):
     from tqdm import tqdm
 
     return tqdm(total=cfg.train.steps, initial=first_step, desc="train", unit="step", dynamic_ncols=True)
+
+
+def _parallel_styles(cfg: Config) -> dict[str, bool]:
+    """The tensor-parallel plan's options of `cfg` (tp/plans.py)."""
+    return {"sequence_parallel": cfg.engine.sequence_parallel, "loss_parallel": cfg.engine.loss_parallel}

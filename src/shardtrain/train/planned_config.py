@@ -54,6 +54,7 @@ class PlannedSetup:
     offload_dir: str | None = None  # the disk tier's directory for the offloaded optimizer state
     tp: int = 1  # ranks each layer is split over (the data-parallel ranks: world_size // tp)
     sequence_parallel: bool = False
+    loss_parallel: bool = False
 
 
 def _target(engine: EngineConfig) -> tuple[str, int]:
@@ -100,6 +101,7 @@ def planned_setup(cfg: Config) -> PlannedSetup:
         offload_dir=cfg.engine.offload_dir,
         tp=tp,
         sequence_parallel=cfg.engine.sequence_parallel,
+        loss_parallel=cfg.engine.loss_parallel,
     )
 
 

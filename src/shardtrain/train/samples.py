@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from .packed import forward_logits
 
@@ -25,6 +26,8 @@ def greedy_samples(model: nn.Module, prompts: list[dict], *, tokenizer, max_new_
         ids = torch.tensor([prompt["prompt_ids"]], device=device)
         for _ in range(max_new_tokens):
             logits = forward_logits(model, ids, position_ids=None)
+            if isinstance(logits, DTensor):  # engine.loss_parallel: split over the vocabulary on the tp ranks
+                logits = logits.full_tensor()
             ids = torch.cat([ids, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
         new = ids[0, len(prompt["prompt_ids"]) :].tolist()
         end = next((i for i, t in enumerate(new) if t in stops), len(new))

@@ -263,6 +263,11 @@ class EngineConfig:
         "residual) along the sequence over the tp ranks",
         False,
     )
+    loss_parallel: bool = _help(
+        "with engine.tp > 1 and the built-in Llama: keep the logits split over the vocabulary on the tp "
+        "ranks and compute the cross-entropy there (torch's loss_parallel), instead of gathering them",
+        False,
+    )
     timeout: float = _help(
         "seconds a rank waits in a collective for its peers before the job stops, naming the "
         "rank that did not arrive (raise it for a first step or a tokenization that takes longer)",
@@ -277,6 +282,12 @@ class EngineConfig:
             "engine.sequence_parallel",
             self.sequence_parallel,
             "sequence parallelism splits activations over the tp ranks: also give --engine.tp N (N > 1)",
+        )
+        _require(
+            not self.loss_parallel or self.tp > 1,
+            "engine.loss_parallel",
+            self.loss_parallel,
+            "loss parallelism splits the logits over the tp ranks: also give --engine.tp N (N > 1)",
         )
         _require(self.timeout > 0, "engine.timeout", self.timeout, "use a positive number of seconds, e.g. 300")
         _require(

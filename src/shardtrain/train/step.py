@@ -11,6 +11,7 @@ Under tensor parallelism "world" is the data-parallel ranks: the ranks of one tp
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from ..data.pack import IGNORE
 from ..engine import Engine
@@ -42,9 +45,11 @@ def loss_sum(model: nn.Module, batch: Batch, *, packed: bool, vocab_size: int) -
             f"the model predicts {logits.size(-1)} classes but the tokenizer has {vocab_size} tokens; "
             f"give the model a vocabulary of at least {vocab_size} (e.g. --model.kwargs.vocab_size {vocab_size})"
         )
-    return F.cross_entropy(
+    loss = F.cross_entropy(
         logits.flatten(0, 1).float(), batch["labels"].flatten(), ignore_index=IGNORE, reduction="sum"
     )
+    # engine.loss_parallel: a DTensor over the tp ranks (replicated: full_tensor() moves nothing)
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
 
 @dataclass(kw_only=True)
@@ -77,6 +82,11 @@ class Job:
         mine = sum((b["labels"] != IGNORE).sum() for b in batches).float()
         return (self.engine.all_reduce(mine, op="sum") / self.engine.tp).clamp(min=1)
 
+    def loss_context(self) -> contextlib.AbstractContextManager:
+        """torch's `loss_parallel()` around a loss and its backward when the logits stay split over the tp
+        ranks (engine.loss_parallel: the cross-entropy runs on each rank's share of the vocabulary)."""
+        return loss_parallel() if self.cfg.engine.loss_parallel else contextlib.nullcontext()
+
     def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
         """One optimizer step; returns (this rank's share of the step's mean loss per trained token, gradient
         norm before clipping, whether the step was skipped for a non-finite loss or norm)."""
@@ -87,7 +97,7 @@ class Job:
         scale = self.engine.data_parallel_size / self.trained_tokens(batches)
         total = torch.zeros((), device=self.engine.device)
         for micro, batch in enumerate(batches):
-            with self.engine.no_backward_sync(self.model, enabled=micro < accum - 1):
+            with self.engine.no_backward_sync(self.model, enabled=micro < accum - 1), self.loss_context():
                 loss = loss_sum(self.model, batch, packed=self.data.packed, vocab_size=self.vocab_size) * scale
                 self.engine.backward(loss)
             total += loss.detach()
@@ -110,7 +120,8 @@ class Job:
         sums = torch.zeros(2, device=self.engine.device)
         for index in range(self.cfg.train.eval_batches):
             batch = self.to_device(self.data.held_out.batch(index))
-            sums[0] += loss_sum(self.model, batch, packed=self.data.packed, vocab_size=self.vocab_size)
+            with self.loss_context():
+                sums[0] += loss_sum(self.model, batch, packed=self.data.packed, vocab_size=self.vocab_size)
             sums[1] += (batch["labels"] != IGNORE).sum()
         self.model.train()
         sums = self.engine.all_reduce(sums, op="sum")

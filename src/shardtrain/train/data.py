@@ -223,6 +223,10 @@ class TokenBatches(WindowOrder):
                 for w in map(self.window, self.samples(index))
             ]
         ).astype(np.int64)
-        data = torch.from_numpy(rows)
-        positions = torch.arange(self.seq_len).expand(len(rows), -1)
-        return {"input_ids": data[:, :-1], "labels": data[:, 1:], "position_ids": positions}
+        # Each tensor is built dense and contiguous: the step pins batches on CUDA, and pinning an
+        # expanded or strided view fails (or copies).
+        return {
+            "input_ids": torch.from_numpy(np.ascontiguousarray(rows[:, :-1])),
+            "labels": torch.from_numpy(np.ascontiguousarray(rows[:, 1:])),
+            "position_ids": torch.arange(self.seq_len).repeat(len(rows), 1),
+        }

@@ -68,7 +68,7 @@ class GatheredUnit(ShardUnit):
         self.prepare_views(in_backward=in_backward)
 
     def end_forward(self, *, backward_follows: bool) -> None:
-        if not backward_follows:  # no backward will come for this call: release now
+        if not backward_follows and not self._backward_pending():  # no backward will use the views: release now
             if self.behaviour.resident:
                 self.uninstall_views()
             else:
@@ -142,10 +142,18 @@ class GatheredUnit(ShardUnit):
         per_group = [buf.unsharded_views() for buf in self.buffers]
         return [per_group[g][k] for g, k in self.where]
 
+    def _backward_pending(self) -> bool:
+        """Whether a forward with gradients handed out this iteration's views and no backward took them yet."""
+        return self._views is not None and self._views_track_grad
+
     def prepare_views(self, *, in_backward: bool) -> None:
-        """Create this iteration's views (once) and install them as the modules' attributes."""
+        """Create this iteration's views (once) and install them as the modules' attributes.
+
+        Note [Views across a forward without gradients] (docs/design.md): a forward without gradients
+        reuses the views a forward with gradients handed out and keeps them for its backward.
+        """
         track = torch.is_grad_enabled() and self.any_requires_grad
-        if self._views is None or (not in_backward and track != self._views_track_grad):
+        if self._views is None or (not in_backward and track and not self._views_track_grad):
             if track:
                 views = _ParamViews.apply(self._anchor, self)
             else:

@@ -2,24 +2,27 @@
 
 Run as a script (`python fabric_run.py OUT_DIR [--more]`): Fabric's launcher re-runs it once per
 device (2 CPU ranks, Gloo). Rank 0 writes OUT_DIR/result.json with the losses, gradient norms and
-parameter differences the test asserts on. `--resume CKPT`: steps 4-6 from the parity run's checkpoint,
+parameter differences the test asserts on. The parity run picks its units and the blocks it recomputes with
+torch FSDP's policies, as a script written for Lightning's FSDPStrategy passes them. `--resume CKPT`: steps 4-6 from the parity run's checkpoint,
 in fresh processes; `--more` (alone or after `--resume`): the half precisions and full checkpoints.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from pathlib import Path
 
 import lightning as L
 import torch
 from safetensors.torch import load_file
+from torch.distributed.fsdp.wrap import CustomPolicy, size_based_auto_wrap_policy
 
 import shardtrain as st
 from shardtrain.core.collectives import observe
 from shardtrain.integrations.fabric import ShardtrainMixedPrecision, ShardtrainStrategy
-from tests.integrations.toy import Block, ReduceScatters, Toy, batch, initial_state, param_bytes
+from tests.integrations.toy import Block, ReduceScatters, Toy, batch, initial_state, param_bytes, sharding_layout
 
 STEPS, ACCUM, MAX_NORM, LR = 6, 2, 0.05, 1e-2
 
@@ -130,7 +133,11 @@ def main() -> None:
         return
     ddp_losses, ddp_norms, ddp_params = ddp_reference()
 
-    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=ShardtrainStrategy(wrap={Block}), precision="32-true")
+    strategy = ShardtrainStrategy(
+        auto_wrap_policy=functools.partial(size_based_auto_wrap_policy, min_num_params=3000),  # a block: 4192
+        activation_checkpointing_policy=CustomPolicy(lambda module: isinstance(module, Block)),
+    )
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy, precision="32-true")
     fabric.launch()
     model, opt, on_meta = sharded_model(fabric)
     held = param_bytes(model)
@@ -168,6 +175,7 @@ def main() -> None:
             "resumed_losses": resumed_losses,
             "max_param_diff": max((final[k] - ddp_params[k]).abs().max().item() for k in ddp_params),
             "param_names_match": sorted(final) == sorted(ddp_params),
+            "layout": sharding_layout(model.module),
         }
         (args.out / "result.json").write_text(json.dumps(result))
 

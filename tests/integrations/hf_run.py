@@ -1,8 +1,8 @@
 """transformers.Trainer (DDP) against ShardtrainTrainer on a small LlamaForCausalLM, under torchrun.
 
 `torchrun --nproc_per_node=2 hf_run.py OUT [--mode parity|sft|single]`: rank 0 writes
-OUT/result.json with both runs' losses, the save_model round trip, generation and the resumed run's
-losses. `--mode sft`: TRL's SFTTrainer with the mixin trains a few steps instead; `--mode single`
+OUT/result.json with both runs' losses, the save_model round trip, generation, the resumed run's
+losses and a run with load_best_model_at_end. `--mode sft`: TRL's SFTTrainer with the mixin trains a few steps instead; `--mode single`
 (plain `python`, one process): a meta-built model loaded with st.load_pretrained after sharding.
 """
 
@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from datasets import Dataset
+from safetensors.torch import load_file
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast, Trainer, TrainerCallback, TrainingArguments
 
@@ -47,9 +48,8 @@ def model() -> LlamaForCausalLM:
     return LlamaForCausalLM(config("llama_untied"))
 
 
-def arguments(out: Path, **fsdp) -> TrainingArguments:
-    return TrainingArguments(
-        output_dir=str(out),
+def arguments(out: Path, **overrides) -> TrainingArguments:
+    defaults = dict(
         per_device_train_batch_size=2,
         per_device_eval_batch_size=2,
         gradient_accumulation_steps=2,
@@ -63,8 +63,8 @@ def arguments(out: Path, **fsdp) -> TrainingArguments:
         seed=0,
         use_cpu=True,
         disable_tqdm=True,
-        **fsdp,
     )
+    return TrainingArguments(output_dir=str(out), **{**defaults, **overrides})
 
 
 def losses(trainer: Trainer, after: int = 0) -> list[float]:
@@ -102,6 +102,45 @@ class CountReduces(TrainerCallback):
         self.syncing.append(self.counter.take())
 
 
+def best_model(out: Path, common: dict) -> dict:
+    """load_best_model_at_end: evaluate and save every 2 of 6 steps, the best being the highest eval loss
+    (training lowers it, so the best is an early checkpoint, not the last); the final model's weights
+    against the safetensors save_model wrote into each checkpoint."""
+    import shardtrain as st
+
+    args = arguments(
+        out,
+        max_steps=6,
+        gradient_accumulation_steps=1,
+        eval_strategy="steps",
+        eval_steps=2,
+        save_steps=2,
+        load_best_model_at_end=True,
+        metric_for_best_model="eval_loss",
+        greater_is_better=True,
+    )
+    trainer = ShardtrainTrainer(model=model(), args=args, **common)
+    trainer.train()
+    evals = {h["step"]: h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h}
+    after = trainer.evaluate()["eval_loss"]
+    final = st.full_state_dict(trainer.model)
+    if dist.get_rank() != 0:
+        return {}
+
+    def diff(step: int) -> float:
+        saved = load_file(out / f"checkpoint-{step}" / "model.safetensors")
+        return max((final[k] - v).abs().max().item() for k, v in saved.items())
+
+    best = Path(trainer.state.best_model_checkpoint).name
+    return {
+        "evals": evals,
+        "best_checkpoint": best,
+        "best_metric": trainer.state.best_metric,
+        "eval_after_load": after,
+        "diff_to_checkpoint": {step: diff(step) for step in evals},
+    }
+
+
 def parity(out: Path) -> dict:
     tok = tokenizer()
     train, evaluation = dataset(tok, 0, 96), dataset(tok, 96, 8)
@@ -123,6 +162,7 @@ def parity(out: Path) -> dict:
     transformers5 = dict(fsdp=True, fsdp_config={"transformer_layer_cls_to_wrap": WRAP, "reshard_after_forward": True})
     resumed = ShardtrainTrainer(model=model(), args=arguments(out / "st", **transformers5), **common)
     resumed.train(resume_from_checkpoint=str(out / "st" / "checkpoint-5"))
+    best = best_model(out / "best", common)
     result = {}
     if dist.get_rank() == 0:
         result = {
@@ -139,6 +179,7 @@ def parity(out: Path) -> dict:
             "syncing_reduces": reduces.syncing,
             "checkpoint_files": sorted(p.name for p in (out / "st" / "checkpoint-5").iterdir()),
             **compare(out / "final", ddp.model, tok),
+            "best_model": best,
         }
     return result
 

@@ -1,5 +1,7 @@
 """A LightningModule with `configure_model`, trained by `L.Trainer` with strategy="ddp" and then with
 ShardtrainStrategy (accumulate_grad_batches=2, gradient_clip_val=1.0), then resumed with `ckpt_path=`.
+The shardtrain runs take the blocks as units and recompute them in backward, spelled as a script written for
+Lightning's FSDPStrategy spells it: sets of classes, then torch's policy callables.
 
 Run as a script (`python lightning_run.py OUT`): the Trainer's launcher re-runs it once per device
 (2 CPU ranks, Gloo). Rank 0 writes OUT/result.json.
@@ -9,18 +11,20 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 from pathlib import Path
 
 import lightning as L
 import torch
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy, lambda_auto_wrap_policy
 from torch.utils.data import DataLoader, TensorDataset
 
 import shardtrain as st
 from shardtrain.core.collectives import observe
 from shardtrain.integrations.lightning import ShardtrainStrategy
 from shardtrain.ops.grad_norm import grad_norm
-from tests.integrations.toy import Block, ReduceScatters, Toy, batch, initial_state
+from tests.integrations.toy import Block, ReduceScatters, Toy, batch, initial_state, sharding_layout
 
 EPOCHS, STEPS_PER_EPOCH, ACCUM, LR = 2, 3, 2, 1e-2
 LOSS_SCALE = 4.0  # makes gradient_clip_val=1.0 clip
@@ -122,14 +126,18 @@ def main() -> None:
 
     module = Module(load_initial=True)
     saving = L.pytorch.callbacks.ModelCheckpoint(dirpath=out / "ckpts", every_n_epochs=1, save_top_k=-1)
-    sharded = trainer(ShardtrainStrategy(wrap={Block}), callbacks=[saving])
+    strategy = ShardtrainStrategy(auto_wrap_policy={Block}, activation_checkpointing_policy={Block})
+    sharded = trainer(strategy, callbacks=[saving])
     sharded.fit(module, loader(), loader())
     val = sharded.validate(module, loader(), verbose=False)[0]["val_loss"]
     final = st.full_state_dict(module)
 
     resumed_module = Module(load_initial=False)
     checkpoint = out / "ckpts" / f"epoch=0-step={STEPS_PER_EPOCH}.ckpt"  # the end of the first epoch
-    resumed = trainer(ShardtrainStrategy(wrap={Block}))
+    is_block = functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: isinstance(m, Block))
+    resumed = trainer(
+        ShardtrainStrategy(auto_wrap_policy=ModuleWrapPolicy({Block}), activation_checkpointing_policy=is_block)
+    )
     resumed.fit(resumed_module, loader(), loader(), ckpt_path=checkpoint)
 
     if sharded.global_rank == 0:
@@ -145,6 +153,8 @@ def main() -> None:
             "param_names_match": sorted(final) == sorted(ddp_params),
             "resumed_losses": resumed_module.losses,
             "resumed_step": resumed.global_step,
+            "layout": sharding_layout(module),
+            "resumed_layout": sharding_layout(resumed_module),
         }
         (out / "result.json").write_text(json.dumps(result))
 

@@ -9,7 +9,8 @@ from tests.integrations.runs import run_script
 
 def test_fabric_guide_loop_matches_ddp_and_resumes(tmp_path):
     """One launch: the guide's loop (meta init, accumulation with no_backward_sync, clipping that
-    fires, all_reduce) under DDP and under shardtrain; save at step 3, load into fresh objects."""
+    fires, all_reduce) under DDP and under shardtrain; save at step 3, load into fresh objects. The units
+    and recomputed blocks come from torch FSDP policies given as Lightning's FSDPStrategy takes them."""
     r = run_script("fabric_run.py", str(tmp_path))
     assert r["on_meta_per_rank"] == [1, 1]  # init_module(empty_init=True) built nothing
     assert r["held_bytes_per_rank"] == [r["full_bytes"] // 2] * 2  # each rank its half, no full copy
@@ -23,6 +24,7 @@ def test_fabric_guide_loop_matches_ddp_and_resumes(tmp_path):
     assert r["param_names_match"] and r["max_param_diff"] < 1e-5
     assert r["resumed_step"] == 3
     assert r["resumed_losses"] == pytest.approx(r["losses"][3:], abs=1e-6)
+    assert r["layout"] == {"units": ["<root>", "blocks.0", "blocks.1"], "checkpointed": ["blocks.0", "blocks.1"]}
 
 
 @pytest.mark.parametrize(

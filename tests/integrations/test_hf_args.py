@@ -64,6 +64,10 @@ def test_defaults_wrap_the_models_layers_and_read_the_rest(tmp_path, llama):
             {"fsdp": True, "fsdp_config": {"auto_wrap_policy": "NO_WRAP", "activation_checkpointing": True}},
             r"layer classes",
         ),
+        (
+            {"load_best_model_at_end": True, "save_only_model": True, "eval_strategy": "steps"},
+            r"load_best_model_at_end=True, save_only_model=True.*drop save_only_model",
+        ),
     ],
 )
 def test_what_shardtrain_cannot_run_is_named(tmp_path, llama, kwargs, message):

@@ -10,7 +10,8 @@ from tests.integrations.runs import run_script
 def test_trainer_matches_ddp_and_resumes_from_ckpt_path(tmp_path):
     """One launch: configure_model (on meta under shardtrain), accumulate_grad_batches=2,
     gradient_clip_val=1.0 (firing), self.log, trainer.validate; ModelCheckpoint after epoch 1, then
-    a fresh Trainer and module resumed with fit(ckpt_path=...) train epoch 2 identically."""
+    a fresh Trainer and module resumed with fit(ckpt_path=...) train epoch 2 identically. Units and
+    recomputed blocks come from FSDPStrategy's auto_wrap_policy / activation_checkpointing_policy."""
     r = run_script("lightning_run.py", str(tmp_path))
     assert len(r["losses"]) == 12  # 6 optimizer steps of 2 micro-batches
     assert r["reduce_scatters"][0::2] == [0] * 6  # accumulating micro-batches: no gradient exchange
@@ -22,6 +23,9 @@ def test_trainer_matches_ddp_and_resumes_from_ckpt_path(tmp_path):
     assert r["param_names_match"] and r["max_param_diff"] < 1e-5
     assert r["resumed_step"] == 6
     assert r["resumed_losses"] == pytest.approx(r["losses"][6:], abs=1e-6)
+    blocks = ["model.blocks.0", "model.blocks.1"]
+    assert r["layout"] == {"units": ["<root>", *blocks], "checkpointed": blocks}  # from sets of classes
+    assert r["resumed_layout"] == r["layout"]  # from ModuleWrapPolicy and a torch policy callable
 
 
 def test_the_name_shardtrain_and_its_precision_plugins():

@@ -71,3 +71,13 @@ class ReduceScatters:
     def take(self) -> int:
         count, self.count = self.count, 0
         return count
+
+
+def sharding_layout(sharded: nn.Module) -> dict[str, list[str]]:
+    """The units of a model `st.shard` sharded (by module path) and the modules it recomputes in backward."""
+    from shardtrain.core.shard_module import runtime_of
+
+    return {
+        "units": sorted(u.label for u in runtime_of(sharded).units),
+        "checkpointed": sorted(p for p, m in sharded.named_modules() if m.__dict__.get("_shardtrain_checkpointed")),
+    }

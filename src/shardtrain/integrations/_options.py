@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -16,6 +17,7 @@ from torch import nn
 
 from ..options import ShardOptions, resolve_options
 from ..sharding import shard_with
+from ._lightning_policies import TreePolicy, split_lightning_policies
 
 # st.shard options that the host framework decides, and where the user sets them instead.
 _OWNED_BY_HOST = {
@@ -41,9 +43,23 @@ def shard_options(owner: str, options: dict[str, Any]) -> ShardOptions:
     return resolve_options(**options)
 
 
-def shard_hosted(module: nn.Module, options: ShardOptions, *, device: torch.device, precision: str) -> nn.Module:
-    """Shard `module` with an adapter's `options` on the host's `device` under the host's `precision` name."""
+@dataclass(frozen=True, kw_only=True)
+class StrategyOptions:
+    """A Lightning ShardtrainStrategy's `st.shard` options: `options` read when the strategy is built, and
+    Lightning's tree policies (`_lightning_policies.py`), which set their option once the model is known."""
+
+    options: ShardOptions
+    tree_policies: dict[str, TreePolicy] = field(default_factory=dict)
+
+    def for_model(self, module: nn.Module) -> ShardOptions:
+        chosen = {option: policy.on(module) for option, policy in self.tree_policies.items()}
+        return dataclasses.replace(self.options, **chosen)
+
+
+def shard_hosted(module: nn.Module, strategy: StrategyOptions, *, device: torch.device, precision: str) -> nn.Module:
+    """Shard `module` with a strategy's options on the host's `device` under the host's `precision` name."""
     host = resolve_options(device=device, mixed_precision=shard_precision("ShardtrainStrategy", precision))
+    options = strategy.for_model(module)
     return shard_with(module, dataclasses.replace(options, device=host.device, precision=host.precision))
 
 
@@ -69,16 +85,16 @@ HOST_ARGS = (
 
 def strategy_args(
     *, state_dict_type: str, checkpoint_io: Any, kwargs: dict[str, Any], host_args: tuple[str, ...]
-) -> tuple[dict[str, Any], ShardOptions]:
+) -> tuple[dict[str, Any], StrategyOptions]:
     """Split a Lightning ShardtrainStrategy's keyword arguments into its DDP base's (`host_args`) and
-    `st.shard`'s (checked here)."""
+    `st.shard`'s (checked here), Lightning FSDPStrategy's policy arguments among the latter."""
     if state_dict_type not in STATE_DICT_TYPES:
         raise ValueError(f"ShardtrainStrategy(state_dict_type={state_dict_type!r}): use one of {STATE_DICT_TYPES}")
     if checkpoint_io is not None:
         raise ValueError("ShardtrainStrategy(checkpoint_io=...): checkpoints are shardtrain's own; drop it")
     host = {k: v for k, v in kwargs.items() if k in host_args and v is not None}
-    options = {k: v for k, v in kwargs.items() if k not in host_args}
-    return host, shard_options("ShardtrainStrategy", options)
+    options, tree_policies = split_lightning_policies({k: v for k, v in kwargs.items() if k not in host_args})
+    return host, StrategyOptions(options=shard_options("ShardtrainStrategy", options), tree_policies=tree_policies)
 
 
 def convert_precision(plugin: Any, replacements: dict[type, Callable[[Any], Any]], *, host: str) -> Any:

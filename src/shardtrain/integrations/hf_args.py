@@ -55,7 +55,6 @@ _UNSUPPORTED_ARGS = {
     "bf16_full_eval": False,
     "torch_compile": False,
     "deepspeed": None,
-    "load_best_model_at_end": False,
     "parallelism_config": None,
 }
 _STATE_DICT_TYPES = {"FULL_STATE_DICT": "full", "SHARDED_STATE_DICT": "sharded"}
@@ -81,6 +80,12 @@ def _check_args(args: Any) -> None:
                 f"TrainingArguments({name}={value!r}) is not supported by ShardtrainTrainer; leave it at {fine!r}"
                 + (" (bf16=True trains in bf16 with fp32 master weights)" if name == "fp16" else "")
             )
+    if getattr(args, "load_best_model_at_end", False) and getattr(args, "save_only_model", False):
+        raise ValueError(
+            "TrainingArguments(load_best_model_at_end=True, save_only_model=True): ShardtrainTrainer loads the best "
+            "model from the checkpoint's shardtrain/ folder, which save_only_model=True does not write; drop "
+            "save_only_model"
+        )
 
 
 def _wrap(model: nn.Module, config: dict[str, Any]) -> Any:

@@ -53,6 +53,9 @@ class ShardtrainStrategy(DDPStrategy):
         **options: `st.shard`'s options (`strategy`, `wrap`, `activation_checkpointing`, `cpu_offload`,
             `mesh`, `prefetch`, `param_init_fn`, `sync_module_states`, torch's spellings); precision,
             device and process group come from the Trainer.
+        auto_wrap_policy, activation_checkpointing_policy: as Lightning's FSDPStrategy takes them (a set
+            of module classes, `ModuleWrapPolicy`, a torch FSDP policy callable): `wrap` and
+            `activation_checkpointing` (`_lightning_policies.py`).
     """
 
     def __init__(self, *, state_dict_type: str = "sharded", checkpoint_io: Any = None, **kwargs: Any) -> None:

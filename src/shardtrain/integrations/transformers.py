@@ -18,6 +18,8 @@ The overrides, each the smallest point the Trainer offers:
 - `save_model`: `st.save_pretrained` (a `from_pretrained` folder), the tokenizer and the arguments.
 - `_save_optimizer_and_scheduler` / `_load_optimizer_and_scheduler`: model, optimizer and scheduler
   in one `st.save_checkpoint` under `checkpoint-N/shardtrain/`, resharded on load.
+- `_load_best_model` (`load_best_model_at_end=True`): the model's weights from the best checkpoint's
+  `shardtrain/` folder (the fp32 masters as they were at that step; each rank reads its own rows).
 """
 
 from __future__ import annotations
@@ -119,6 +121,11 @@ class ShardtrainTrainerMixin:
 
         if checkpoint is not None:
             load_checkpoint(Path(checkpoint) / CHECKPOINT_DIR, self._state())
+
+    def _load_best_model(self) -> None:
+        from .. import load_checkpoint
+
+        load_checkpoint(Path(self.state.best_model_checkpoint) / CHECKPOINT_DIR, {"model": sharded_root(self.model)})
 
     def _state(self) -> dict[str, Any]:
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # inside Accelerate's wrapper

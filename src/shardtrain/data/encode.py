@@ -21,7 +21,10 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
-from .formats import Format, conversation_of
+from jinja2 import TemplateError
+
+from .deps import first_line
+from .formats import Format, conversation_of, tools_of
 from .tokenizer import has_generation_marks
 
 
@@ -49,7 +52,7 @@ class Encoder:
         """(token ids, trained flags) of one row, before any cut to seq_len."""
         conversation = conversation_of(row, self.format)
         if conversation is not None:
-            ids, trained = chat_tokens(self.tokenizer, conversation)
+            ids, trained = chat_tokens(self.tokenizer, conversation, tools=tools_of(row))
         elif self.format is Format.TEXT:
             ids, trained = self._with_eos(self.tokenizer(row["text"])["input_ids"]), None
         else:
@@ -70,7 +73,13 @@ class Encoder:
     def __call__(self, rows: dict[str, list], indices: list[int]) -> dict[str, list]:
         out: dict[str, list] = {"input_ids": [], "trained": [], "row": [], "truncated": [], "kept": [], "n_trained": []}
         for k, index in enumerate(indices):
-            ids, trained = self.encode({name: column[k] for name, column in rows.items()})
+            row = {name: column[k] for name, column in rows.items()}
+            try:
+                ids, trained = self.encode(row)
+            except (TemplateError, TypeError) as exc:  # the template met a field it cannot render
+                raise ValueError(f"data row {index}: {_what_failed(row, self.format)} ({first_line(exc)})") from exc
+            except ValueError as exc:
+                raise ValueError(f"data row {index}: {exc}") from exc
             pieces, truncated, kept = [(ids, trained)], False, True
             if len(ids) > self.seq_len:
                 if self.format is Format.TEXT:
@@ -101,22 +110,36 @@ def one_bos(ids: list[int], trained: list[int], bos: int | None) -> tuple[list[i
     return ids[start:], trained[start:]
 
 
-def chat_tokens(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
-    """The conversation's tokens and assistant mask, by the template's generation marks or by prefixes."""
+def _what_failed(row: dict, fmt: Format) -> str:
+    """Which part of a row failed to encode, for the one-line error: the chat's fields, or the format's columns."""
+    conversation = row.get("messages") or row.get("conversations")
+    if fmt is not Format.MESSAGES or not isinstance(conversation, list):
+        return f"cannot be encoded as {fmt.value} rows (columns {sorted(row)})"
+    fields = sorted({k for m in conversation if isinstance(m, dict) for k, v in m.items() if v is not None})
+    tools = "with" if row.get("tools") else "without"
+    return (
+        f"the chat template cannot render its messages (fields {fields}, {tools} tools); fix the row, or pick a "
+        "template that handles them with --data.chat_template"
+    )
+
+
+def chat_tokens(tokenizer, messages: list[dict], *, tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
+    """The conversation's tokens and assistant mask, by the template's generation marks or by prefixes;
+    `tools` (JSON schemas) are rendered by the template as it renders them."""
     if has_generation_marks(tokenizer):
         out = tokenizer.apply_chat_template(
-            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+            messages, tools=tools, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
         )
         return list(out["input_ids"]), [int(m) for m in out["assistant_masks"]]
-    return _chat_by_prefixes(tokenizer, messages)
+    return _chat_by_prefixes(tokenizer, messages, tools=tools)
 
 
-def _chat_by_prefixes(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
+def _chat_by_prefixes(tokenizer, messages: list[dict], *, tools: list[dict] | None) -> tuple[list[int], list[int]]:
     """Without generation marks: assistant turn i is the text that rendering messages[: i + 1] adds to
     rendering messages[:i] with the generation prompt; tokens starting inside it are trained."""
 
     def render(upto: int, prompt: bool) -> str:
-        return tokenizer.apply_chat_template(messages[:upto], tokenize=False, add_generation_prompt=prompt)
+        return tokenizer.apply_chat_template(messages[:upto], tools=tools, tokenize=False, add_generation_prompt=prompt)
 
     text = render(len(messages), False)
     spans = []

@@ -2,7 +2,9 @@
 
 With `--model.pretrained DIR` the tokenizer is DIR's own (`--data.tokenizer PATH` overrides); the
 byte tokenizer stays the built-in model's default only. A tokenizer with more ids than the model has
-embedding rows would index past the table, so it is refused, naming both sizes.
+embedding rows would index past the table, so it is refused, naming both sizes. `--data.chat_template`
+replaces the tokenizer's chat template (a Jinja file, or the name of one of the templates the tokenizer
+ships) before anything is rendered, so training, the cache key and the exported tokenizer all use it.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ from .deps import first_line, require
 _GENERATION_MARK = re.compile(r"{%-?\s*generation\s*-?%}")
 
 
-def load_tokenizer(path: str, *, key: str):
-    """`AutoTokenizer.from_pretrained(path)` (local only); ValueError naming `key` and the fix."""
+def load_tokenizer(path: str, *, key: str, chat_template: str | None = None):
+    """`AutoTokenizer.from_pretrained(path)` (local only), its chat template replaced by `chat_template`
+    (`use_chat_template`); ValueError naming `key` and the fix."""
     transformers = require("transformers", why=f"{key}={path!r}")
     folder = Path(path).expanduser()
     if not folder.exists():
@@ -33,7 +36,26 @@ def load_tokenizer(path: str, *, key: str):
         raise ValueError(
             f"{key}={path!r} is a slow (Python) tokenizer; assistant masks need a fast one (a tokenizer.json)"
         )
+    if chat_template is not None:
+        use_chat_template(tokenizer, chat_template)
     return tokenizer
+
+
+def use_chat_template(tokenizer, choice: str) -> None:
+    """Make `choice` the tokenizer's chat template: the text of a Jinja file, or one of the named
+    templates the tokenizer ships (e.g. "tool_use"); ValueError naming the choice and the fix."""
+    shipped = tokenizer.chat_template if isinstance(tokenizer.chat_template, dict) else {}
+    file = Path(choice).expanduser()
+    if file.is_file():
+        tokenizer.chat_template = file.read_text()
+    elif choice in shipped:
+        tokenizer.chat_template = shipped[choice]
+    else:
+        names = f"the tokenizer ships {sorted(shipped)}" if shipped else "the tokenizer ships no named template"
+        raise ValueError(
+            f"data.chat_template={choice!r} is neither a file nor a named template ({names}); pass a Jinja file "
+            "(e.g. chat.jinja) or one of those names"
+        )
 
 
 def check_vocab(tokenizer, *, embedding_rows: int, where: str) -> None:

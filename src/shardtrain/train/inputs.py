@@ -69,6 +69,11 @@ def plan_data(cfg: Config, module: nn.Module, *, progress: bool = False) -> Data
         )
         path = None
     rows = embedding_rows(module)
+    if path is None and data.chat_template is not None:
+        raise ValueError(
+            f"data.chat_template={data.chat_template!r} needs a tokenizer to render chats with; pass "
+            "--model.pretrained DIR or --data.tokenizer FOLDER"
+        )
     if path is None:
         if structured:
             raise ValueError(
@@ -83,7 +88,7 @@ def plan_data(cfg: Config, module: nn.Module, *, progress: bool = False) -> Data
         return DataPlan(tokenizer=None, corpus=corpus_files(data.path, data.pattern), notice=notice)
     from ..data.tokenizer import check_vocab, load_tokenizer
 
-    tokenizer = load_tokenizer(path, key=key)
+    tokenizer = load_tokenizer(path, key=key, chat_template=data.chat_template)
     if rows is not None:
         check_vocab(tokenizer, embedding_rows=rows, where=f"{key}={path!r}")
     if data.path is None:

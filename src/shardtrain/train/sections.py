@@ -147,6 +147,11 @@ class DataConfig:
     num_proc: int = _help("processes that tokenize and pack (0: one per 2,000 rows, up to the CPU count)", 0)
     show: int = _help("print this many decoded training rows with the trained spans in [[ ]] before training", 0)
     cache_dir: str | None = _help("where the tokenized data is cached (default: ~/.cache/shardtrain)", None)
+    chat_template: str | None = _help(
+        "the chat template to train with and export: a Jinja file, or the name of a template the tokenizer "
+        "ships (default: the tokenizer's own)",
+        None,
+    )
 
     def __post_init__(self) -> None:
         _require(self.seq_len >= 2, "data.seq_len", self.seq_len, "use at least 2 tokens")

@@ -96,6 +96,7 @@ def test_unknown_key_in_file_is_an_error(tmp_path):
         (["--data.seq_len"], r"--data.seq_len needs a value"),
         (["--data.val_fraction", "1.5"], r"use a value in \[0, 1\) \(0: hold out nothing\)"),
         (["--train.eval_batches", "-1"], r"train.eval_batches=-1 is invalid: use 0 \(all\) or more"),
+        (["--lora.targets", "all-linear,q_proj"], r"all-linear already names every linear layer: pass it alone"),
         (["stray"], "unexpected argument 'stray'"),
         (["--train.steps.x", "1"], "is not a table"),
         (["--model.activation_checkpointing", "-1"], r"model.activation_checkpointing=-1 is invalid: use true"),

@@ -31,6 +31,7 @@ _SPEC_DEFAULTS = {f.name: f.default for f in dataclasses.fields(DataSpec)}
 # data.val_fraction unset on the byte corpus: the main job reports a held-out loss, evaluated whole, so
 # the share is small (the standard library: a few files, a handful of batches, as cheap as a few steps).
 BYTE_VAL_FRACTION = 0.003
+ALL_LINEAR = "all-linear"  # peft's shorthand for every linear layer but the output head
 
 
 def _require(ok: bool, key: str, value: Any, remedy: str) -> None:
@@ -93,7 +94,9 @@ class LoraConfig:
     )
     alpha: float = _help("LoRA alpha: the adapters' update is scaled by alpha / rank", 16.0)
     targets: tuple[str, ...] = _help(
-        "names of the linear layers that get adapters (comma-separated)", ("q_proj", "v_proj")
+        f"names of the linear layers that get adapters (comma-separated), or {ALL_LINEAR} (peft's shorthand: "
+        "every linear layer but the output head)",
+        ("q_proj", "v_proj"),
     )
     dropout: float = _help("dropout on the adapters' input", 0.0)
     merge_on_export: bool = _help(
@@ -108,6 +111,12 @@ class LoraConfig:
         _require(self.alpha > 0, "lora.alpha", self.alpha, "use a positive scale such as 16")
         _require(0 <= self.dropout < 1, "lora.dropout", self.dropout, "use a value in [0, 1)")
         _require(bool(self.targets), "lora.targets", self.targets, "name at least one layer, e.g. q_proj,v_proj")
+        _require(
+            ALL_LINEAR not in self.targets or len(self.targets) == 1,
+            "lora.targets",
+            ",".join(self.targets),
+            f"{ALL_LINEAR} already names every linear layer: pass it alone, or list the layers",
+        )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -101,6 +101,16 @@ def test_worker_processes_give_the_same_windows(tmp_path, tok):
     assert list(parallel.train["input_ids"]) == list(serial.train["input_ids"]) and parallel.stats == serial.stats
 
 
+def test_by_default_every_row_trains(tmp_path, tok):
+    """As TRL and axolotl: no held-out split unless asked (val_fraction, eval_path)."""
+    rows = prompt_completion_rows()
+    spec = DataSpec(path=str(_jsonl(tmp_path, rows)), seq_len=64)
+    prepared = prepare(spec, tokenizer=tok, cache_dir=str(tmp_path / "cache"), progress=False)
+    assert prepared.held_out is None and prepared.stats.held_out_rows == 0
+    starts = sum(int((torch.tensor(p) == 0).sum()) for p in prepared.train["position_ids"])
+    assert starts == prepared.stats.documents == len(rows)  # every row is a document of the training windows
+
+
 def test_show_marks_exactly_the_assistant_answers(tmp_path, tok):
     prepared = _prepare(_jsonl(tmp_path, chat_rows()), tok, tmp_path, packing=False)
     text = show(prepared.train, tok, count=3)
@@ -127,11 +137,16 @@ def test_batches_pad_by_length_and_restart_positions(tmp_path):
         for r in (0, 1)
     ]
     assert torch.equal(torch.cat([r.batch(0)["input_ids"] for r in ranks]), batch["input_ids"])
-    few = len(prepared.held_out)
-    with pytest.raises(ValueError, match=f"held-out data .*: {few} windows of at most 64 tokens, fewer than one batch"):
-        WindowBatches(
-            prepared.held_out, seq_len=64, pad_id=eos, global_batch=few + 1, rank=0, world_size=1, seed=0, shuffle=False
-        )
+    few = len(prepared.held_out)  # fewer than one batch: evaluated as they are, the rest padding rows
+    held = WindowBatches(
+        prepared.held_out, seq_len=64, pad_id=eos, global_batch=few + 3, rank=0, world_size=1, seed=0, shuffle=False
+    )
+    batch = held.batch(0)
+    assert held.held_out_batches(0) == 1 and batch["labels"].shape == (few + 3, 64)
+    assert [list(r[r != IGNORE]) for r in batch["labels"][:few]] == [
+        [t for t in w if t != IGNORE] for w in prepared.held_out["labels"]
+    ]
+    assert (batch["labels"][few:] == IGNORE).all() and (batch["input_ids"][few:] == eos).all()
 
 
 @pytest.mark.parametrize(

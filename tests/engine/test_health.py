@@ -70,7 +70,7 @@ def test_the_peer_of_a_rank_that_failed_alone_names_it_in_one_line(tmp_path):
     )
     assert run.returncode == 1
     failure = "holds out no token; use more text or a larger --data.val_fraction"
-    assert "shardtrain train: error on rank 0: data.val_fraction=0.02 of the 6 tokens" in run.stderr
+    assert "shardtrain train: error on rank 0: data.val_fraction=0.003 of the 6 tokens" in run.stderr
     assert re.search(rf"shardtrain train: rank 1 stopped: rank 0 failed: data.val_fraction=.*{failure}", run.stderr)
     assert "Traceback" not in run.stderr and len(run.stderr.strip().splitlines()) == 3, run.stderr
 

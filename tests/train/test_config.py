@@ -9,6 +9,16 @@ def test_defaults_need_no_file():
     assert cfg.model.name == "llama-2m" and cfg.engine.devices == "auto"
 
 
+def test_held_out_defaults_per_data_source():
+    """A user's rows train whole and the held-out set is evaluated whole, unless asked; the byte corpus
+    keeps a held-out share for the main job's held-out loss."""
+    cfg = load_config()
+    assert cfg.train.eval_batches == 0 and cfg.data.val_fraction is None
+    assert cfg.data.held_out_fraction(byte_corpus=False) == 0 and cfg.data.held_out_fraction(byte_corpus=True) > 0
+    zero = load_config(None, ["--data.val_fraction", "0"]).data
+    assert zero.held_out_fraction(byte_corpus=False) == zero.held_out_fraction(byte_corpus=True) == 0
+
+
 def test_overrides_are_typed():
     cfg = load_config(
         None,
@@ -84,7 +94,9 @@ def test_unknown_key_in_file_is_an_error(tmp_path):
         (["--train.steps", "0"], r"train.steps=0 is invalid: use 1 or more"),
         (["--run.tensorboard", "maybe"], "expected bool"),
         (["--data.seq_len"], r"--data.seq_len needs a value"),
-        (["--data.val_fraction", "1.5"], r"use a value in \(0, 1\)"),
+        (["--data.val_fraction", "1.5"], r"use a value in \[0, 1\) \(0: hold out nothing\)"),
+        (["--train.eval_batches", "-1"], r"train.eval_batches=-1 is invalid: use 0 \(all\) or more"),
+        (["--lora.targets", "all-linear,q_proj"], r"all-linear already names every linear layer: pass it alone"),
         (["stray"], "unexpected argument 'stray'"),
         (["--train.steps.x", "1"], "is not a table"),
         (["--model.activation_checkpointing", "-1"], r"model.activation_checkpointing=-1 is invalid: use true"),

@@ -2,6 +2,7 @@ import numpy as np
 import pytest
 import torch
 
+from shardtrain.data.pack import IGNORE
 from shardtrain.train.data import ByteTokenizer, TokenBatches, build_cache, corpus_files, is_held_out, stdlib_root
 
 
@@ -65,6 +66,29 @@ def test_batch_must_split_over_ranks_and_fit_the_data():
         _batches(np.zeros(1000, np.uint8), world_size=3)
     with pytest.raises(ValueError, match="fewer than one batch"):
         _batches(np.zeros(100, np.uint8))
+    with pytest.raises(ValueError, match="held-out data .*none to evaluate; .* or --data.val_fraction 0"):
+        _batches(np.zeros(16, np.uint8), shuffle=False)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_held_out_windows_are_read_once_and_a_partial_batch_is_padded(world_size):
+    """5 held-out windows in batches of 4: two batches on every rank, the second with 1 real row; the
+    padding rows train nothing, so every rank runs the same forwards and no window counts twice."""
+    tokens = np.arange(5 * 16 + 1, dtype=np.uint16)
+    parts = [_batches(tokens, rank=r, world_size=world_size, global_batch=4, shuffle=False) for r in range(world_size)]
+    assert [b.held_out_batches(0) for b in parts] == [2] * world_size
+    assert [b.held_out_batches(1) for b in parts] == [1] * world_size
+    real = []
+    for index in range(2):
+        for b in parts:
+            batch = b.batch(index)
+            assert batch["input_ids"].shape == (4 // world_size, 16)
+            for inputs, labels in zip(batch["input_ids"], batch["labels"]):
+                if (labels == IGNORE).all():
+                    continue
+                assert (labels[:-1] == inputs[1:]).all()
+                real.append(int(inputs[0]))
+    assert real == [0, 16, 32, 48, 64]  # each window once, in order
 
 
 def _corpus(tmp_path, n=40):
@@ -104,6 +128,17 @@ def test_cache_split_and_reuse(tmp_path):
     assert len(list((tmp_path / "cache").glob("*.uint8"))) == 2
 
 
+def _byte_cache(root, files, tmp_path, *, val_fraction):
+    return build_cache(
+        root=root,
+        files=files,
+        val_fraction=val_fraction,
+        cache_dir=str(tmp_path / "cache"),
+        tokenizer=ByteTokenizer(),
+        progress=False,
+    )
+
+
 @pytest.mark.parametrize("names", [["one.txt"], ["a.txt", "b.txt"]])
 def test_too_few_files_split_by_tokens(tmp_path, names):
     """A single file (or files that all hash to one side) holds out the last val_fraction of its tokens."""
@@ -113,14 +148,7 @@ def test_too_few_files_split_by_tokens(tmp_path, names):
     path = tmp_path / names[0] if len(names) == 1 else tmp_path
     root, files = corpus_files(str(path), "*.txt")
     assert all(is_held_out(f.relative_to(root).as_posix(), 0.1) is False for f in files)
-    cache = build_cache(
-        root=root,
-        files=files,
-        val_fraction=0.1,
-        cache_dir=str(tmp_path / "cache"),
-        tokenizer=ByteTokenizer(),
-        progress=False,
-    )
+    cache = _byte_cache(root, files, tmp_path, val_fraction=0.1)
     stream = "".join(texts).encode()
     assert len(cache.tokens) == len(stream) and len(cache.held_out) == int(len(stream) * 0.1)
     assert bytes(cache.train) + bytes(cache.held_out) == stream
@@ -134,14 +162,15 @@ def test_a_split_that_holds_out_nothing_names_the_fix(tmp_path):
         match=r"data.val_fraction=0.1 of the 6 tokens in the 1 file\(s\) of .* holds out "
         "no token; use more text or a larger --data.val_fraction",
     ):
-        build_cache(
-            root=root,
-            files=files,
-            val_fraction=0.1,
-            cache_dir=str(tmp_path / "cache"),
-            tokenizer=ByteTokenizer(),
-            progress=False,
-        )
+        _byte_cache(root, files, tmp_path, val_fraction=0.1)
+
+
+def test_val_fraction_0_holds_out_nothing(tmp_path):
+    """Even a single file (split by tokens otherwise): every token trains."""
+    (tmp_path / "one.txt").write_text("a line of text\n" * 50)
+    root, files = corpus_files(str(tmp_path / "one.txt"), "*")
+    cache = _byte_cache(root, files, tmp_path, val_fraction=0)
+    assert len(cache.held_out) == 0 and bytes(cache.train) == b"a line of text\n" * 50
 
 
 def test_corpus_errors_name_the_fix(tmp_path):

@@ -101,6 +101,10 @@ def test_data_mistakes_are_one_line_on_every_rank_before_any_communication(pools
         (_args(folder, tmp_path / "nope.jsonl", tmp_path), f"data.path='{tmp_path / 'nope.jsonl'}' does not exist"),
         ([*tiny, "--data.tokenizer", str(folder)], "has 481 tokens but the model's embedding has 256 rows"),
         (tiny, "holds rows, which need a tokenizer; the byte tokenizer reads only plain text: pass --data.tokenizer"),
+        (
+            [*_args(folder, rows, tmp_path), "--eval.samples", "2"],
+            "eval.samples=2 decodes held-out prompts, but every row trains (data.val_fraction 0, no data.eval_path)",
+        ),
     ]
     for overrides, message in cases:
         for error in pools(2).run(prepare_error, *overrides):

@@ -12,6 +12,9 @@ T is seq_len: a shorter window is padded at its end with a run of its own (posit
 
 Sample i of the run is a pure function of (seed, i) and rank r takes its own contiguous slice of the
 global micro-batch, so ranks read disjoint windows and a resumed run reads exactly the same batches.
+
+Held-out windows (`shuffle=False`) are read in order, each once: the last micro-batch of the set may be
+partial, its missing rows padding (labels all -100) so that every rank runs the same forwards.
 """
 
 from __future__ import annotations
@@ -25,8 +28,8 @@ from .pack import IGNORE
 class WindowOrder:
     """Which window global sample `i` reads: a permutation per epoch drawn from the seed (in order
     without shuffling), and this rank's sample numbers of micro-batch `index`. `holds` says what the
-    windows are made of, for the error when they are fewer than one micro-batch (a batch would read
-    some twice)."""
+    windows are made of, for the error when training windows are fewer than one micro-batch (a batch
+    would read some twice) or there is no held-out window."""
 
     def __init__(
         self, num_windows: int, *, holds: str, global_batch: int, rank: int, world_size: int, seed: int, shuffle: bool
@@ -36,11 +39,15 @@ class WindowOrder:
                 f"a global micro-batch of {global_batch} sequences does not split over {world_size} "
                 "ranks; use a batch size that is a multiple of the world size"
             )
-        if num_windows < global_batch:
-            split = "training data" if shuffle else "held-out data (data.val_fraction or data.eval_path)"
+        if shuffle and num_windows < global_batch:
             raise ValueError(
-                f"the {split}: {holds}, fewer than one batch of {global_batch}; use more data or a smaller "
+                f"the training data: {holds}, fewer than one batch of {global_batch}; use more data or a smaller "
                 "data.seq_len / train.batch_size"
+            )
+        if not shuffle and num_windows < 1:
+            raise ValueError(
+                f"the held-out data (data.val_fraction or data.eval_path): {holds}, none to evaluate; hold out "
+                "more data, use a smaller data.seq_len, or --data.val_fraction 0 to train without evaluation"
             )
         self.num_windows = num_windows
         self.global_batch = global_batch
@@ -65,6 +72,17 @@ class WindowOrder:
         start = index * self.global_batch + self.rank * self.per_rank
         return list(range(start, start + self.per_rank))
 
+    def windows_of(self, index: int) -> list[int | None]:
+        """The windows of this rank's part of micro-batch `index`; held out, None past the last window
+        (a padding row: nothing trained)."""
+        return [None if not self.shuffle and s >= self.num_windows else self.window(s) for s in self.samples(index)]
+
+    def held_out_batches(self, limit: int) -> int:
+        """Micro-batches one evaluation reads: all the windows once (the last batch partial), or at most
+        `limit` batches when `limit` > 0. The same on every rank: each runs as many forwards."""
+        whole = -(-self.num_windows // self.global_batch)
+        return min(whole, limit) if limit else whole
+
 
 class WindowBatches(WindowOrder):
     """Batches of windows (rows with input_ids, labels, position_ids; e.g. a memory-mapped `datasets.Dataset`)."""
@@ -79,12 +97,14 @@ class WindowBatches(WindowOrder):
         self.pad_id = pad_id
 
     def batch(self, index: int) -> dict[str, torch.Tensor]:
-        rows = self.windows[[self.window(s) for s in self.samples(index)]]
+        picked = self.windows_of(index)
+        real = [b for b, w in enumerate(picked) if w is not None]  # the rest stay padding rows
+        rows = self.windows[[picked[b] for b in real]]
         shape = (self.per_rank, self.seq_len)
         ids = np.full(shape, self.pad_id, dtype=np.int64)
         labels = np.full(shape, IGNORE, dtype=np.int64)
         positions = np.tile(np.arange(self.seq_len, dtype=np.int64), (self.per_rank, 1))
-        for b, (i, lab, pos) in enumerate(zip(rows["input_ids"], rows["labels"], rows["position_ids"])):
+        for b, i, lab, pos in zip(real, rows["input_ids"], rows["labels"], rows["position_ids"]):
             n = len(i)
             ids[b, :n], labels[b, :n], positions[b, :n] = i, lab, pos
             positions[b, n:] -= n  # the padding: a run of its own, from 0

@@ -1,7 +1,7 @@
 """Rows on disk -> packed training and held-out windows, built once, in parallel, and cached.
 
     load_rows (datasets) -> detect_format -> Encoder (datasets.map, num_proc workers)
-        -> hold out rows (data.eval_path, or a seeded fraction of the rows) -> windows (pack.py)
+        -> hold out rows (data.eval_path, a seeded fraction of the rows, or none) -> windows (pack.py)
 
 Each stage is a `datasets.map` whose result is an Arrow file under the cache folder, named by a key
 of everything that changes it (the source data's fingerprint, the tokenizer and its chat template,
@@ -43,7 +43,7 @@ class DataSpec:
     train_on: str = "completion"
     packing: bool = True
     overlong: str = "truncate"
-    val_fraction: float = 0.02
+    val_fraction: float = 0.0  # of the rows, held out when no eval_path; 0: every row trains
     seed: int = 0
     pattern: str = "**/*"
 
@@ -78,7 +78,7 @@ class DataStats:
 @dataclass(frozen=True, kw_only=True)
 class Prepared:
     train: Any  # datasets.Dataset of windows: input_ids, labels, position_ids
-    held_out: Any
+    held_out: Any  # the same of the held-out rows; None when none is held out (val_fraction 0, no eval_path)
     format: Format
     stats: DataStats
     prompts: list[dict]  # held-out prompts for samples: {"prompt_ids": [...], "reference": str}
@@ -130,7 +130,7 @@ def prepare(
         train_docs, held_docs = docs.select(np.flatnonzero(~is_held)), docs.select(np.flatnonzero(is_held))
     _check_trained(train_docs, where=where, seq_len=spec.seq_len)
     train = _pack(train_docs, "train", root=root, workers=workers, spec=spec)
-    held_out = _pack(held_docs, "held", root=root, workers=workers, spec=spec)
+    held_out = _pack(held_docs, "held", root=root, workers=workers, spec=spec) if len(held_docs) else None
     return Prepared(
         train=train,
         held_out=held_out,
@@ -186,7 +186,9 @@ def _encode(rows, encoder: Encoder, *, root: Path, workers: int, tok_key: str, s
 
 
 def _held_out_rows(n: int, spec: DataSpec) -> np.ndarray:
-    """The held-out row numbers: a seeded choice of val_fraction of them (at least one, not all)."""
+    """The held-out row numbers: a seeded choice of val_fraction of them (at least one, not all; none for 0)."""
+    if spec.val_fraction == 0:
+        return np.zeros(0, dtype=np.int64)
     held = max(1, round(n * spec.val_fraction))
     if held >= n:
         raise ValueError(

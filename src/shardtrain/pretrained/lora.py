@@ -27,10 +27,13 @@ def apply_lora(model: nn.Module, *, rank: int, alpha: float, targets: tuple[str,
     adapters require gradients."""
     try:
         from peft import LoraConfig, get_peft_model
+        from peft.utils.constants import INCLUDE_LINEAR_LAYERS_SHORTHAND as ALL_LINEAR
     except ModuleNotFoundError as exc:
         raise ValueError("LoRA needs peft: pip install 'shardtrain[peft]'") from exc
+    # peft reads its shorthand ("all-linear": every linear layer but the output head) only as a string
+    modules = ALL_LINEAR if tuple(targets) == (ALL_LINEAR,) else list(targets)
     config = LoraConfig(
-        r=rank, lora_alpha=alpha, target_modules=list(targets), lora_dropout=dropout, bias="none", task_type="CAUSAL_LM"
+        r=rank, lora_alpha=alpha, target_modules=modules, lora_dropout=dropout, bias="none", task_type="CAUSAL_LM"
     )
     try:
         with torch.device("meta"):

@@ -6,10 +6,11 @@ running interpreter: no download, present on every machine, tens of megabytes of
 Files are split into train and held-out by a stable hash of their path (so held-out text is never
 seen in training, whatever the file order). A corpus of too few files for that (a single file, or
 a handful that all hash to one side) is split by tokens instead: the last `val_fraction` of its
-token stream is held out. The token stream is cut into non-overlapping windows of
-`seq_len + 1` tokens; each epoch visits them in an order drawn from the seed. Sample `i` of the run
-is a pure function of (seed, i), and rank r of a micro-batch takes its own contiguous slice of the
-global batch: ranks read disjoint data, and resuming at a step reproduces exactly the same batches.
+token stream is held out; `val_fraction` 0 holds out nothing. The token stream is cut into
+non-overlapping windows of `seq_len + 1` tokens; each epoch visits them in an order drawn from the
+seed. Sample `i` of the run is a pure function of (seed, i), and rank r of a micro-batch takes its
+own contiguous slice of the global batch: ranks read disjoint data, and resuming at a step
+reproduces exactly the same batches.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 from tqdm import tqdm
 
 from ..data.batches import WindowOrder
+from ..data.pack import IGNORE
 from ..data.pipeline import cache_root
 
 CACHE_VERSION = 1
@@ -116,7 +118,7 @@ def build_cache(
     """
     rel = [f.relative_to(root).as_posix() for f in files]
     held = [is_held_out(r, val_fraction) for r in rel]
-    by_tokens = all(held) or not any(held)
+    by_tokens = val_fraction > 0 and (all(held) or not any(held))  # 0: every token trains
     if by_tokens:
         held = [False] * len(files)
     order = [i for i in range(len(files)) if not held[i]] + [i for i in range(len(files)) if held[i]]
@@ -204,10 +206,11 @@ class TokenBatches(WindowOrder):
 
     `batch(index)` returns the rank's slice of global micro-batch `index`: global sample
     `index * global_batch + j` for j in this rank's range. Training windows are visited in a
-    per-epoch permutation drawn from `seed`; evaluation (`shuffle=False`) reads windows in order.
+    per-epoch permutation drawn from `seed`; evaluation (`shuffle=False`) reads windows in order, each
+    once, a partial last batch filled with padding rows (labels -100).
     """
 
-    all_trained = True  # every label is a real next token: the step knows its token count
+    all_trained = True  # every training label is a real next token: the step knows its token count
 
     def __init__(self, tokens: np.ndarray, *, seq_len: int, global_batch: int, **order) -> None:
         num_windows = max(0, len(tokens) - 1) // seq_len
@@ -217,16 +220,16 @@ class TokenBatches(WindowOrder):
         self.seq_len = seq_len
 
     def batch(self, index: int) -> dict[str, torch.Tensor]:
-        rows = np.stack(
-            [
-                self.tokens[w * self.seq_len : w * self.seq_len + self.seq_len + 1]
-                for w in map(self.window, self.samples(index))
-            ]
-        ).astype(np.int64)
+        picked = self.windows_of(index)
+        rows = np.zeros((self.per_rank, self.seq_len + 1), dtype=np.int64)
+        for b, w in enumerate(picked):
+            if w is not None:
+                rows[b] = self.tokens[w * self.seq_len : w * self.seq_len + self.seq_len + 1]
+        padding = torch.tensor([w is None for w in picked])  # held out, past the last window: nothing trained
         # Each tensor is built dense and contiguous: the step pins batches on CUDA, and pinning an
         # expanded or strided view fails (or copies).
         return {
             "input_ids": torch.from_numpy(np.ascontiguousarray(rows[:, :-1])),
-            "labels": torch.from_numpy(np.ascontiguousarray(rows[:, 1:])),
+            "labels": torch.from_numpy(np.ascontiguousarray(rows[:, 1:])).masked_fill(padding[:, None], IGNORE),
             "position_ids": torch.arange(self.seq_len).repeat(len(rows), 1),
         }

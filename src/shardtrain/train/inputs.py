@@ -5,7 +5,9 @@
     data.tokenizer)                               loss-masked and packed into windows
 
 A pretrained folder without tokenizer files keeps the byte corpus for plain text, with a notice; rows
-(a .jsonl, .parquet, ... or a saved dataset) always need a tokenizer. Checks run on every rank before
+(a .jsonl, .parquet, ... or a saved dataset) always need a tokenizer. Unless data.val_fraction says
+otherwise, every row of a user's data trains (no held-out split, no evaluation, as TRL and axolotl do)
+and the byte corpus holds out a share for the held-out loss (sections.py's defaults). Checks run on every rank before
 any communication; the tokenizing runs once per node (local rank 0 first, the others read its cache).
 """
 
@@ -37,7 +39,7 @@ class DataPlan:
 @dataclass(frozen=True, kw_only=True)
 class TrainData:
     train: TokenBatches | WindowBatches
-    held_out: TokenBatches | WindowBatches
+    held_out: TokenBatches | WindowBatches | None  # None: nothing held out, nothing evaluated
     tokenizer: Any
     packed: bool  # windows hold several documents: the forward needs their position_ids
     stats: Any = None  # shardtrain.data.DataStats of the rows' path
@@ -96,6 +98,12 @@ def plan_data(cfg: Config, module: nn.Module, *, progress: bool = False) -> Data
             f"a tokenizer ({key}={path!r}) trains on your data: pass --data.path (a .jsonl, .parquet, ... "
             "file, a folder of them, or plain text)"
         )
+    if cfg.eval.samples and data.eval_path is None and data.held_out_fraction(byte_corpus=False) == 0:
+        raise ValueError(
+            f"eval.samples={cfg.eval.samples} decodes held-out prompts, but every row trains "
+            "(data.val_fraction 0, no data.eval_path); hold rows out with --data.val_fraction 0.02 or "
+            "--data.eval_path FILE, or pass --eval.samples 0"
+        )
     from ..data.pipeline import read_source
 
     read_source(data_spec(cfg), tokenizer=tokenizer, cache_dir=data.cache_dir, progress=progress)
@@ -106,8 +114,12 @@ def data_spec(cfg: Config):
     """The data section as shardtrain.data's DataSpec."""
     from ..data.pipeline import DataSpec
 
-    shared = {f.name for f in fields(DataSpec)} - {"seed"}  # the data section's own fields
-    return DataSpec(**{name: getattr(cfg.data, name) for name in shared}, seed=cfg.train.seed)
+    shared = {f.name for f in fields(DataSpec)} - {"seed", "val_fraction"}  # the data section's own fields
+    return DataSpec(
+        **{name: getattr(cfg.data, name) for name in shared},
+        val_fraction=cfg.data.held_out_fraction(byte_corpus=False),
+        seed=cfg.train.seed,
+    )
 
 
 def build_data(cfg: Config, engine, plan: DataPlan, *, micro_batch: int) -> TrainData:
@@ -122,18 +134,21 @@ def build_data(cfg: Config, engine, plan: DataPlan, *, micro_batch: int) -> Trai
     progress = cfg.run.progress and engine.local_rank == 0
     if plan.tokenizer is None:
         root, files = plan.corpus
+        fraction = cfg.data.held_out_fraction(byte_corpus=True)
         with engine.rank_zero_first(local=True):
             cache = build_cache(
                 root=root,
                 files=files,
-                val_fraction=cfg.data.val_fraction,
+                val_fraction=fraction,
                 cache_dir=cfg.data.cache_dir,
                 tokenizer=ByteTokenizer(),
                 progress=progress,
             )
         return TrainData(
             train=TokenBatches(cache.train, seq_len=cfg.data.seq_len, shuffle=True, **order),
-            held_out=TokenBatches(cache.held_out, seq_len=cfg.data.seq_len, shuffle=False, **order),
+            held_out=TokenBatches(cache.held_out, seq_len=cfg.data.seq_len, shuffle=False, **order)
+            if fraction
+            else None,
             tokenizer=None,
             packed=False,
         )
@@ -154,7 +169,7 @@ def build_data(cfg: Config, engine, plan: DataPlan, *, micro_batch: int) -> Trai
     windows = dict(seq_len=d.seq_len, pad_id=pad, **order)
     return TrainData(
         train=WindowBatches(prepared.train, shuffle=True, **windows),
-        held_out=WindowBatches(prepared.held_out, shuffle=False, **windows),
+        held_out=None if prepared.held_out is None else WindowBatches(prepared.held_out, shuffle=False, **windows),
         tokenizer=tok,
         packed=d.packing,
         stats=prepared.stats,

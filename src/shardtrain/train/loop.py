@@ -119,6 +119,12 @@ def build_job(cfg: Config, engine: Engine) -> tuple[Job, str]:
     optimizer, scheduler and EMA. Returns the job and a description of the model."""
     built, micro_batch, plan = _prepare(cfg, engine)
     data = build_data(cfg, engine, plan, micro_batch=micro_batch)
+    if data.held_out is None and engine.rank == 0:
+        print(
+            "note: data.val_fraction is 0 and there is no data.eval_path: training on all the data, no evaluation "
+            "(hold rows out with --data.val_fraction F or --data.eval_path FILE for a held-out loss)",
+            flush=True,
+        )
     if cfg.data.show and engine.rank == 0 and data.stats is not None:
         from ..data.display import show
 
@@ -179,7 +185,8 @@ def _loop(job: Job, run_dir: Path, *, first_step: int, description: str, start: 
     tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
     bar = _progress_bar(cfg, first_step) if lead and cfg.run.progress else None
     first_eval = job.evaluate(first_step, time.perf_counter() - start)
-    if log:
+    evaluating = first_eval is not None  # else nothing is held out
+    if log and evaluating:
         log.write(first_eval)
     _write_samples(job.samples(first_step), run_dir, lead=lead)
     last_eval, memory = first_eval, [0] * engine.world_size
@@ -196,7 +203,9 @@ def _loop(job: Job, run_dir: Path, *, first_step: int, description: str, start: 
         if bar is not None:
             bar.update(1)
         logs = done % cfg.train.log_every == 0 or done == cfg.train.steps
-        evaluates = (cfg.train.eval_every and done % cfg.train.eval_every == 0) or done == cfg.train.steps
+        evaluates = evaluating and (
+            (cfg.train.eval_every and done % cfg.train.eval_every == 0) or done == cfg.train.steps
+        )
         saves = cfg.run.checkpoint_every and (done % cfg.run.checkpoint_every == 0 or done == cfg.train.steps)
         if logs or evaluates or saves:  # a host sync: the moment to stop on a bad step, before any checkpoint
             job.guard.check()
@@ -266,8 +275,8 @@ def _loop(job: Job, run_dir: Path, *, first_step: int, description: str, start: 
         tokens=train_tokens,
         wall_s=time.perf_counter() - start,
         tokens_per_s=train_tokens / train_time if train_time else math.nan,
-        first_eval_loss=first_eval["eval_loss"],
-        final_eval_loss=last_eval["eval_loss"],
+        first_eval_loss=first_eval["eval_loss"] if evaluating else None,
+        final_eval_loss=last_eval["eval_loss"] if evaluating else None,
         memory_per_rank=memory,
         memory_label=memory_label,
         skipped_steps=job.guard.skipped,

@@ -110,16 +110,18 @@ class Summary:
     tokens: int
     wall_s: float
     tokens_per_s: float
-    first_eval_loss: float
-    final_eval_loss: float
+    first_eval_loss: float | None  # None: nothing held out (data.val_fraction 0), no evaluation
+    final_eval_loss: float | None
     memory_per_rank: list[int]
     memory_label: str
     skipped_steps: int = 0  # optimizer steps skipped for a non-finite loss or gradient norm
     data: str | None = None  # the rows' statistics (shardtrain.data.DataStats.describe), for tokenized data
 
     @property
-    def eval_loss_drop(self) -> float:
-        """Relative fall of the held-out loss from the first evaluation to the last."""
+    def eval_loss_drop(self) -> float | None:
+        """Relative fall of the held-out loss from the first evaluation to the last (None without one)."""
+        if self.first_eval_loss is None or self.final_eval_loss is None:
+            return None
         return 1.0 - self.final_eval_loss / self.first_eval_loss
 
     def table(self):
@@ -142,7 +144,9 @@ class Summary:
             ("throughput", f"{self.tokens_per_s:,.0f} tokens/s"),
             (
                 "held-out loss",
-                f"{self.first_eval_loss:.3f} -> {self.final_eval_loss:.3f} ({self.eval_loss_drop:.1%} lower)",
+                "none: nothing held out (data.val_fraction 0)"
+                if self.eval_loss_drop is None
+                else f"{self.first_eval_loss:.3f} -> {self.final_eval_loss:.3f} ({self.eval_loss_drop:.1%} lower)",
             ),
             (self.memory_label, ", ".join(format_bytes(b) for b in self.memory_per_rank)),
             ("run dir", self.run_dir),

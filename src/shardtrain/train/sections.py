@@ -28,6 +28,10 @@ def _help(text: str, default: Any = dataclasses.MISSING, **kwargs: Any) -> Any:
 
 # The data section's fields that shardtrain.data's DataSpec also has take DataSpec's defaults: one source.
 _SPEC_DEFAULTS = {f.name: f.default for f in dataclasses.fields(DataSpec)}
+# data.val_fraction unset on the byte corpus: the main job reports a held-out loss, evaluated whole, so
+# the share is small (the standard library: a few files, a handful of batches, as cheap as a few steps).
+BYTE_VAL_FRACTION = 0.003
+ALL_LINEAR = "all-linear"  # peft's shorthand for every linear layer but the output head
 
 
 def _require(ok: bool, key: str, value: Any, remedy: str) -> None:
@@ -90,7 +94,9 @@ class LoraConfig:
     )
     alpha: float = _help("LoRA alpha: the adapters' update is scaled by alpha / rank", 16.0)
     targets: tuple[str, ...] = _help(
-        "names of the linear layers that get adapters (comma-separated)", ("q_proj", "v_proj")
+        f"names of the linear layers that get adapters (comma-separated), or {ALL_LINEAR} (peft's shorthand: "
+        "every linear layer but the output head)",
+        ("q_proj", "v_proj"),
     )
     dropout: float = _help("dropout on the adapters' input", 0.0)
     merge_on_export: bool = _help(
@@ -105,6 +111,12 @@ class LoraConfig:
         _require(self.alpha > 0, "lora.alpha", self.alpha, "use a positive scale such as 16")
         _require(0 <= self.dropout < 1, "lora.dropout", self.dropout, "use a value in [0, 1)")
         _require(bool(self.targets), "lora.targets", self.targets, "name at least one layer, e.g. q_proj,v_proj")
+        _require(
+            ALL_LINEAR not in self.targets or len(self.targets) == 1,
+            "lora.targets",
+            ",".join(self.targets),
+            f"{ALL_LINEAR} already names every linear layer: pass it alone, or list the layers",
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,10 +129,12 @@ class DataConfig:
     )
     pattern: str = _help("glob of the plain text files to read under a folder", "**/*.py")
     seq_len: int = _help("tokens per training sequence (a packed window)", 256)
-    val_fraction: float = _help(
-        "fraction held out for evaluation: of the rows (of the files for plain text; of the tokens "
-        "where there are too few files, e.g. a single one: its last part)",
-        _SPEC_DEFAULTS["val_fraction"],
+    val_fraction: float | None = _help(
+        "fraction held out for evaluation, 0 = none (every row trains, no evaluation): of the rows (for "
+        "text read as bytes, of the files; of the tokens where there are too few files, e.g. a single one: "
+        "its last part). Default: 0 for data read through a tokenizer (as TRL and axolotl), "
+        f"{BYTE_VAL_FRACTION} for the built-in model's byte corpus",
+        None,
     )
     eval_path: str | None = _help("held-out data in the same layout as data.path (instead of data.val_fraction)", None)
     tokenizer: str | None = _help(
@@ -153,9 +167,20 @@ class DataConfig:
         None,
     )
 
+    def held_out_fraction(self, *, byte_corpus: bool) -> float:
+        """data.val_fraction, or its default for the data source when unset."""
+        if self.val_fraction is not None:
+            return self.val_fraction
+        return BYTE_VAL_FRACTION if byte_corpus else _SPEC_DEFAULTS["val_fraction"]
+
     def __post_init__(self) -> None:
         _require(self.seq_len >= 2, "data.seq_len", self.seq_len, "use at least 2 tokens")
-        _require(0 < self.val_fraction < 1, "data.val_fraction", self.val_fraction, "use a value in (0, 1)")
+        _require(
+            self.val_fraction is None or 0 <= self.val_fraction < 1,
+            "data.val_fraction",
+            self.val_fraction,
+            "use a value in [0, 1) (0: hold out nothing)",
+        )
         for key, value, choices in (
             ("data.format", self.format, FORMAT_NAMES),
             ("data.train_on", self.train_on, tuple(t.value for t in TrainOn)),
@@ -203,7 +228,11 @@ class TrainConfig:
     batch_size: int = _help("sequences per optimizer step, over all ranks and micro-batches", 16)
     grad_accum: int = _help("micro-batches accumulated per optimizer step", 1)
     eval_every: int = _help("evaluate the held-out loss every N steps (and at step 0 and the end)", 30)
-    eval_batches: int = _help("held-out batches (of batch_size sequences) per evaluation", 4)
+    eval_batches: int = _help(
+        "held-out micro-batches per evaluation, at most (0: the whole held-out set, a partial last batch "
+        "included; the loss is per held-out trained token, the same for any batch and world size)",
+        0,
+    )
     log_every: int = _help("log the training loss every N steps", 10)
     ema_decay: float = _help("keep an exponential moving average of the weights on CPU (0: off)", 0.0)
     seed: int = _help("seed of the model initialisation and the data order", 0)
@@ -222,9 +251,10 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _require(self.on_nonfinite in ("stop", "skip"), "train.on_nonfinite", self.on_nonfinite, "use stop or skip")
-        for key in ("steps", "batch_size", "grad_accum", "eval_batches", "log_every"):
+        for key in ("steps", "batch_size", "grad_accum", "log_every"):
             value = getattr(self, key)
             _require(value >= 1, f"train.{key}", value, "use 1 or more")
+        _require(self.eval_batches >= 0, "train.eval_batches", self.eval_batches, "use 0 (all) or more")
         _require(self.eval_every >= 0, "train.eval_every", self.eval_every, "use 0 (only first and last) or more")
         _require(0 <= self.ema_decay < 1, "train.ema_decay", self.ema_decay, "use 0 (off) or a value in (0, 1)")
 

@@ -115,11 +115,15 @@ class Job:
 
     @torch.no_grad()
     def held_out_loss(self) -> float:
-        """Mean cross-entropy per trained held-out token, over every rank's evaluation batches."""
+        """Mean cross-entropy per trained held-out token over the evaluated windows: all of them, or the
+        first train.eval_batches micro-batches. Every rank runs the same forwards (the sharded forward
+        gathers), a partial last batch padded with rows that train nothing; one all-reduce sums the
+        losses and trained tokens of every rank, so the loss does not depend on the batch or world size."""
+        held_out = self.data.held_out
         self.model.eval()
         sums = torch.zeros(2, device=self.engine.device)
-        for index in range(self.cfg.train.eval_batches):
-            batch = self.to_device(self.data.held_out.batch(index))
+        for index in range(held_out.held_out_batches(self.cfg.train.eval_batches)):
+            batch = self.to_device(held_out.batch(index))
             with self.loss_context():
                 sums[0] += loss_sum(self.model, batch, packed=self.data.packed, vocab_size=self.vocab_size)
             sums[1] += (batch["labels"] != IGNORE).sum()
@@ -127,7 +131,10 @@ class Job:
         sums = self.engine.all_reduce(sums, op="sum")
         return (sums[0] / sums[1].clamp(min=1)).item()
 
-    def evaluate(self, step: int, elapsed: float) -> dict:
+    def evaluate(self, step: int, elapsed: float) -> dict | None:
+        """The eval record of `step`; None when nothing is held out (data.val_fraction 0)."""
+        if self.data.held_out is None:
+            return None
         record = {"kind": "eval", "step": step, "eval_loss": self.held_out_loss(), "elapsed_s": round(elapsed, 3)}
         if self.ema is not None:
             with self.ema.swapped_in():

@@ -60,3 +60,22 @@ def sharded_verdicts(mixed_precision: str | None) -> dict[str, str]:
             out[name] = str(error)
         out[f"{name} dtype"] = str(_VERDICTS[sharded][2].dtype)
     return out
+
+
+def tensor_parallel_verdict() -> str:
+    """The built-in Llama over 2 tp ranks, sequence and loss parallel (its logits a DTensor split over
+    the vocabulary), checked on every rank: its probe, as text."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import shardtrain as st
+    from shardtrain.models.llama import SHARD_UNITS, Llama, llama_config
+    from shardtrain.train.packed import _VERDICTS, check_packing_supported
+
+    torch.manual_seed(0)
+    model = Llama(llama_config("tiny", n_layers=2))
+    plan = st.tp.plan_for(model, sequence_parallel=True, loss_parallel=True)
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+    sharded = st.shard(model, wrap=SHARD_UNITS, mesh=mesh, tp_plan=plan)
+    check_packing_supported(sharded, device=torch.device("cpu"))
+    return str(_VERDICTS[sharded][2])

@@ -11,7 +11,7 @@ from shardtrain.models.llama import Llama, llama_config
 from shardtrain.train.packed import check_packing_supported, forward_logits
 from shardtrain.train.packing_probe import MATCH_ULPS, PROBE_LENGTHS, SEPARATION_ULPS, probe_packing
 from tests.models_llama.packing import LENGTHS, VOCAB, packed_rows, tiny_hf_llama, worst_document_error
-from tests.train.packing_ranks import sharded_verdicts
+from tests.train.packing_ranks import sharded_verdicts, tensor_parallel_verdict
 
 pytest.importorskip("transformers")
 CPU = torch.device("cpu")
@@ -167,3 +167,8 @@ def test_sharded_models_are_probed_on_every_rank_in_their_compute_dtype(pools, m
         assert verdicts["llama"] == "accepted", verdicts
         assert verdicts["opt"].startswith("OPTForCausalLM lets packed documents attend to each other"), verdicts
         assert verdicts["llama dtype"] == verdicts["opt dtype"] == dtype
+
+
+def test_a_tensor_parallel_model_is_probed_through_its_split_logits(pools):
+    probes = pools(2).run(tensor_parallel_verdict)
+    assert probes[0] == probes[1] and probes[0].startswith("PackingProbe(model='Llama', dtype=torch.float32"), probes

@@ -5,7 +5,7 @@ A model's source cannot say it: transformers models that use `masking_utils` and
 attend across documents. So one no-grad forward of two packed rows, against every document run
 alone, decides:
 
-    rows          two rows of 16 tokens, documents of (11, 5) and (4, 12) tokens, random ids
+    rows          two rows of 32 tokens, documents of (24, 8) and (8, 24) tokens, random ids
     vs alone      each packed document's logits must equal the document's logits alone
     crosstalk     the second documents' logits must not move when the first documents change
 
@@ -34,9 +34,10 @@ from torch.distributed.tensor import DTensor
 
 __all__ = ["MATCH_ULPS", "PROBE_LENGTHS", "SEPARATION_ULPS", "PackingProbe", "probe_packing"]
 
-# Each row's document lengths: the boundaries differ between the rows, the first documents are long
-# enough that a second document attending to one is visibly moved.
-PROBE_LENGTHS = ((11, 5), (4, 12))
+# Each row's document lengths: the boundaries differ between the rows, a long first document moves a
+# second one attending to it visibly, and every length is a multiple of 8, so that sequence
+# parallelism (the sequence split over up to 8 tp ranks) splits each forward evenly.
+PROBE_LENGTHS = ((24, 8), (8, 24))
 SEPARATION_ULPS = 8
 MATCH_ULPS = 64
 _REDUCED_FLOAT32 = {"high": 2.0**-10, "medium": 2.0**-7}  # tf32's and bf16's ulp at 1

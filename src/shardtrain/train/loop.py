@@ -35,6 +35,7 @@ from .finite import NonFiniteGuard
 from .inputs import DataPlan, build_data, plan_data
 from .metrics import MetricsLog, Summary, format_bytes, memory_bytes, plot_metrics
 from .model_builder import BuiltModel, build_model
+from .packed import check_packing_static, check_packing_supported, use_block_sparse_attention
 from .schedule import make_scheduler
 from .sections import Config
 from .step import Job
@@ -95,13 +96,11 @@ def _prepare(cfg: Config, engine: Engine) -> tuple[BuiltModel, int, DataPlan]:
     if plan.notice and engine.rank == 0:
         print(f"note: {plan.notice}", flush=True)
     if plan.tokenizer is not None and cfg.data.packing:
-        from .packed import check_packing_supported, use_block_sparse_attention
-
         if "attn_implementation" not in cfg.model.kwargs:
             notice = use_block_sparse_attention(built.module, device=engine.device)
             if notice and engine.rank == 0:
                 print(f"note: {notice}", flush=True)
-        check_packing_supported(built.module)
+        check_packing_static(built.module)  # the probe, a forward, waits for the sharded model (build_job)
     return built, micro_batch, plan
 
 
@@ -148,6 +147,8 @@ def build_job(cfg: Config, engine: Engine) -> tuple[Job, str]:
     loaded = load_base(cfg, model)
     if loaded and engine.rank == 0:
         print(loaded, flush=True)
+    if data.packed:  # every rank probes the model it will train, together (the forward gathers)
+        check_packing_supported(model, device=engine.device)
     scheduler = make_scheduler(
         optimizer, warmup_steps=cfg.optim.warmup_steps, total_steps=cfg.train.steps, min_ratio=cfg.optim.min_lr_ratio
     )

@@ -5,55 +5,60 @@ A packed row holds documents back to back; `position_ids` restart at 0 where eac
 document run alone, and `check_packing_supported` refuses, up front, the models that would
 silently let tokens attend across documents.
 
-Supported, and why:
-- the built-in Llama: `Llama.forward(tokens, position_ids=...)` builds a document mask once per
-  forward (sdpa's block-diagonal boolean mask, or flex_attention's BlockMask on CUDA, which skips
-  the blocks across documents: BENCHMARKS.md, 'Fine-tuning on a packed chat dataset').
-- transformers models (a peft model around one too) with attn_implementation "sdpa", "eager" or
-  "flex_attention": their mask builder (`transformers.masking_utils`) detects packed rows from
-  `position_ids` (a new document wherever the position does not grow by one) and makes the mask
-  block-diagonal, but only when the forward gets no `attention_mask` and no cache. So the forward
-  gets `input_ids`, `position_ids`, `use_cache=False` and never an `attention_mask` (an all-ones
-  mask leaks too). "sdpa" and "eager" then attend through a dense (batch, 1, seq, seq) mask, so
-  sdpa leaves its flash kernel; "flex_attention" skips the blocks across documents. So on CUDA a
-  model left at the default "sdpa" is switched to "flex_attention" for packed training
-  (`use_block_sparse_attention`); an attn_implementation the user chose is kept.
+How the model is called: the built-in Llama as `forward(tokens, position_ids=...)` (it builds a
+document mask once per forward: sdpa's block-diagonal boolean mask, or flex_attention's BlockMask on
+CUDA, which skips the blocks across documents: BENCHMARKS.md, 'Fine-tuning on a packed chat
+dataset'); a transformers model (a peft model around one too) with `input_ids`, `position_ids`,
+`use_cache=False` and never an `attention_mask`: transformers' mask builders
+(`transformers.masking_utils`) detect packed rows from `position_ids` (a new document wherever the
+position does not grow by one) and make the mask block-diagonal, but only without an
+`attention_mask` (an all-ones mask leaks too) and without a cache. With "sdpa" or "eager" the
+mask is a dense (batch, 1, seq, seq) one, so sdpa leaves its flash kernel; "flex_attention" skips
+the blocks across documents, so on CUDA a model left at the default "sdpa" is switched to
+"flex_attention" for packed training (`use_block_sparse_attention`); an attn_implementation the
+user chose is kept. Any other model is called as `forward(input_ids, position_ids=...)`.
 
-Refused: transformers' flash_attention_2/3/4 (they find packed documents from `position_ids` only in
-a batch of one row; in larger batches a row's documents attend to each other), any other or
-custom attention (`masking_utils` builds no mask for it), a transformers version without
-`masking_utils.find_packed_sequence_indices`, a model whose modeling code builds its masks without
-`masking_utils` (remote code, say), a forward without `position_ids`, and any other model (nothing
-tells what it does with `position_ids`).
+How support is decided: by what the model does, not by its source (some transformers models take
+`position_ids` and build masks with `masking_utils`, yet their mask builder never sees the
+positions: OPT attends across documents). The first packed forward of a model, or the training
+loop at start-up, runs train/packing_probe.py's probe: two short packed rows against every document
+alone, and the second documents' logits with the first ones changed. A model whose logits differ
+beyond the tolerance of its compute dtype is refused in one line naming it, what was measured and
+the fix (`--data.packing false`); the verdict is kept per model (asked again if its
+attn_implementation changes), so every later forward costs a dictionary lookup. The built-in Llama
+is probed like any other model. Refused without a forward, as certain: transformers'
+flash_attention_2/3/4 (they separate packed documents only in a batch of one row), and a forward
+without a `position_ids` parameter (BLOOM's: nothing would tell it where a document begins).
 """
 
 from __future__ import annotations
 
 import inspect
-import sys
+import weakref
 
 import torch
 from torch import nn
 
-from ..models.llama import Llama
 from ..pretrained.keys import hf_model
+from .packing_probe import PackingProbe, probe_packing
 
-__all__ = ["PACKED_HF_ATTENTION", "check_packing_supported", "forward_logits", "use_block_sparse_attention"]
+__all__ = ["check_packing_static", "check_packing_supported", "forward_logits", "use_block_sparse_attention"]
 
-# The attention implementations whose masks transformers builds block-diagonal from packed position_ids.
-PACKED_HF_ATTENTION = ("sdpa", "eager", "flex_attention")
-# The masking_utils functions a modeling module calls when its masks detect packed position_ids.
-_MASK_BUILDERS = ("create_causal_mask", "create_sliding_window_causal_mask")
-_FIX = "load the model with attn_implementation='sdpa' (or 'eager', 'flex_attention') or turn packing off"
+_FIX = "train unpacked: --data.packing false"
+# model -> (the transformers model inside it, its attn_implementation when probed, the probe)
+_VERDICTS: weakref.WeakKeyDictionary[nn.Module, tuple[nn.Module | None, str | None, PackingProbe]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def forward_logits(model: nn.Module, input_ids: torch.Tensor, *, position_ids: torch.Tensor | None) -> torch.Tensor:
     """Logits (batch, seq, vocab) of `model` on `input_ids`.
 
     With `position_ids` (same shape, restarting at 0 at each document): of packed rows, every
-    document alone (module docstring); the model is checked first (`check_packing_supported`).
-    Without: the model's ordinary forward. A transformers model always runs with `use_cache=False`
-    (no cache is wanted while training, and a cache would turn packed detection off).
+    document alone (module docstring); the model is checked first (`check_packing_supported`: the
+    first time, a probe forward on every rank). Without: the model's ordinary forward. A
+    transformers model always runs with `use_cache=False` (no cache is wanted while training, and
+    a cache would turn packed detection off).
     """
     if position_ids is not None:
         if position_ids.shape != input_ids.shape:
@@ -61,7 +66,62 @@ def forward_logits(model: nn.Module, input_ids: torch.Tensor, *, position_ids: t
                 f"position_ids of shape {tuple(position_ids.shape)} for input_ids of shape "
                 f"{tuple(input_ids.shape)}; give one position per token"
             )
-        check_packing_supported(model)
+        check_packing_supported(model, device=input_ids.device)
+    return _logits(model, input_ids, position_ids)
+
+
+def check_packing_static(model: nn.Module) -> None:
+    """Raise a one-line ValueError if `model` certainly cannot keep packed documents apart, without
+    running it (a model on the meta device is fine): transformers' flash_attention_*, or a forward
+    without a `position_ids` parameter (**kwargs does not count). Passing says nothing yet:
+    `check_packing_supported` decides."""
+    hf = hf_model(model)
+    target = model if hf is None else hf
+    name = type(target).__name__
+    impl = None if hf is None else getattr(hf.config, "_attn_implementation", None)
+    if str(impl).startswith("flash_attention"):
+        raise ValueError(
+            f"{name} with attn_implementation={impl!r} separates packed documents only in a batch of one row, "
+            f"so packed batches would leak: load it with attn_implementation='sdpa' (or 'eager', "
+            f"'flex_attention') or {_FIX}"
+        )
+    if "position_ids" not in inspect.signature(target.forward).parameters:
+        raise ValueError(
+            f"{name}.forward takes no position_ids, so packed documents would attend to each other: {_FIX}"
+        )
+
+
+def check_packing_supported(model: nn.Module, *, device: torch.device) -> None:
+    """Return if `model` keeps packed documents apart under `forward_logits`, else raise a one-line
+    ValueError naming the model, what was measured and the fix.
+
+    The first call for a model (or after its attn_implementation changed) runs the probe, a no-grad
+    forward on `device`: on a sharded model every rank must call it at the same point. Later calls
+    look the verdict up.
+    """
+    known = _VERDICTS.get(model)
+    if known is not None:
+        hf, impl, probe = known
+        if hf is None or getattr(hf.config, "_attn_implementation", None) == impl:
+            if not probe.keeps_documents_apart:
+                raise ValueError(probe.refusal())
+            return
+    check_packing_static(model)
+    hf = hf_model(model)
+    embedding = _first_embedding(model) if hf is None else hf.get_input_embeddings()
+    probe = probe_packing(
+        model,
+        lambda ids, positions: _logits(model, ids, positions),
+        name=type(model if hf is None else hf).__name__,
+        vocab_size=embedding.num_embeddings,
+        device=device,
+    )
+    _VERDICTS[model] = (hf, None if hf is None else getattr(hf.config, "_attn_implementation", None), probe)
+    if not probe.keeps_documents_apart:
+        raise ValueError(probe.refusal())
+
+
+def _logits(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
     if hf_model(model) is not None:
         out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
     elif position_ids is None:
@@ -71,41 +131,14 @@ def forward_logits(model: nn.Module, input_ids: torch.Tensor, *, position_ids: t
     return getattr(out, "logits", out)
 
 
-def check_packing_supported(model: nn.Module) -> None:
-    """Return if `model` keeps packed documents apart under `forward_logits`, else raise a one-line
-    ValueError naming the model, its attention and the fix."""
-    if any(isinstance(m, Llama) for m in model.modules()):
-        return
-    hf = hf_model(model)
-    if hf is None:
+def _first_embedding(model: nn.Module) -> nn.Embedding:
+    embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    if embedding is None:
         raise ValueError(
-            f"packed batches need a model that keeps documents apart; {type(model).__name__} is neither the "
-            "built-in Llama nor a transformers model, so nothing tells that it does: turn packing off"
+            f"{type(model).__name__} has no nn.Embedding, so no token ids can be drawn to test whether it keeps "
+            f"packed documents apart: {_FIX}"
         )
-    name = type(hf).__name__
-    impl = getattr(hf.config, "_attn_implementation", None)
-    if impl not in PACKED_HF_ATTENTION:
-        why = (
-            "separates packed documents only for a batch of one row"
-            if str(impl).startswith("flash_attention")
-            else "gets no document mask from transformers"
-        )
-        raise ValueError(f"{name} with attn_implementation={impl!r} {why}, so packed batches would leak: {_FIX}")
-    masking = sys.modules.get("transformers.masking_utils")
-    if masking is None or not hasattr(masking, "find_packed_sequence_indices"):
-        version = getattr(sys.modules.get("transformers"), "__version__", "?")
-        raise ValueError(
-            f"transformers {version} does not detect packed documents from position_ids ({name} would attend "
-            "across them): upgrade transformers (5.x does) or turn packing off"
-        )
-    modeling = vars(sys.modules.get(type(hf).__module__, object()))
-    if not any(builder in modeling for builder in _MASK_BUILDERS):
-        raise ValueError(
-            f"{name} (from {type(hf).__module__}) does not build its masks with transformers.masking_utils, so "
-            "nothing separates packed documents: turn packing off"
-        )
-    if "position_ids" not in inspect.signature(hf.forward).parameters:
-        raise ValueError(f"{name}.forward takes no position_ids, so packed batches would leak: turn packing off")
+    return embedding
 
 
 def use_block_sparse_attention(model: nn.Module, *, device: torch.device) -> str | None:

@@ -1,0 +1,165 @@
+"""Whether a model keeps packed documents apart, decided by running it (train/packed.py asks).
+
+A model's source cannot say it: transformers models that use `masking_utils` and take
+`position_ids` may still build their masks without them (OPT's mask builder never sees them) and
+attend across documents. So one no-grad forward of two packed rows, against every document run
+alone, decides:
+
+    rows          two rows of 32 tokens, documents of (24, 8) and (8, 24) tokens, random ids
+    vs alone      each packed document's logits must equal the document's logits alone
+    crosstalk     the second documents' logits must not move when the first documents change
+
+A model that separates documents multiplies the other document's values by exact zeros, so
+crosstalk is zero but for kernels that pick their blocking by shape (a mixture of experts routes a
+different number of tokens to each expert); packed against alone differs by the rounding of other
+kernels (a masked attention, other shapes). Both are allowed a number of ulps (`SEPARATION_ULPS`,
+`MATCH_ULPS`) of the least precise dtype the model computes in (its layers' outputs, so bf16 under
+mixed precision or autocast; float32 matmuls at reduced precision count as tf32 or bf16) times the
+largest logit of the documents alone. A leak moves logits by a sizeable part of that largest logit.
+
+The probe runs in eval mode (no dropout; every module's mode is restored after), on the real model
+as it will train: sharded (every rank must probe at the same point, since the forward gathers),
+wrapped by peft, in its compute dtype.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+__all__ = ["MATCH_ULPS", "PROBE_LENGTHS", "SEPARATION_ULPS", "PackingProbe", "probe_packing"]
+
+# Each row's document lengths: the boundaries differ between the rows, a long first document moves a
+# second one attending to it visibly, and every length is a multiple of 8, so that sequence
+# parallelism (the sequence split over up to 8 tp ranks) splits each forward evenly.
+PROBE_LENGTHS = ((24, 8), (8, 24))
+SEPARATION_ULPS = 8
+MATCH_ULPS = 64
+_REDUCED_FLOAT32 = {"high": 2.0**-10, "medium": 2.0**-7}  # tf32's and bf16's ulp at 1
+
+Forward = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PackingProbe:
+    """What the probe measured of one model, and its verdict."""
+
+    model: str  # the model's class name
+    dtype: torch.dtype  # the least precise dtype its layers computed in
+    ulp: float  # that dtype's ulp at 1 (float32 at reduced matmul precision: tf32's or bf16's)
+    vs_alone: float  # worst |logit difference| of a packed document against the document alone
+    crosstalk: float  # worst |logit difference| of the second documents when the first ones change
+    scale: float  # largest |logit| of the documents alone
+
+    @property
+    def separation_tolerance(self) -> float:
+        return SEPARATION_ULPS * self.ulp * self.scale
+
+    @property
+    def match_tolerance(self) -> float:
+        return MATCH_ULPS * self.ulp * self.scale
+
+    @property
+    def keeps_documents_apart(self) -> bool:
+        """True when both differences are within their tolerances (all-zero logits show nothing: False)."""
+        return self.scale > 0 and self.crosstalk <= self.separation_tolerance and self.vs_alone <= self.match_tolerance
+
+    def refusal(self) -> str:
+        """The one line that refuses packing for this model."""
+        if self.scale == 0:
+            return (
+                f"{self.model} gave all-zero logits to the packing probe, so nothing shows whether it keeps packed "
+                "documents apart; train unpacked: --data.packing false"
+            )
+        dtype = str(self.dtype).removeprefix("torch.")
+        return (
+            f"{self.model} lets packed documents attend to each other: a document's logits packed differ from "
+            f"the document alone by up to {self.vs_alone:.3g} (allowed {self.match_tolerance:.2g}) and move by "
+            f"up to {self.crosstalk:.3g} when another document of its row changes (allowed "
+            f"{self.separation_tolerance:.2g}; {dtype}, largest logit {self.scale:.3g}); train unpacked: "
+            "--data.packing false"
+        )
+
+
+def probe_packing(
+    model: nn.Module, forward: Forward, *, name: str, vocab_size: int, device: torch.device
+) -> PackingProbe:
+    """Run the probe (module docstring) on `model` through `forward(input_ids, position_ids)` (position_ids
+    None: one unpacked document); token ids are drawn below `vocab_size`, the inputs put on `device`."""
+    generator = torch.Generator().manual_seed(0)
+    docs = [[torch.randint(0, vocab_size, (n,), generator=generator) for n in row] for row in PROBE_LENGTHS]
+    # every token of each row's first document replaced by another
+    shift = [torch.randint(1, max(vocab_size, 2), (row[0],), generator=generator) for row in PROBE_LENGTHS]
+    changed = [[(row[0] + s) % vocab_size, *row[1:]] for row, s in zip(docs, shift)]
+    positions = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in PROBE_LENGTHS]).to(device)
+
+    def rows(documents: list[list[torch.Tensor]]) -> torch.Tensor:
+        return torch.stack([torch.cat(row) for row in documents]).to(device)
+
+    with _eval_mode(model), torch.no_grad(), _computed_dtypes(model) as dtypes:
+        packed = _full(forward(rows(docs), positions))
+        moved = _full(forward(rows(changed), positions))
+        alone = [[_full(forward(doc[None].to(device), None))[0] for doc in row] for row in docs]
+    vs_alone = crosstalk = scale = 0.0
+    for r, row in enumerate(docs):
+        start = 0
+        for d, doc in enumerate(row):
+            span = slice(start, start + len(doc))
+            vs_alone = max(vs_alone, _worst(packed[r, span], alone[r][d]))
+            scale = max(scale, alone[r][d].abs().max().item())
+            if d > 0:
+                crosstalk = max(crosstalk, _worst(packed[r, span], moved[r, span]))
+            start += len(doc)
+    dtype = max(dtypes or {packed.dtype}, key=lambda t: torch.finfo(t).eps)
+    return PackingProbe(model=name, dtype=dtype, ulp=_ulp(dtype), vs_alone=vs_alone, crosstalk=crosstalk, scale=scale)
+
+
+def _full(logits: torch.Tensor) -> torch.Tensor:
+    """Logits whole and in float32 (a DTensor split over the tp ranks is gathered: every rank probes)."""
+    return (logits.full_tensor() if isinstance(logits, DTensor) else logits).float()
+
+
+def _worst(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()
+
+
+def _ulp(dtype: torch.dtype) -> float:
+    if dtype == torch.float32:
+        return _REDUCED_FLOAT32.get(torch.get_float32_matmul_precision(), torch.finfo(dtype).eps)
+    return torch.finfo(dtype).eps
+
+
+@contextlib.contextmanager
+def _eval_mode(model: nn.Module) -> Iterator[None]:
+    """Every module in eval mode (no dropout) inside; each module's own mode restored after."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training
+
+
+@contextlib.contextmanager
+def _computed_dtypes(model: nn.Module) -> Iterator[set[torch.dtype]]:
+    """The floating dtypes of the outputs of the modules that hold parameters, collected inside."""
+    seen: set[torch.dtype] = set()
+
+    def record(_module: nn.Module, _inputs: object, output: object) -> None:
+        if isinstance(output, torch.Tensor) and output.is_floating_point():
+            seen.add(output.dtype)
+
+    handles = [
+        m.register_forward_hook(record) for m in model.modules() if next(m.parameters(recurse=False), None) is not None
+    ]
+    try:
+        yield seen
+    finally:
+        for handle in handles:
+            handle.remove()

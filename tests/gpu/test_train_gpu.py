@@ -85,6 +85,7 @@ def test_offloaded_runs_train_like_the_device_run(tmp_path):
         "half": ["--engine.cpu_offload", "0.5"],
         "disk tier": ["--engine.cpu_offload", "true", "--engine.offload_dir", str(tmp_path / "disk")],
     }
+    (tmp_path / "disk").mkdir()
     for name, offload in offloads.items():
         train(*steps, *offload, out_dir=tmp_path, name=name)
         offloaded = [r["loss"] for r in records(tmp_path / name, "train")]

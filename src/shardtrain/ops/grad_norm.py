@@ -48,34 +48,57 @@ def _by_device(tensors: list[torch.Tensor]) -> dict[torch.device, list[torch.Ten
     return groups
 
 
-def _powered_total(norms: list[torch.Tensor], norm_type: float) -> torch.Tensor:
-    """max of the norms (inf-norm), else the sum of their `norm_type` powers (one device)."""
-    stacked = torch.stack([n.float() for n in norms])
-    return stacked.max() if math.isinf(norm_type) else (stacked**norm_type).sum()
+ROW = 1024  # elements per partial norm: few enough that fp32 accumulation within one stays exact to rounding
+
+
+def _device_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """The `norm_type` norm of `grads` (all on one device), as a float64 scalar on that device.
+
+    Note: one fp32 reduction over a long tensor loses precision with its length (torch's CPU kernel
+    keeps a single vector of running sums), and the flat gradients hold many parameters' rows. So each
+    tensor is cut into rows of `ROW` elements, each row's norm is taken in (at least) fp32 by one
+    reduction per tensor, the tails shorter than a row by one foreach call, and the row norms are
+    combined in float64: as exact as a float64 norm of the gradients, at one small fp32 value per row.
+    """
+    dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+    rows, tails = [], []
+    for grad in grads:
+        flat = grad.reshape(-1)
+        whole = flat.numel() // ROW * ROW
+        if whole:
+            rows.append(torch.linalg.vector_norm(flat[:whole].view(-1, ROW), norm_type, dim=1, dtype=dtype))
+        if whole < flat.numel():
+            tails.append(flat[whole:])
+    if tails:
+        rows.append(torch.stack(torch._foreach_norm(tails, norm_type, dtype=dtype)))
+    return torch.linalg.vector_norm(torch.cat(rows), norm_type, dtype=torch.float64)
 
 
 def grad_norm(model: nn.Module, *, norm_type: float = 2.0) -> torch.Tensor:
-    """Global `norm_type` norm of all gradients (fp32), the same value on every rank."""
-    runtime = runtime_of(model)
-    grads = _local_grads(model, for_norm=True)
-    device = runtime.comm.device
+    """Global `norm_type` norm of all gradients (fp32), the same value on every rank.
+
+    Accumulated in float64 across tensors and ranks (`_device_norm`), so it is at least as exact as
+    torch's `clip_grad_norm_` over the unsharded gradients, whatever the sharding.
+    """
     norm_type = float(norm_type)
-    # Note: with (partial) offload some gradients are on the host; each device's norms are combined
-    # where they live, then on the device, where the collective runs.
-    partial = torch.stack(
-        [
-            _powered_total(torch._foreach_norm(on_one, norm_type), norm_type).to(device)
-            for on_one in _by_device(grads).values()
-        ]
-        or [torch.zeros((), device=device)]
+    if not norm_type > 0:
+        raise ValueError(f"norm_type={norm_type} must be positive, e.g. 2.0, or math.inf for the largest |gradient|")
+    runtime = runtime_of(model)
+    grads = [g for g in _local_grads(model, for_norm=True) if g.numel()]
+    device = runtime.comm.device
+    # Note: with (partial) offload some gradients are on the host; each device's norm is taken where
+    # they live, then combined on the device, where the collective runs.
+    norms = torch.stack(
+        [_device_norm(on_one, norm_type).to(device) for on_one in _by_device(grads).values()]
+        or [torch.zeros((), dtype=torch.float64, device=device)]
     )
-    local = partial.max() if math.isinf(norm_type) else partial.sum()
+    local = norms.max() if math.isinf(norm_type) else (norms**norm_type).sum()
     tp = tensor_parallel_of(runtime)
     # Note: replicas hold identical shards, so the shard group (and the tp ranks) cover every element once.
     group = tp.norm_group if tp is not None else runtime.comm.shard
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(local, op=dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM, group=group)
-    return local if math.isinf(norm_type) else local ** (1.0 / norm_type)
+    return (local if math.isinf(norm_type) else local ** (1.0 / norm_type)).float()
 
 
 def clip_grad_norm_(

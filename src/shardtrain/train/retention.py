@@ -1,8 +1,8 @@
 """run.keep_last / run.keep_best: which of a run's checkpoints stay, and the `best` pointer beside `latest`.
 
 After each checkpoint of the run is committed (checkpoint/commit.py: staging directory, one rename,
-`latest`), rank 0 (1) records its held-out score in checkpoints/scores.json (written aside, then one
-atomic replace), (2) points checkpoints/best at the best-scoring checkpoint (the same atomic pointer
+`latest`), rank 0 (1) records the held-out scores of the checkpoints it keeps in
+checkpoints/scores.json (written aside, then one atomic replace), (2) points checkpoints/best at the best-scoring checkpoint (the same atomic pointer
 write as `latest`), and (3) removes the checkpoints kept by neither rule (each by one rename, then
 deletion). A crash at any moment leaves `best` naming a committed checkpoint: a checkpoint is pointed
 at only once committed, and removed only once no pointer names it. scores.json lives in the run
@@ -60,12 +60,14 @@ class Retention:
             self.scores[name] = score
         present = {d.name: t for d in self.directory.iterdir() if d.is_dir() and (t := created_ns(d)) is not None}
         self.scores = {n: s for n, s in self.scores.items() if n in present}
-        self._write_scores()
         best = self.best()
-        if best:
-            commit.point(self.directory / best[0], BEST_FILE)
         newest = sorted(present, key=present.__getitem__, reverse=True)
         kept = set(newest[: self.keep_last] if self.keep_last else newest) | set(best)
+        # a checkpoint left out now is never kept later (newer ones come, the best only get better)
+        self.scores = {n: s for n, s in self.scores.items() if n in kept}
+        self._write_scores()
+        if best:
+            commit.point(self.directory / best[0], BEST_FILE)
         for name in newest:
             if name not in kept:
                 commit.remove(self.directory / name)

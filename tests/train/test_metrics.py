@@ -1,4 +1,3 @@
-import importlib.util
 import json
 
 import pytest
@@ -31,22 +30,13 @@ RECORDS = [
 
 
 def test_jsonl_and_plot(tmp_path):
-    log = MetricsLog(tmp_path, tensorboard=False)
+    log = MetricsLog(tmp_path)
     for r in RECORDS:
         log.write(r)
     log.close()
     assert [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == RECORDS
     plot_metrics(log.records, tmp_path / "m.png", memory_label="model state per rank (CPU)")
     assert (tmp_path / "m.png").read_bytes()[:4] == b"\x89PNG"
-
-
-@pytest.mark.skipif(importlib.util.find_spec("tensorboard") is None, reason="needs the 'tensorboard' extra")
-def test_tensorboard_events(tmp_path):
-    log = MetricsLog(tmp_path, tensorboard=True)
-    for r in RECORDS:
-        log.write(r)
-    log.close()
-    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
 
 
 def test_model_state_bytes_counts_params_grads_and_optimizer_state():

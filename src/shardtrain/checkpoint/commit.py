@@ -135,7 +135,7 @@ def commit(staging: Path, final: Path, *, keep_last: int | None) -> None:
             _fsync_dir(final.parent)
     pointer = final.parent / LATEST_FILE
     try:
-        _point_latest(final, pointer)
+        point(final, LATEST_FILE)
     except OSError as exc:
         named = pointer.read_text(encoding="utf-8").strip() if pointer.is_file() else None
         still = f"it still names {named!r}" if named else "it does not exist"
@@ -161,8 +161,11 @@ def _reached(point: str) -> None:
         commit_hook(point)
 
 
-def _point_latest(final: Path, pointer: Path) -> None:
-    temporary = final.parent / f".{LATEST_FILE}.{new_token()}"
+def point(final: Path, name: str) -> None:
+    """Make `<final's parent>/<name>` (a pointer file such as `latest`) name `final`: a temporary
+    file, fsynced, then one atomic replace, so a crash leaves the old pointer or the new one."""
+    pointer = final.parent / name
+    temporary = final.parent / f".{name}.{new_token()}"
     try:
         with open(temporary, "w", encoding="utf-8") as f:
             f.write(final.name + "\n")
@@ -181,9 +184,15 @@ def _rotate(final: Path, keep_last: int) -> None:
     stamps = {d: created_ns(d) for d in final.parent.iterdir() if d.is_dir() and d != final}
     older = sorted((d for d, t in stamps.items() if t is not None), key=stamps.__getitem__, reverse=True)
     for old in older[keep_last - 1 :]:
-        trash = staging_dir(old, new_token())
-        os.rename(old, trash)  # atomic: a crash mid-delete leaves a stale staging dir, not half a checkpoint
-        shutil.rmtree(trash)
+        remove(old)
+
+
+def remove(checkpoint: Path) -> None:
+    """Delete a checkpoint directory: one atomic rename first, so a crash mid-delete leaves a stale
+    staging directory (removed by the next save), never half a checkpoint under its name."""
+    trash = staging_dir(checkpoint, new_token())
+    os.rename(checkpoint, trash)
+    shutil.rmtree(trash)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -226,6 +235,11 @@ def _pointed(path: Path, pointer: Path) -> Path:
             f"of the checkpoint directories in {path} instead"
         )
     return found
+
+
+def pointed(directory: Path, name: str) -> Path:
+    """The committed checkpoint that the pointer file `<directory>/<name>` (e.g. `best`) names."""
+    return _pointed(directory, directory / name)
 
 
 def resolve(path: str | os.PathLike) -> Path:

@@ -29,7 +29,14 @@ def register(subparsers) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,
     )
-    parser.add_argument("--resume", metavar="CHECKPOINT", help="resume from a checkpoint directory (= --run.resume)")
+    parser.add_argument(
+        "--resume",
+        metavar="CHECKPOINT",
+        nargs="?",
+        const="latest",
+        help="resume from a checkpoint directory, or alone (= latest) the run in run.out_dir saved last, "
+        "writing on in its run folder (= --run.resume)",
+    )
     parser.set_defaults(func=run, overrides=[])
 
 

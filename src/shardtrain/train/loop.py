@@ -13,10 +13,10 @@ rate stays a function of the step number.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import time
+from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 
@@ -29,13 +29,18 @@ from ..planning.checkpointing import recompute_policy
 from ..tp import plan_for
 from .config import save_config
 from .data import ByteTokenizer
+from .early_stop import EarlyStop
 from .ema import WeightEMA
 from .finetune import build_dtype, check_finetune_config, describe_lora, export, load_base, with_lora
 from .finite import NonFiniteGuard
 from .inputs import DataPlan, build_data, plan_data
+from .loggers import Logger
 from .metrics import MetricsLog, Summary, format_bytes, memory_bytes, plot_metrics
 from .model_builder import BuiltModel, build_model
 from .packed import check_packing_static, check_packing_supported, use_block_sparse_attention
+from .resume import resolve_resume
+from .retention import Retention, load_best
+from .run_log import open_run_log
 from .schedule import make_scheduler
 from .sections import Config
 from .step import Job
@@ -69,8 +74,8 @@ def _prepare(cfg: Config, engine: Engine) -> tuple[BuiltModel, int, DataPlan]:
     """Every check a user can fail, on every rank, before any communication."""
     micro_batch = check_batch(cfg, engine.data_parallel_size)
     check_finetune_config(cfg)
-    if cfg.run.tensorboard and importlib.util.find_spec("tensorboard") is None:
-        raise ValueError("run.tensorboard=true needs the tensorboard package: pip install 'shardtrain[tensorboard]'")
+    if cfg.run.best_metric == "eval_loss_ema" and not cfg.train.ema_decay:
+        raise ValueError("run.best_metric=eval_loss_ema needs the EMA weights: pass --train.ema_decay D (e.g. 0.999)")
     out_dir = Path(cfg.run.out_dir)
     blocker = next((p for p in (out_dir, *out_dir.parents) if p.exists() and not p.is_dir()), None)
     if blocker is not None:
@@ -169,28 +174,60 @@ def build_job(cfg: Config, engine: Engine) -> tuple[Job, str]:
     return job, describe_lora(cfg, model, built.description)
 
 
-def run(cfg: Config, engine: Engine) -> Summary:
-    """Train as configured on this rank; rank 0 writes the run directory. Returns the run's summary."""
+def run(cfg: Config, engine: Engine, *, loggers: Sequence[Logger] = ()) -> Summary:
+    """Train as configured on this rank; rank 0 writes the run directory and feeds the trackers
+    (run.loggers, and `loggers`: objects of the loggers.Logger interface). Returns the run's summary."""
     start = time.perf_counter()
     heartbeat(0, "setup")
+    cfg = resolve_resume(cfg)
     job, description = build_job(cfg, engine)
     first_step = job.resume(cfg.run.resume) if cfg.run.resume else 0
-    return _loop(job, _run_dir(cfg, engine), first_step=first_step, description=description, start=start)
+    run_dir = _run_dir(cfg, engine)
+    return _loop(job, run_dir, first_step=first_step, description=description, start=start, loggers=loggers)
 
 
-def _loop(job: Job, run_dir: Path, *, first_step: int, description: str, start: float) -> Summary:
+def _loop(
+    job: Job, run_dir: Path, *, first_step: int, description: str, start: float, loggers: Sequence[Logger]
+) -> Summary:
     cfg, engine = job.cfg, job.engine
     lead = engine.rank == 0
-    log = MetricsLog(run_dir, tensorboard=cfg.run.tensorboard) if lead else None
+    world = f"{engine.world_size} x {engine.device.type}, {engine.strategy.value}, {engine.precision}" + (
+        f", tp {engine.tp}" if engine.tp > 1 else ""
+    )
+    log = open_run_log(cfg, run_dir, plan=f"model: {description}\nworld: {world}", extra=loggers) if lead else None
+    retention = (
+        Retention(
+            run_dir / "checkpoints",
+            keep_last=cfg.run.keep_last,
+            keep_best=cfg.run.keep_best,
+            metric=cfg.run.best_metric,
+        )
+        if lead and (cfg.run.keep_last or cfg.run.keep_best)
+        else None
+    )
+    metric = cfg.run.best_metric
+    stopper = (
+        EarlyStop(patience=cfg.train.early_stop_patience, min_delta=cfg.train.early_stop_min_delta, metric=metric)
+        if cfg.train.early_stop_patience
+        else None
+    )
     memory_label = "peak CUDA memory per rank" if engine.device.type == "cuda" else "model state per rank (CPU)"
     tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
     bar = _progress_bar(cfg, first_step) if lead and cfg.run.progress else None
     first_eval = job.evaluate(first_step, time.perf_counter() - start)
     evaluating = first_eval is not None  # else nothing is held out
+    if not evaluating and (stopper or cfg.run.keep_best):
+        asked = "train.early_stop_patience" if stopper else "run.keep_best"
+        raise ValueError(
+            f"{asked} judges the held-out {metric}, but nothing is held out (data.val_fraction 0, no "
+            "data.eval_path); hold some rows out (e.g. --data.val_fraction 0.05) or drop it"
+        )
     if log and evaluating:
         log.write(first_eval)
-    _write_samples(job.samples(first_step), run_dir, lead=lead)
-    last_eval, memory = first_eval, [0] * engine.world_size
+    _write_samples(job.samples(first_step), run_dir, log=log, step=first_step)
+    if stopper:
+        stopper.update(first_step, first_eval[metric])
+    last_eval, memory, stopped, final_step = first_eval, [0] * engine.world_size, None, cfg.train.steps
     loss_sum, loss_count, norm = torch.zeros((), device=engine.device), 0, None
     interval_start, interval_steps, train_time, train_tokens = time.perf_counter(), 0, 0.0, 0
     for step in range(first_step, cfg.train.steps):
@@ -208,6 +245,7 @@ def _loop(job: Job, run_dir: Path, *, first_step: int, description: str, start: 
             (cfg.train.eval_every and done % cfg.train.eval_every == 0) or done == cfg.train.steps
         )
         saves = cfg.run.checkpoint_every and (done % cfg.run.checkpoint_every == 0 or done == cfg.train.steps)
+        saves = saves or (cfg.run.keep_best and evaluates)  # so that the best can be kept
         if logs or evaluates or saves:  # a host sync: the moment to stop on a bad step, before any checkpoint
             job.guard.check()
         if logs:
@@ -250,29 +288,37 @@ def _loop(job: Job, run_dir: Path, *, first_step: int, description: str, start: 
                 log.write(last_eval)
             if bar is not None:
                 bar.write(f"step {done}: held-out loss {last_eval['eval_loss']:.4f}")
-            _write_samples(job.samples(done), run_dir, lead=lead)
+            _write_samples(job.samples(done), run_dir, log=log, step=done)
+            stopped = stopper.update(done, last_eval[metric]) if stopper else None
             interval_start += time.perf_counter() - pause
-        if saves:
+        if saves or (stopped and cfg.run.checkpoint_every):
             heartbeat(done, "checkpoint")
             pause = time.perf_counter()
             job.save(run_dir, done)
+            if retention:
+                retention.after_save(done, last_eval[metric] if evaluates else None)
             interval_start += time.perf_counter() - pause
+        if stopped:
+            final_step = done
+            if lead:
+                print(stopped, flush=True)
+            break
     if bar is not None:
         bar.close()
     if cfg.run.export_hf:
-        heartbeat(cfg.train.steps, "export")
+        heartbeat(final_step, "export")
+        chosen = load_best(job, run_dir) if cfg.run.export == "best" else "the last weights"
         exported = export(cfg, job.model, run_dir)
         if lead and job.data.tokenizer is not None:
             # the run's tokenizer (with its chat template) beside the weights, as from_pretrained reads it
             job.data.tokenizer.save_pretrained(str(exported))
         if lead:
-            print(f"exported the model to {exported}", flush=True)
+            print(f"exported {chosen} to {exported}", flush=True)
     summary = Summary(
         run_dir=str(run_dir),
         model=description,
-        world=f"{engine.world_size} x {engine.device.type}, {engine.strategy.value}, {engine.precision}"
-        + (f", tp {engine.tp}" if engine.tp > 1 else ""),
-        steps=cfg.train.steps - first_step,
+        world=world,
+        steps=final_step - first_step,
         tokens=train_tokens,
         wall_s=time.perf_counter() - start,
         tokens_per_s=train_tokens / train_time if train_time else math.nan,
@@ -282,15 +328,19 @@ def _loop(job: Job, run_dir: Path, *, first_step: int, description: str, start: 
         memory_label=memory_label,
         skipped_steps=job.guard.skipped,
         data=None if job.data.stats is None else job.data.stats.describe(),
+        stopped=stopped,
+        best=retention and retention.describe_best(),
     )
     if log:
         log.write(
             {
                 "kind": "summary",
-                "step": cfg.train.steps,
+                "step": final_step,
                 "wall_s": round(summary.wall_s, 3),
                 "eval_loss_drop": summary.eval_loss_drop,
                 "tokens_per_s": summary.tokens_per_s,
+                **({"stop_reason": stopped, "stop_step": final_step} if stopped else {}),
+                **({"best_checkpoint": summary.best} if summary.best else {}),
             }
         )
         log.close()
@@ -298,11 +348,13 @@ def _loop(job: Job, run_dir: Path, *, first_step: int, description: str, start: 
     return summary
 
 
-def _write_samples(rows: list[dict], run_dir: Path, *, lead: bool) -> None:
-    """Append eval.samples' decoded prompts to runs/<name>/samples.jsonl (rank 0)."""
-    if lead and rows:
+def _write_samples(rows: list[dict], run_dir: Path, *, log: MetricsLog | None, step: int) -> None:
+    """Append eval.samples' decoded prompts to runs/<name>/samples.jsonl and the trackers' tables (rank 0)."""
+    if log is not None and rows:
         with open(run_dir / "samples.jsonl", "a") as f:
             f.writelines(json.dumps(row) + "\n" for row in rows)
+        if log.trackers is not None:
+            log.trackers.log_table(rows, step=step)
 
 
 def _progress_bar(cfg: Config, first_step: int):

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .loggers import Trackers
+
 
 def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """Bytes this rank holds of parameters, gradients and optimizer state (its shards, after sharding)."""
@@ -37,33 +39,23 @@ def format_bytes(n: float) -> str:
 
 
 class MetricsLog:
-    """Appends one JSON object per record to metrics.jsonl (and TensorBoard scalars when enabled)."""
+    """Appends one JSON object per record to metrics.jsonl and hands it to the run's trackers
+    (loggers/): a "summary" record finishes them."""
 
-    def __init__(self, run_dir: Path, *, tensorboard: bool) -> None:
+    def __init__(self, run_dir: Path, *, trackers: Trackers | None = None) -> None:
         self.path = run_dir / "metrics.jsonl"
         self.records: list[dict[str, Any]] = []
         self._file = open(self.path, "a", buffering=1)
-        self._tb = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+        self.trackers = trackers
 
     def write(self, record: dict[str, Any]) -> None:
         self.records.append(record)
         self._file.write(json.dumps(record) + "\n")
-        if self._tb is not None:
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and key not in ("step", "kind"):
-                    self._tb.add_scalar(f"{record['kind']}/{key}", value, record["step"])
-                elif isinstance(value, list):
-                    for rank, v in enumerate(value):
-                        self._tb.add_scalar(f"{record['kind']}/{key}/rank{rank}", v, record["step"])
+        if self.trackers is not None:
+            (self.trackers.finish if record["kind"] == "summary" else self.trackers.log)(record)
 
     def close(self) -> None:
         self._file.close()
-        if self._tb is not None:
-            self._tb.close()
 
 
 def plot_metrics(records: list[dict[str, Any]], path: Path, *, memory_label: str) -> None:
@@ -116,6 +108,8 @@ class Summary:
     memory_label: str
     skipped_steps: int = 0  # optimizer steps skipped for a non-finite loss or gradient norm
     data: str | None = None  # the rows' statistics (shardtrain.data.DataStats.describe), for tokenized data
+    stopped: str | None = None  # why the run ended before train.steps (train.early_stop_patience)
+    best: str | None = None  # the best checkpoint (run.keep_best) and its score
 
     @property
     def eval_loss_drop(self) -> float | None:
@@ -148,6 +142,8 @@ class Summary:
                 if self.eval_loss_drop is None
                 else f"{self.first_eval_loss:.3f} -> {self.final_eval_loss:.3f} ({self.eval_loss_drop:.1%} lower)",
             ),
+            *([("stopped", self.stopped)] if self.stopped else []),
+            *([("best checkpoint", self.best)] if self.best else []),
             (self.memory_label, ", ".join(format_bytes(b) for b in self.memory_per_rank)),
             ("run dir", self.run_dir),
         ]

@@ -14,6 +14,7 @@ from typing import Any
 from ..data.encode import Overlong, TrainOn
 from ..data.formats import FORMAT_NAMES
 from ..data.pipeline import DataSpec
+from .loggers.trackers import LOGGER_NAMES
 
 
 class ConfigError(ValueError):
@@ -248,8 +249,19 @@ class TrainConfig:
         "costs a host sync per step)",
         "stop",
     )
+    early_stop_patience: int = _help(
+        "stop after this many evaluations in a row without the held-out metric (run.best_metric) improving (0: off)",
+        0,
+    )
+    early_stop_min_delta: float = _help("an evaluation improves when it beats the best by more than this", 0.0)
 
     def __post_init__(self) -> None:
+        _require(
+            self.early_stop_patience >= 0, "train.early_stop_patience", self.early_stop_patience, "use 0 (off) or more"
+        )
+        _require(
+            self.early_stop_min_delta >= 0, "train.early_stop_min_delta", self.early_stop_min_delta, "use 0 or more"
+        )
         _require(self.on_nonfinite in ("stop", "skip"), "train.on_nonfinite", self.on_nonfinite, "use stop or skip")
         for key in ("steps", "batch_size", "grad_accum", "log_every"):
             value = getattr(self, key)
@@ -349,9 +361,37 @@ class RunConfig:
     name: str | None = _help("run name (default: the start time)", None)
     checkpoint_every: int = _help("save a checkpoint every N steps and at the end (0: no checkpoints)", 0)
     resume: str | None = _help(
-        "checkpoint to resume from: runs/<name>/checkpoints/step_N, or runs/<name>/checkpoints for its latest", None
+        "checkpoint to resume from: runs/<name>/checkpoints/step_N, runs/<name>/checkpoints (or runs/<name>) for "
+        "its latest, or 'latest' (also `--resume` alone) for the run in run.out_dir saved last; the run goes on in "
+        "its folder (metrics.jsonl appended) unless run.name names another",
+        None,
     )
-    tensorboard: bool = _help("also write TensorBoard events (needs the 'tensorboard' extra)", False)
+    keep_last: int = _help(
+        "keep only the K newest checkpoints (0: all; with run.keep_best, the newest only, for resuming)", 0
+    )
+    keep_best: int = _help(
+        "also keep the K checkpoints with the lowest run.best_metric, with a checkpoints/best pointer to the "
+        "best; a checkpoint is saved at each evaluation (0: off)",
+        0,
+    )
+    best_metric: str = _help(
+        "the held-out metric that ranks checkpoints and early stopping: eval_loss or eval_loss_ema", "eval_loss"
+    )
+    export: str = _help(
+        "with run.export_hf: export the 'last' weights, or the 'best' checkpoint (run.keep_best)", "last"
+    )
+    loggers: tuple[str, ...] = _help(
+        f"experiment trackers besides metrics.jsonl, comma-separated: {', '.join(LOGGER_NAMES)} (each its "
+        "extra, e.g. pip install 'shardtrain[wandb]'); one that cannot start is one line and the run goes on",
+        (),
+    )
+    project: str = _help("the W&B project, MLflow experiment and trackio project of the run", "shardtrain")
+    mlflow_uri: str | None = _help(
+        "MLflow tracking URI (default: MLFLOW_TRACKING_URI, else file:<run.out_dir>/mlruns)", None
+    )
+    tensorboard: bool = _help(
+        "also write TensorBoard events (= tensorboard in run.loggers; needs the 'tensorboard' extra)", False
+    )
     progress: bool = _help("show a progress bar on rank 0", True)
     export_hf: bool = _help(
         "at the end, write runs/<name>/hf/, a Hugging Face folder that from_pretrained opens "
@@ -367,6 +407,25 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         _require(self.checkpoint_every >= 0, "run.checkpoint_every", self.checkpoint_every, "use 0 or more")
+        unknown = [name for name in self.loggers if name not in LOGGER_NAMES]
+        _require(not unknown, "run.loggers", ",".join(self.loggers), f"use some of {', '.join(LOGGER_NAMES)}")
+        for key in ("keep_last", "keep_best"):
+            _require(getattr(self, key) >= 0, f"run.{key}", getattr(self, key), "use 0 (off) or more")
+        _require(
+            not self.keep_last or self.checkpoint_every or self.keep_best,
+            "run.keep_last",
+            self.keep_last,
+            "it keeps checkpoints: also give --run.checkpoint_every N (or --run.keep_best K)",
+        )
+        metrics = ("eval_loss", "eval_loss_ema")
+        _require(self.best_metric in metrics, "run.best_metric", self.best_metric, f"use one of {', '.join(metrics)}")
+        _require(self.export in ("last", "best"), "run.export", self.export, "use last or best")
+        _require(
+            self.export == "last" or (self.keep_best and self.export_hf),
+            "run.export",
+            self.export,
+            "exporting the best checkpoint needs --run.keep_best K and --run.export_hf true",
+        )
         _require(
             self.export_dtype in EXPORT_DTYPES,
             "run.export_dtype",

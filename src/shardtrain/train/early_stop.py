@@ -1,0 +1,32 @@
+"""train.early_stop_patience: stop when the held-out metric has not improved for N evaluations.
+
+An evaluation improves when its value is below the best so far by more than train.early_stop_min_delta.
+The held-out loss is all-reduced, so every rank sees the same values and stops at the same step.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+class EarlyStop:
+    def __init__(self, *, patience: int, min_delta: float, metric: str) -> None:
+        self.patience = patience
+        self.min_delta = min_delta
+        self.metric = metric
+        self.best = math.inf
+        self.best_step: int | None = None
+        self.stale = 0  # evaluations since the last improvement
+
+    def update(self, step: int, value: float) -> str | None:
+        """Take the evaluation at `step`; the reason to stop now, or None to go on."""
+        if value < self.best - self.min_delta:
+            self.best, self.best_step, self.stale = value, step, 0
+            return None
+        self.stale += 1
+        if not self.patience or self.stale < self.patience:
+            return None
+        return (
+            f"early stop at step {step}: {self.metric} did not improve by more than {self.min_delta:g} in "
+            f"{self.patience} evaluations (best {self.best:.4f} at step {self.best_step})"
+        )

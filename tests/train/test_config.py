@@ -72,7 +72,7 @@ def test_saved_config_reloads(tmp_path):
         (["--train.stpes", "5"], "did you mean 'train.steps'"),
         (["--steps", "5"], "did you mean 'train.steps'"),
         (["--trian.steps", "5"], "did you mean 'train.steps'"),
-        (["--optim.learning_rate", "1"], "Valid keys: optim.lr"),
+        (["--optim.learning_rate", "1"], "Valid keys: optim.name, optim.lr"),
     ],
 )
 def test_unknown_key_suggests_and_lists(tokens, expected):

@@ -21,7 +21,6 @@ from datetime import datetime
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from ..engine import Engine
 from ..engine.health import heartbeat
@@ -31,17 +30,19 @@ from .config import save_config
 from .data import ByteTokenizer
 from .early_stop import EarlyStop
 from .ema import WeightEMA
+from .epochs import with_epoch_steps
 from .finetune import build_dtype, check_finetune_config, describe_lora, export, load_base, with_lora
 from .finite import NonFiniteGuard
 from .inputs import DataPlan, build_data, plan_data
 from .loggers import Logger
 from .metrics import MetricsLog, Summary, format_bytes, memory_bytes, plot_metrics
 from .model_builder import BuiltModel, build_model
+from .optimizers import build_optimizer
 from .packed import check_packing_static, check_packing_supported, use_block_sparse_attention
 from .resume import resolve_resume
 from .retention import Retention, load_best
 from .run_log import open_run_log
-from .schedule import make_scheduler
+from .schedule import build_scheduler
 from .sections import Config
 from .step import Job
 
@@ -59,15 +60,6 @@ def check_batch(cfg: Config, world_size: int) -> int:
             f"{accum} = {unit}; use --train.batch_size {fix}"
         )
     return batch // accum
-
-
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """AdamW groups of the trainable parameters: weight decay on matrices, none on norms, biases and
-    other vectors (by shape, which sharded parameters keep). Frozen parameters get no optimizer state."""
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in trainable if p.ndim >= 2]
-    no_decay = [p for p in trainable if p.ndim < 2]
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
 def _prepare(cfg: Config, engine: Engine) -> tuple[BuiltModel, int, DataPlan]:
@@ -129,17 +121,15 @@ def build_job(cfg: Config, engine: Engine) -> tuple[Job, str]:
             "(hold rows out with --data.val_fraction F or --data.eval_path FILE for a held-out loss)",
             flush=True,
         )
+    cfg, steps_line = with_epoch_steps(cfg, data.train.num_windows)
+    if steps_line and engine.rank == 0:
+        print(steps_line, flush=True)
     if cfg.data.show and engine.rank == 0 and data.stats is not None:
         from ..data.display import show
 
         print(show(data.train.windows, data.tokenizer, count=cfg.data.show), flush=True)
     model, adapter_init = with_lora(cfg, built.module)
-    optimizer = torch.optim.AdamW(
-        param_groups(model, cfg.optim.weight_decay),
-        lr=cfg.optim.lr,
-        betas=(cfg.optim.beta1, cfg.optim.beta2),
-        fused=engine.device.type == "cuda",
-    )
+    optimizer = build_optimizer(cfg.optim, model, device=engine.device)
     split = cfg.engine.tp > 1
     model, optimizer = engine.setup(
         model,
@@ -154,9 +144,7 @@ def build_job(cfg: Config, engine: Engine) -> tuple[Job, str]:
         print(loaded, flush=True)
     if data.packed:  # every rank probes the model it will train, together (the forward gathers)
         check_packing_supported(model, device=engine.device)
-    scheduler = make_scheduler(
-        optimizer, warmup_steps=cfg.optim.warmup_steps, total_steps=cfg.train.steps, min_ratio=cfg.optim.min_lr_ratio
-    )
+    scheduler = build_scheduler(optimizer, optim=cfg.optim, total_steps=cfg.train.steps)
     guard = NonFiniteGuard(
         engine, mode=cfg.train.on_nonfinite, check_norm=cfg.optim.grad_clip > 0 and engine.grad_scaler is None
     )

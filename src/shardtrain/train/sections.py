@@ -208,24 +208,80 @@ class EvalConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class OptimConfig:
-    lr: float = _help("peak learning rate (AdamW)", 3e-3)
-    min_lr_ratio: float = _help("final learning rate as a fraction of the peak (cosine decay)", 0.1)
+    name: str = _help(
+        "optimizer: adamw (fused on CUDA), sgd (optim.momentum, optim.nesterov), adafactor, "
+        "adamw8bit / adamw4bit (torchao's low-bit AdamW: the 'torchao' extra), or muon (torch's Muon on "
+        "the hidden 2-D matrices, AdamW on embeddings, the output head and vectors)",
+        "adamw",
+    )
+    lr: float = _help("peak learning rate", 3e-3)
+    schedule: str = _help(
+        "learning-rate schedule after optim.warmup_steps of linear warm-up: cosine (to optim.min_lr_ratio; "
+        "built in), constant, linear (to 0), cosine_with_restarts (optim.num_cycles hard restarts, to 0) "
+        "or wsd (warmup-stable-decay: constant, then the last optim.decay_fraction of the steps decay "
+        "to optim.min_lr_ratio); all but cosine are transformers' get_scheduler (the 'hf' extra)",
+        "cosine",
+    )
+    min_lr_ratio: float = _help("final learning rate as a fraction of the peak (cosine and wsd)", 0.1)
     warmup_steps: int = _help("optimizer steps of linear warm-up", 10)
-    weight_decay: float = _help("AdamW weight decay (not applied to norms and biases)", 0.1)
-    beta1: float = _help("AdamW beta1", 0.9)
-    beta2: float = _help("AdamW beta2", 0.95)
+    warmup_ratio: float = _help(
+        "warm-up as a fraction of the run's optimizer steps (instead of optim.warmup_steps; 0: use warmup_steps)", 0.0
+    )
+    num_cycles: int = _help("cosine_with_restarts: the number of cosine cycles", 1)
+    decay_fraction: float = _help("wsd: the fraction of the steps that decays at the end", 0.1)
+    weight_decay: float = _help("weight decay (not applied to norms and biases)", 0.1)
+    beta1: float = _help("AdamW beta1 (adamw, adamw8bit, adamw4bit, and muon's AdamW part)", 0.9)
+    beta2: float = _help("AdamW beta2 (adamw, adamw8bit, adamw4bit, and muon's AdamW part)", 0.95)
+    momentum: float | None = _help("sgd and muon: momentum (default: 0.9 for sgd, 0.95 for muon)", None)
+    nesterov: bool | None = _help("sgd and muon: Nesterov momentum (default: false for sgd, true for muon)", None)
     grad_clip: float = _help("clip the global gradient norm to this value (0: no clipping)", 1.0)
 
     def __post_init__(self) -> None:
+        from .optimizers import OPTIMIZER_NAMES
+        from .schedule import SCHEDULE_NAMES
+
+        _require(self.name in OPTIMIZER_NAMES, "optim.name", self.name, f"use one of {', '.join(OPTIMIZER_NAMES)}")
+        _require(
+            self.schedule in SCHEDULE_NAMES, "optim.schedule", self.schedule, f"use one of {', '.join(SCHEDULE_NAMES)}"
+        )
+        _require(
+            self.name not in ("adamw8bit", "adamw4bit"),
+            "optim.name",
+            self.name,
+            "torchao's low-bit AdamW quantizes blocks of a whole tensor, which the engine's row shards cut "
+            "differently, and its quantized state cannot be checkpointed yet; use adamw, or adafactor for "
+            "a small optimizer state",
+        )
         _require(self.lr >= 0, "optim.lr", self.lr, "use a learning rate of 0 (nothing changes) or more")
         _require(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", self.min_lr_ratio, "use a value in [0, 1]")
         _require(self.warmup_steps >= 0, "optim.warmup_steps", self.warmup_steps, "use 0 or more")
+        _require(0 <= self.warmup_ratio < 1, "optim.warmup_ratio", self.warmup_ratio, "use a value in [0, 1)")
+        _require(self.num_cycles >= 1, "optim.num_cycles", self.num_cycles, "use 1 or more cycles")
+        _require(0 < self.decay_fraction <= 1, "optim.decay_fraction", self.decay_fraction, "use a value in (0, 1]")
+        _require(
+            self.momentum is None or self.momentum >= 0,
+            "optim.momentum",
+            self.momentum,
+            "use 0 (none) or more, e.g. 0.9",
+        )
+        _require(
+            not self.nesterov or self.momentum is None or self.momentum > 0,
+            "optim.nesterov",
+            self.nesterov,
+            "Nesterov momentum needs momentum: also give --optim.momentum 0.9",
+        )
         _require(self.grad_clip >= 0, "optim.grad_clip", self.grad_clip, "use 0 (off) or a positive norm")
 
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    steps: int = _help("optimizer steps", 120)
+    steps: int = _help("optimizer steps (unless train.epochs is given)", 120)
+    epochs: float = _help(
+        "passes over the training windows instead of train.steps (0: use train.steps): floor(epochs x "
+        "windows / batch_size) optimizer steps, the same at every world size, printed at start-up; the "
+        "data runs on across epoch boundaries, so only the run's last partial batch is dropped",
+        0.0,
+    )
     batch_size: int = _help("sequences per optimizer step, over all ranks and micro-batches", 16)
     grad_accum: int = _help("micro-batches accumulated per optimizer step", 1)
     eval_every: int = _help("evaluate the held-out loss every N steps (and at step 0 and the end)", 30)
@@ -267,6 +323,7 @@ class TrainConfig:
             value = getattr(self, key)
             _require(value >= 1, f"train.{key}", value, "use 1 or more")
         _require(self.eval_batches >= 0, "train.eval_batches", self.eval_batches, "use 0 (all) or more")
+        _require(self.epochs >= 0, "train.epochs", self.epochs, "use 0 (train.steps decides) or a positive number")
         _require(self.eval_every >= 0, "train.eval_every", self.eval_every, "use 0 (only first and last) or more")
         _require(0 <= self.ema_decay < 1, "train.ema_decay", self.ema_decay, "use 0 (off) or a value in (0, 1)")
 

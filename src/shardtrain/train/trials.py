@@ -53,7 +53,9 @@ def trial_config(cfg: Config, choice: AutoChoice, *, out_dir: Path, name: str) -
     chosen = apply_choice(cfg, choice)
     return dataclasses.replace(
         chosen,
-        train=dataclasses.replace(chosen.train, steps=TRIAL_STEPS, log_every=1, eval_every=0, eval_batches=1),
+        train=dataclasses.replace(
+            chosen.train, steps=TRIAL_STEPS, epochs=0.0, log_every=1, eval_every=0, eval_batches=1
+        ),
         run=dataclasses.replace(
             chosen.run,
             out_dir=str(out_dir),

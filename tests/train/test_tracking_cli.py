@@ -87,3 +87,21 @@ def test_resume_latest_without_a_run_says_where_it_looked(tmp_path):
 
     with pytest.raises(ValueError, match=f"run.resume='latest': no run in '{tmp_path}' has a checkpoint"):
         resolve_resume(load_config(None, ["--run.resume", "latest", "--run.out_dir", str(tmp_path)]))
+
+
+def test_an_interrupted_run_stops_early_where_the_uninterrupted_one_does(pools, tmp_path):
+    """The stopper's count and best travel in the checkpoint: a run cut at step 4 and resumed stops at
+    step 6, as the uninterrupted run does (a fresh count after the resume would stop at step 10)."""
+    common = [
+        *TINY,
+        *("--train.eval_every", "2", "--train.log_every", "2", "--train.eval_batches", "1"),
+        *("--run.checkpoint_every", "2", "--run.out_dir", str(tmp_path / "runs")),
+        *("--data.cache_dir", str(tmp_path / "cache"), "--run.progress", "false"),
+        *("--train.early_stop_patience", "3", "--train.early_stop_min_delta", "100"),
+    ]
+    _train_on(pools(2), [*common, "--train.steps", "12", "--run.name", "whole"])
+    _train_on(pools(2), [*common, "--train.steps", "4", "--run.name", "cut"])
+    _train_on(pools(2), [*common, "--train.steps", "12", "--resume", str(tmp_path / "runs" / "cut" / "checkpoints")])
+    for name in ("whole", "cut"):
+        summary = _records(tmp_path / "runs" / name)[-1]
+        assert summary["stop_step"] == 6, (name, summary)

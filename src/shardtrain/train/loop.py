@@ -156,6 +156,11 @@ def build_job(cfg: Config, engine: Engine) -> tuple[Job, str]:
         scheduler=scheduler,
         guard=guard,
         ema=WeightEMA(model, decay=cfg.train.ema_decay) if cfg.train.ema_decay > 0 else None,
+        stopper=EarlyStop(
+            patience=cfg.train.early_stop_patience, min_delta=cfg.train.early_stop_min_delta, metric=cfg.run.best_metric
+        )
+        if cfg.train.early_stop_patience
+        else None,
         data=data,
         vocab_size=ByteTokenizer.vocab_size if data.tokenizer is None else len(data.tokenizer),
     )
@@ -175,7 +180,7 @@ def run(cfg: Config, engine: Engine, *, loggers: Sequence[Logger] = ()) -> Summa
 
 
 def _loop(
-    job: Job, run_dir: Path, *, first_step: int, description: str, start: float, loggers: Sequence[Logger]
+    job: Job, run_dir: Path, *, first_step: int, description: str, start: float, loggers: Sequence[Logger] = ()
 ) -> Summary:
     cfg, engine = job.cfg, job.engine
     lead = engine.rank == 0
@@ -193,12 +198,7 @@ def _loop(
         if lead and (cfg.run.keep_last or cfg.run.keep_best)
         else None
     )
-    metric = cfg.run.best_metric
-    stopper = (
-        EarlyStop(patience=cfg.train.early_stop_patience, min_delta=cfg.train.early_stop_min_delta, metric=metric)
-        if cfg.train.early_stop_patience
-        else None
-    )
+    metric, stopper = cfg.run.best_metric, job.stopper
     memory_label = "peak CUDA memory per rank" if engine.device.type == "cuda" else "model state per rank (CPU)"
     tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
     bar = _progress_bar(cfg, first_step) if lead and cfg.run.progress else None
@@ -213,7 +213,7 @@ def _loop(
     if log and evaluating:
         log.write(first_eval)
     _write_samples(job.samples(first_step), run_dir, log=log, step=first_step)
-    if stopper:
+    if stopper and not first_step:  # a resumed run's stopper already took the evaluations up to first_step
         stopper.update(first_step, first_eval[metric])
     last_eval, memory, stopped, final_step = first_eval, [0] * engine.world_size, None, cfg.train.steps
     loss_sum, loss_count, norm = torch.zeros((), device=engine.device), 0, None

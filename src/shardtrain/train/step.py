@@ -24,6 +24,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from ..data.pack import IGNORE
 from ..engine import Engine
+from .early_stop import EarlyStop
 from .ema import WeightEMA
 from .finetune import checkpoint_params
 from .finite import NonFiniteGuard
@@ -65,6 +66,7 @@ class Job:
     vocab_size: int
     ema: WeightEMA | None
     guard: NonFiniteGuard
+    stopper: EarlyStop | None = None  # train.early_stop_patience; its state is checkpointed with the run
     load_s: float = 0.0  # host seconds spent reading batches since the last log record (the loop resets it)
 
     def to_device(self, batch: Batch) -> Batch:
@@ -165,9 +167,13 @@ class Job:
     def save(self, run_dir: Path, step: int) -> None:
         state = self.checkpoint_state()
         state["data"] = data_position(step=step, batch_size=self.cfg.train.batch_size)
+        if self.stopper is not None:
+            state["early_stop"] = self.stopper.state_dict()
         self.engine.save(str(run_dir / "checkpoints" / f"step_{step:06d}"), state, params=checkpoint_params(self.cfg))
 
     def resume(self, path: str) -> int:
         """Load the checkpoint at `path` into the job; return the step to continue from."""
         rest = self.engine.load(path, self.checkpoint_state(), params=checkpoint_params(self.cfg))
+        if self.stopper is not None and "early_stop" in rest:
+            self.stopper.load_state_dict(rest["early_stop"])
         return check_data_position(rest["data"], batch_size=self.cfg.train.batch_size)

@@ -67,6 +67,8 @@ def test_retention_early_stop_trackers_and_resume_of_the_latest_run(pools, tmp_p
     assert evals == {step: pytest.approx(loss) for step, loss in scores.items() if step >= 4}
     assert client.get_run(runs[1].info.run_id).data.params["run.keep_best"] == "1"
     assert len(list(run_dir.glob("wandb/offline-run-*/run-*.wandb"))) == 2
+    plans = [path.read_text() for path in (tmp_path / "mlruns").rglob("plan.txt")]
+    assert len(plans) == 2 and all("== wrap plan ==" in p and "== memory estimate per device ==" in p for p in plans)
 
 
 def test_a_resume_path_inside_a_run_keeps_that_run_unless_named(tmp_path):

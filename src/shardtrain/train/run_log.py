@@ -22,10 +22,17 @@ def mlflow_uri(cfg: Config) -> str:
 
 
 def open_run_log(cfg: Config, run_dir: Path, *, plan: str, extra: Sequence[Logger]) -> MetricsLog:
-    """metrics.jsonl, appended, and the trackers that start (run.loggers, run.tensorboard, `extra`)."""
+    """metrics.jsonl, appended, and the trackers that start (run.loggers, run.tensorboard, `extra`); they get
+    `plan` (the run's model and world) with `shardtrain plan`'s report of the config."""
     names = list(dict.fromkeys([*cfg.run.loggers, *(["tensorboard"] if cfg.run.tensorboard else [])]))
     if not names and not extra:
         return MetricsLog(run_dir)
+    from .plan_report import plan_report  # here: planned_config imports the loop that imports this module
+
+    try:  # what `shardtrain plan` prints for this config: units, precision audit, memory estimate
+        plan = f"{plan}\n\n{plan_report(cfg)}"
+    except ValueError as exc:
+        plan = f"{plan}\n\n(shardtrain plan: {exc})"
     run = RunInfo(
         name=run_dir.name,
         run_dir=run_dir,

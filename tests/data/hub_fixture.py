@@ -1,5 +1,5 @@
 """Hub repositories built in the test, nothing downloaded: a dataset repo's folder (README.md with
-`configs:` front matter, data files under data/ and other/), a model or dataset placed in the HF hub
+`configs:` front matter, a data file per config and split), a model or dataset placed in the HF hub
 cache's layout (blobs, snapshots/<sha> of links to them, refs/main), and the offline environment
 that makes huggingface_hub read only that cache."""
 
@@ -11,39 +11,22 @@ import os
 import shutil
 from pathlib import Path
 
-CARD = """---
-configs:
-- config_name: default
-  default: true
-  data_files:
-  - split: train
-    path: data/train-*.jsonl
-  - split: test
-    path: data/test-*.jsonl
-- config_name: other
-  data_files:
-  - split: train
-    path: other/train-*.jsonl
----
-# A dataset made in the test
-"""
-ROWS = {
-    "data/train-00000-of-00001.jsonl": 5,
-    "data/test-00000-of-00001.jsonl": 3,
-    "other/train-00000-of-00001.jsonl": 7,
-}
+import yaml
 
 
-def dataset_repo(root: Path) -> Path:
-    """A Hub dataset repo's folder: config 'default' (train 5 rows 'train i', test 3 rows 'test i') and
-    config 'other' (train 7 rows 'other i')."""
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "README.md").write_text(CARD)
-    for name, n in ROWS.items():
-        file = root / name
-        file.parent.mkdir(parents=True, exist_ok=True)
-        tag = name.split("/")[0].replace("data", name.split("/")[1].split("-")[0])
-        file.write_text("".join(json.dumps({"text": f"{tag} {i}"}) + "\n" for i in range(n)))
+def dataset_repo(root: Path, parts: dict[str, dict[str, list[dict]]]) -> Path:
+    """A Hub dataset repo's folder: `parts` is {config: {split: rows}}, each split one file
+    <config>/<split>-00000-of-00001.jsonl, listed in README.md's `configs:` front matter (the first
+    config the default)."""
+    configs = []
+    for n, (config, splits) in enumerate(parts.items()):
+        files = [{"split": split, "path": f"{config}/{split}-*.jsonl"} for split in splits]
+        configs.append({"config_name": config, **({"default": True} if n == 0 else {}), "data_files": files})
+        (root / config).mkdir(parents=True, exist_ok=True)
+        for split, rows in splits.items():
+            text = "".join(json.dumps(row) + "\n" for row in rows)
+            (root / config / f"{split}-00000-of-00001.jsonl").write_text(text)
+    (root / "README.md").write_text(f"---\n{yaml.safe_dump({'configs': configs})}---\n# Made in the test\n")
     return root
 
 

@@ -14,7 +14,11 @@ pytest.importorskip("datasets")
 @pytest.fixture
 def hub(tmp_path, monkeypatch):
     """(repo folder, hub cache): the repo also cached as 'org/name', the network off."""
-    repo = dataset_repo(tmp_path / "repo")
+    rows = {
+        split: [{"text": f"{split} {i}"} for i in range(n)] for split, n in (("train", 5), ("test", 3), ("other", 7))
+    }
+    parts = {"default": {"train": rows["train"], "test": rows["test"]}, "other": {"train": rows["other"]}}
+    repo = dataset_repo(tmp_path / "repo", parts)
     cache = offline_cache(monkeypatch, tmp_path / "home")
     cache_snapshot(cache, kind="dataset", repo_id="org/name", folder=repo)
     return repo, cache
@@ -59,7 +63,7 @@ def test_the_cache_keys_the_config_and_split(hub, tmp_path):
 
 def test_each_mistake_is_one_line_naming_it_and_the_fix(hub, tmp_path):
     repo, cache = hub
-    single = repo / "data" / "train-00000-of-00001.jsonl"
+    single = repo / "default" / "train-00000-of-00001.jsonl"
     cases = [
         (
             dict(source="org/missing"),

@@ -5,7 +5,8 @@
     hf                      transformers.AutoModelForCausalLM from a config (model.hf_config and/or
                             model.kwargs with model_type), randomly initialised: nothing is downloaded
     model.pretrained DIR    the same from DIR/config.json, built on the meta device; its weights are
-                            loaded after sharding (train/finetune.py)
+                            loaded after sharding (train/finetune.py); a Hub id is a DIR by now
+                            (train/hub_inputs.py fetched it)
     package.module:factory  any callable returning an nn.Module, called with model.kwargs
 
 Each comes with its default sharding units: Llama's `default_units` (each `Block`, and, when the
@@ -142,7 +143,7 @@ def _build_pretrained(cfg: ModelConfig, *, dtype: torch.dtype) -> BuiltModel:
     if not path.is_dir() or not (path / CONFIG_FILE).is_file():
         raise ValueError(
             f"{path} is not a Hugging Face model folder with a {CONFIG_FILE}; pass the folder "
-            "save_pretrained wrote (nothing is downloaded)"
+            "save_pretrained wrote, or a Hub model id (org/name)"
         )
     if weights_in_folder(path) is None:
         raise ValueError(

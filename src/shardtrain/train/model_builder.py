@@ -130,6 +130,7 @@ def _transformers():
 
 def _build_pretrained(cfg: ModelConfig, *, dtype: torch.dtype) -> BuiltModel:
     """The model of a Hugging Face folder, from its config.json, on the meta device (weights come later)."""
+    from ..hub import is_hub_id
     from ..pretrained.files import CONFIG_FILE, weights_in_folder
 
     if cfg.name not in ("hf", ModelConfig.name):
@@ -140,6 +141,11 @@ def _build_pretrained(cfg: ModelConfig, *, dtype: torch.dtype) -> BuiltModel:
     if cfg.hf_config is not None:
         raise ValueError("the model's config is the folder's config.json; drop model.hf_config")
     path = Path(cfg.pretrained).expanduser()
+    if is_hub_id(cfg.pretrained):
+        raise ValueError(
+            "it is a Hub model id, which shardtrain train fetches but this command reads only local folders; "
+            f"download it (hf download {cfg.pretrained}) and pass the folder it prints"
+        )
     if not path.is_dir() or not (path / CONFIG_FILE).is_file():
         raise ValueError(
             f"{path} is not a Hugging Face model folder with a {CONFIG_FILE}; pass the folder "

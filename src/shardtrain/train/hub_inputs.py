@@ -20,8 +20,8 @@ def fetch_hub_inputs(cfg: Config, *, engine=None) -> Config:
     """`cfg` with model.pretrained a local folder and its Hub datasets in the HF cache; ValueError with the fix.
     `engine`: a launched Engine (local rank 0 fetches first), or None in a single process."""
     hub_model = is_hub_id(cfg.model.pretrained)
-    hub_data = [(key, path) for key, path in (("data.path", cfg.data.path), ("data.eval_path", cfg.data.eval_path))]
-    hub_data = [(key, path) for key, path in hub_data if is_hub_id(path)]
+    sources = (("data.path", cfg.data.path), ("data.eval_path", cfg.data.eval_path))
+    hub_data = [(key, path) for key, path in sources if is_hub_id(path)]
     if not hub_model and not hub_data:
         return cfg
     first = engine is None or engine.local_rank == 0

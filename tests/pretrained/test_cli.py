@@ -159,6 +159,8 @@ def test_pretrained_builds_on_meta_and_names_bad_folders(hf_folders, tmp_path):
         "Hugging Face model folder with a config.json",
     ):
         build_model(load_config(None, ["--model.pretrained", str(weights_only)]).model, init_context=None)
+    with pytest.raises(ValueError, match=r"does not build: it is a Hub model id, .* \(hf download org/name\)"):
+        build_model(load_config(None, ["--model.pretrained", "org/name"]).model, init_context=None)  # shardtrain plan
     with pytest.raises(ValueError, match="drop --model.name llama-tiny"):
         build_model(
             load_config(None, ["--model.pretrained", str(hf_folders["gpt2"]), "--model.name", "llama-tiny"]).model,

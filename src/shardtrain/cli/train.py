@@ -53,14 +53,18 @@ def _resolve_auto(cfg):
     Returns the config that runs the choice and the command-line overrides that hand it to the ranks
     this process may start (they then run it without planning again)."""
     from ..engine.devices import launched_externally
+    from ..train.hub_inputs import fetch_hub_inputs
     from ..train.planned_config import choice_overrides, resolve_auto_config
 
+    given = cfg.model.pretrained
+    cfg = fetch_hub_inputs(cfg)  # the planner builds the model from its folder
+    fetched = ["--model.pretrained", cfg.model.pretrained] if cfg.model.pretrained != given else []
     planned, choice = resolve_auto_config(cfg)
     if cfg.engine.auto_trials:
         planned = _confirm_by_trials(cfg, choice)
     elif os.environ.get("RANK", "0") == "0" and (launched_externally() or choice.world_size == 1):
         print(choice, flush=True)
-    return planned, choice_overrides(planned)
+    return planned, [*fetched, *choice_overrides(planned)]
 
 
 def _confirm_by_trials(cfg, choice):

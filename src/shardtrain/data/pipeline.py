@@ -4,8 +4,9 @@
         -> hold out rows (data.eval_path, a seeded fraction of the rows, or none) -> windows (pack.py)
 
 Each stage is a `datasets.map` whose result is an Arrow file under the cache folder, named by a key
-of everything that changes it (the source data's fingerprint, the tokenizer and its chat template,
-seq_len, packing, the loss mask and the split), so a second run with the same inputs memory-maps
+of everything that changes it (the source: its path or Hub id, config, split and revision, and its
+data's fingerprint; the tokenizer and its chat template, seq_len, packing, the loss mask and the
+held-out split), so a second run with the same inputs memory-maps
 the windows instead of tokenizing again, and a dataset larger than memory streams from disk.
 """
 
@@ -36,8 +37,11 @@ PACK_GROUP = 1000  # documents per packing batch: best-fit within it
 class DataSpec:
     """What to read and how to turn it into windows (the data section of a run, or an API call's arguments)."""
 
-    path: str
+    path: str  # a local file or folder, or a Hub dataset id (org/name)
     seq_len: int
+    config: str | None = None  # of a Hub dataset (its README's configs); None: its default
+    split: str = "train"
+    revision: str | None = None  # of a Hub dataset id: a branch, tag or commit; None: main
     eval_path: str | None = None
     format: str = "auto"
     train_on: str = "completion"
@@ -148,7 +152,14 @@ def read_source(
     cheaply enough for every rank to run it before any communication. `progress`: datasets' bars."""
     datasets = require("datasets", why=f"data.path={spec.path!r}")
     (datasets.enable_progress_bars if progress else datasets.disable_progress_bars)()
-    rows = load_rows(spec.path, pattern=spec.pattern, cache_dir=cache_dir)
+    rows = load_rows(
+        spec.path,
+        config=spec.config,
+        split=spec.split,
+        revision=spec.revision,
+        pattern=spec.pattern,
+        cache_dir=cache_dir,
+    )
     where = f"data.path={spec.path!r}"
     fmt = detect_format(rows.column_names, forced=spec.format, where=where)
     if fmt is Format.MESSAGES and not tokenizer.chat_template:
@@ -172,7 +183,10 @@ def _key(*parts: Any) -> str:
 
 
 def _encode(rows, encoder: Encoder, *, root: Path, workers: int, tok_key: str, spec: DataSpec):
-    key = _key("encode", rows._fingerprint, tok_key, encoder.format.value, spec.train_on, spec.seq_len, spec.overlong)
+    source = (spec.path, spec.config, spec.split, spec.revision)
+    key = _key(
+        "encode", source, rows._fingerprint, tok_key, encoder.format.value, spec.train_on, spec.seq_len, spec.overlong
+    )
     return rows.map(
         encoder,
         batched=True,

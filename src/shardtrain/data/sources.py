@@ -2,8 +2,15 @@
 
     file.jsonl / .json / .parquet / .arrow / .csv    that file
     a folder of such files                            all of them (one kind per folder)
-    a folder written by Dataset.save_to_disk          that dataset (its 'train' split for a DatasetDict)
+    a folder written by Dataset.save_to_disk          that dataset (data.split of a DatasetDict)
     plain text files (or a folder of them)            one row {"text": ...} per file
+    a Hub dataset id 'org/name'                       its snapshot (hub.py: downloaded, or the HF cache),
+                                                      read as below, at data.revision
+    a Hub dataset repo's folder (README.md with       datasets.load_dataset(folder, name=data.config,
+    `configs:` front matter, or data.config /         split=data.split): the Hub's own layout rules
+    data.split given)
+
+`load_rows` turns one source (a path or id with its config, split and revision) into rows.
 
 Every failure (missing path, unreadable or corrupt file, mixed kinds) is one ValueError line naming
 the path and the fix; `datasets`' own tracebacks stay behind it.
@@ -13,6 +20,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..hub import hub_snapshot, is_hub_id
 from .deps import first_line, require
 
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
@@ -23,6 +31,8 @@ def is_structured(path: str | None) -> bool:
     """Whether `path` holds rows for `datasets` (a data file, a folder of them, a saved dataset), not plain text."""
     if path is None:
         return False
+    if is_hub_id(path):
+        return True
     root = Path(path).expanduser()
     if root.is_file():
         return root.suffix.lower() in BUILDERS
@@ -35,14 +45,41 @@ def _data_files(root: Path) -> list[Path]:
     return sorted(f for f in root.rglob("*") if f.is_file() and f.suffix.lower() in BUILDERS)
 
 
-def load_rows(path: str, *, key: str = "data.path", pattern: str = "**/*", cache_dir: str | None = None):
-    """A `datasets.Dataset` of the rows at `path` (see the module docstring); ValueError with the fix."""
+def load_rows(
+    path: str,
+    *,
+    config: str | None = None,
+    split: str = "train",
+    revision: str | None = None,
+    key: str = "data.path",
+    pattern: str = "**/*",
+    cache_dir: str | None = None,
+):
+    """A `datasets.Dataset` of the rows of one source: `path` (a local path or a Hub dataset id) with its
+    `config`, `split` and `revision` (see the module docstring); ValueError with the fix."""
     datasets = require("datasets", why=f"{key}={path!r}")
     root = Path(path).expanduser()
     if not root.exists():
-        raise ValueError(f"{key}={path!r} does not exist; pass an existing file or folder")
+        if not is_hub_id(path):
+            raise ValueError(
+                f"{key}={path!r} does not exist; pass an existing file or folder, or a Hub dataset id (org/name)"
+            )
+        folder = hub_snapshot(path, kind="dataset", key=key, revision=revision, local="file or folder")
+        return _repo(datasets, folder, name=path, config=config, split=split, key=key, cache_dir=cache_dir)
+    if revision is not None:
+        raise ValueError(
+            f"data.revision={revision!r} picks a version of a Hub dataset, but {key}={path!r} is a local path; "
+            "drop --data.revision"
+        )
     if root.is_dir() and any((root / m).exists() for m in SAVED_MARKERS):
-        return _saved(datasets, root, key=key)
+        return _saved(datasets, root, key=key, split=split, config=config)
+    if root.is_dir() and (_declares_configs(root) or config is not None or split != "train"):
+        return _repo(datasets, root, name=path, config=config, split=split, key=key, cache_dir=cache_dir)
+    if config is not None or split != "train":
+        raise ValueError(
+            f"data.config / data.split pick a part of a Hub dataset, but {key}={path!r} is a single file, read "
+            "whole; drop --data.config and --data.split"
+        )
     if root.is_file():
         files = [root]
     else:
@@ -71,13 +108,63 @@ def load_rows(path: str, *, key: str = "data.path", pattern: str = "**/*", cache
         ) from exc
 
 
-def _saved(datasets, root: Path, *, key: str):
+def _declares_configs(root: Path) -> bool:
+    """Whether `root` is a Hub dataset repo's folder: a README.md whose YAML front matter lists `configs`."""
+    from huggingface_hub.repocard import metadata_load
+
+    card = root / "README.md"
+    try:
+        return card.is_file() and "configs" in (metadata_load(card) or {})
+    except Exception:  # a README that is no dataset card (no YAML, or other YAML): not a Hub layout
+        return False
+
+
+def _repo(datasets, root: Path, *, name: str, config: str | None, split: str, key: str, cache_dir: str | None):
+    """The rows of `config`'s `split` of a Hub dataset repo's folder, by the Hub's layout rules."""
+    try:
+        return datasets.load_dataset(
+            str(root),
+            name=config,
+            split=split,
+            cache_dir=None if cache_dir is None else str(Path(cache_dir) / "datasets"),
+        )
+    except Exception as exc:
+        raise ValueError(
+            f"{key}={name!r}: cannot load config {config or 'default'!r}, split {split!r} ({first_line(exc)}); "
+            f"it has {_parts(datasets, root, config)}: pick them with --data.config / --data.split"
+        ) from exc
+
+
+def _parts(datasets, root: Path, config: str | None) -> str:
+    """The configs of the repo at `root`, and the splits of `config` if it is one of them."""
+    try:
+        configs = datasets.get_dataset_config_names(str(root))
+        if config is not None and config not in configs:
+            return f"configs {configs}"
+        return f"splits {datasets.get_dataset_split_names(str(root), config)} (configs {configs})"
+    except Exception as exc:
+        return f"no readable layout ({first_line(exc)})"
+
+
+def _saved(datasets, root: Path, *, key: str, split: str, config: str | None):
+    if config is not None:
+        raise ValueError(
+            f"data.config={config!r} names a config of a Hub dataset, but {key}={str(root)!r} is a saved "
+            "dataset (it has none); drop --data.config"
+        )
     try:
         loaded = datasets.load_from_disk(str(root))
     except Exception as exc:
         raise ValueError(f"{key}={str(root)!r}: cannot load the saved dataset ({first_line(exc)})") from exc
     if isinstance(loaded, datasets.DatasetDict):
-        if "train" not in loaded:
-            raise ValueError(f"{key}={str(root)!r} is a DatasetDict without a 'train' split (it has {list(loaded)})")
-        return loaded["train"]
+        if split not in loaded:
+            raise ValueError(
+                f"{key}={str(root)!r} is a DatasetDict without a {split!r} split (it has {list(loaded)}); "
+                "pick one with --data.split"
+            )
+        return loaded[split]
+    if split != "train":
+        raise ValueError(
+            f"data.split={split!r} picks a split, but {key}={str(root)!r} is a single saved Dataset; drop --data.split"
+        )
     return loaded

@@ -33,6 +33,7 @@ from .ema import WeightEMA
 from .epochs import with_epoch_steps
 from .finetune import build_dtype, check_finetune_config, describe_lora, export, load_base, with_lora
 from .finite import NonFiniteGuard
+from .hub_inputs import fetch_hub_inputs
 from .inputs import DataPlan, build_data, plan_data
 from .loggers import Logger
 from .metrics import MetricsLog, Summary, format_bytes, memory_bytes, plot_metrics
@@ -172,7 +173,7 @@ def run(cfg: Config, engine: Engine, *, loggers: Sequence[Logger] = ()) -> Summa
     (run.loggers, and `loggers`: objects of the loggers.Logger interface). Returns the run's summary."""
     start = time.perf_counter()
     heartbeat(0, "setup")
-    cfg = resolve_resume(cfg)
+    cfg = fetch_hub_inputs(resolve_resume(cfg), engine=engine)
     job, description = build_job(cfg, engine)
     first_step = job.resume(cfg.run.resume) if cfg.run.resume else 0
     run_dir = _run_dir(cfg, engine)

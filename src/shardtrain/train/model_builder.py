@@ -5,7 +5,8 @@
     hf                      transformers.AutoModelForCausalLM from a config (model.hf_config and/or
                             model.kwargs with model_type), randomly initialised: nothing is downloaded
     model.pretrained DIR    the same from DIR/config.json, built on the meta device; its weights are
-                            loaded after sharding (train/finetune.py)
+                            loaded after sharding (train/finetune.py); a Hub id is a DIR by now
+                            (train/hub_inputs.py fetched it)
     package.module:factory  any callable returning an nn.Module, called with model.kwargs
 
 Each comes with its default sharding units: Llama's `default_units` (each `Block`, and, when the
@@ -129,6 +130,7 @@ def _transformers():
 
 def _build_pretrained(cfg: ModelConfig, *, dtype: torch.dtype) -> BuiltModel:
     """The model of a Hugging Face folder, from its config.json, on the meta device (weights come later)."""
+    from ..hub import is_hub_id
     from ..pretrained.files import CONFIG_FILE, weights_in_folder
 
     if cfg.name not in ("hf", ModelConfig.name):
@@ -139,10 +141,15 @@ def _build_pretrained(cfg: ModelConfig, *, dtype: torch.dtype) -> BuiltModel:
     if cfg.hf_config is not None:
         raise ValueError("the model's config is the folder's config.json; drop model.hf_config")
     path = Path(cfg.pretrained).expanduser()
+    if is_hub_id(cfg.pretrained):
+        raise ValueError(
+            "it is a Hub model id, which shardtrain train fetches but this command reads only local folders; "
+            f"download it (hf download {cfg.pretrained}) and pass the folder it prints"
+        )
     if not path.is_dir() or not (path / CONFIG_FILE).is_file():
         raise ValueError(
             f"{path} is not a Hugging Face model folder with a {CONFIG_FILE}; pass the folder "
-            "save_pretrained wrote (nothing is downloaded)"
+            "save_pretrained wrote, or a Hub model id (org/name)"
         )
     if weights_in_folder(path) is None:
         raise ValueError(

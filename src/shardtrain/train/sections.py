@@ -60,9 +60,10 @@ class ModelConfig:
         None,
     )
     pretrained: str | None = _help(
-        "a Hugging Face model folder (config.json + safetensors weights) to fine-tune: "
-        "the model is built from its config on the meta device, sharded, and each rank "
-        "reads only its rows of the weights (implies model.name 'hf')",
+        "a Hugging Face model folder (config.json + safetensors weights), or a Hub model id "
+        "(org/name: its config, tokenizer and safetensors downloaded once per node into the HF cache, "
+        "or read from it offline, HF_HUB_OFFLINE=1), to fine-tune: the model is built from its config on "
+        "the meta device, sharded, and each rank reads only its rows of the weights (implies model.name 'hf')",
         None,
     )
     wrap: tuple[str, ...] = _help(
@@ -124,9 +125,18 @@ class LoraConfig:
 class DataConfig:
     path: str | None = _help(
         "the training data: a .jsonl/.json/.parquet/.arrow/.csv file, a folder of them, a folder "
-        "Dataset.save_to_disk wrote, or plain text files (default: the Python standard library's own .py "
-        "files, as bytes for the built-in model)",
+        "Dataset.save_to_disk wrote, plain text files, a Hub dataset id (org/name: downloaded into the HF "
+        "cache, or read from it offline) or a Hub dataset repo's folder (default: the Python standard "
+        "library's own .py files, as bytes for the built-in model)",
         None,
+    )
+    config: str | None = _help(
+        "the config (subset) of a Hub dataset, as its README's configs name it (default: its default)",
+        _SPEC_DEFAULTS["config"],
+    )
+    split: str = _help("the split of a Hub dataset (or of a saved DatasetDict) to train on", _SPEC_DEFAULTS["split"])
+    revision: str | None = _help(
+        "the branch, tag or commit of a Hub dataset id (default: main)", _SPEC_DEFAULTS["revision"]
     )
     pattern: str = _help("glob of the plain text files to read under a folder", "**/*.py")
     seq_len: int = _help("tokens per training sequence (a packed window)", 256)

@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
-# The GPU smoke suite: what CI (CPU only) cannot run, on one GPU in one invocation of about 6-8 minutes.
+# The GPU smoke suite: what CI (CPU only) cannot run, on one GPU in one invocation of about 6 minutes.
 # Run it whenever a change touches code the GPU executes, and commit its log under
 # benchmarks/results/<date>-<gpu>/gpu_smoke.log.
 #
 #   1. the README's main job, exactly as a new user runs it: `python -m shardtrain train`, no arguments;
 #   2. `shardtrain plan` (the main job's plan, and --auto for an 8B fine-tune), `shardtrain estimate`,
 #      and `shardtrain bench` at 125m (shardtrain beside torch FSDP2, fresh processes);
-#   3. `pytest -m gpu`: the training loop's CUDA-only branches (pinned non-blocking batches, --resume,
-#      offload and the disk tier, the 2-D path at tp 1: tests/gpu/test_train_gpu.py), a Hugging Face
-#      folder fine-tuned on packed chat rows, full and LoRA, exported, reopened with from_pretrained and
-#      judged by generate() (tests/gpu/test_finetune_gpu.py), flex_attention on packed rows, the host step
-#      and the disk tier on CUDA, compile forms;
-#   4. `tests/gpu/nccl_parity.py` under torchrun on one GPU: the parity matrix's CUDA paths.
+#   3. the GPU tests of the loop and the fine-tune (`pytest -m gpu` on tests/gpu/test_train_gpu.py,
+#      tests/gpu/test_finetune_gpu.py): pinned non-blocking batches from every source, the main job with
+#      --resume, offload, half offload and the disk tier against the device run, the 2-D path at tp 1
+#      against the 1-D one, and a Hugging Face folder fine-tuned on packed chat rows (flex_attention),
+#      full and LoRA, exported, reopened with from_pretrained and judged by generate(); with them the
+#      global norm on CUDA with host gradients and flex_attention on packed rows (tests/ops,
+#      tests/models_llama).
+# The whole GPU tier (`pytest -m gpu`, every compile form included) and the NCCL parity matrix
+# (tests/gpu/nccl_parity.py) are CONTRIBUTING.md's GPU and NCCL tiers.
 #
 # Usage: OUT=/some/folder bash benchmarks/gpu_smoke.sh    (PYTHON=... picks the interpreter)
 # Exit status: the number of failed parts (0: all passed). The log is $OUT/gpu_smoke.log.
@@ -24,7 +27,6 @@ LOG="$OUT/gpu_smoke.log"
 SCRATCH="$(mktemp -d)"
 export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-REPO="$PWD"
 FAILED=()
 
 note() { echo "[$(date +%T) +${SECONDS}s] $*" | tee -a "$LOG"; }
@@ -49,8 +51,9 @@ part "plan --auto 8B" "$PY" -m shardtrain plan --auto --model.name llama-8b --en
 part "estimate" "$PY" -m shardtrain estimate --params 7B --gpus 4
 part "bench 125m" "$PY" -m shardtrain bench --sizes 125m --device cuda --nproc 1 --batch 4 --seq 1024 \
     --warmup 2 --steps 5 --repeats 1 --engines shardtrain,fsdp2 --timeout 120
-part "pytest -m gpu" "$PY" -m pytest -q -p no:cacheprovider -m gpu -rs --durations=10 tests
-part "nccl parity, 1 GPU" "$PY" -m torch.distributed.run --nproc_per_node=1 "$REPO/tests/gpu/nccl_parity.py"
+part "GPU tests of the loop and the fine-tune" "$PY" -m pytest -q -p no:cacheprovider -m gpu -rs --durations=10 \
+    tests/gpu/test_train_gpu.py tests/gpu/test_finetune_gpu.py tests/ops/test_grad_norm.py \
+    tests/models_llama/test_packed_llama.py
 
 rm -rf "$SCRATCH"
 if [ ${#FAILED[@]} -eq 0 ]; then note "gpu smoke: every part passed in ${SECONDS} s"

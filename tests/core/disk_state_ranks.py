@@ -65,7 +65,7 @@ def build(directory: str | None, *, buffer_bytes: int | None = None, direct: boo
             cpu_offload=(policy or st.CPUOffload(fraction=fraction)) if cuda else False,
         )
         runtime = runtime_of(model)
-        steps = runtime.host_steps if cuda else overlap_host_steps(model, runtime, runtime.units)
+        steps = runtime.step_hook if cuda else overlap_host_steps(model, runtime, runtime.units)
         if policy is not None and not cuda:
             attach_disk_state(steps, policy, rank=dist.get_rank())
     finally:

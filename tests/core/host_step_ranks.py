@@ -90,7 +90,7 @@ def build(
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.8**s)
     stepped = [0, 0] if stepped is None else stepped
     runtime = runtime_of(model)
-    steps = runtime.host_steps
+    steps = runtime.step_hook if isinstance(runtime.step_hook, HostSteps) else None
     if overlapped and not cuda:
         steps = overlap_host_steps(model, runtime, runtime.units, in_backward=in_backward)
     assert (steps is not None) == overlapped

@@ -119,6 +119,10 @@ class HostSteps:
         self._landing = []
         self.early.backward_ended(self.units)
 
+    def allow_clipping(self, coef: torch.Tensor, total: torch.Tensor, max_norm: float) -> bool:
+        """`st.clip_grad_norm_` is about to scale by `coef`: whether to (core/backward_step.py decides)."""
+        return self.early.allow_clipping(coef, total, max_norm)
+
     def _step_landed(self) -> None:
         """Queue the early step of each landing unit whose reductions the host has waited on."""
         optimizer = self.early.optimizer_now()
@@ -347,7 +351,7 @@ def overlap_host_steps(
     `threads`: the worker's intra-op threads (core/step_queue.py)."""
     global _hooks_installed
     steps = HostSteps(runtime=runtime, units=units, in_backward=in_backward, threads=threads)
-    runtime.host_steps = steps
+    runtime.step_hook = steps
     _LIVE.add(steps)
     if not _hooks_installed:
         register_optimizer_step_pre_hook(_pre_step)

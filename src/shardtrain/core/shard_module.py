@@ -144,12 +144,15 @@ def shard_module(model: nn.Module, options: ShardOptions) -> nn.Module:
     offloaded_units = [u for u in runtime.units if u.behaviour.offload]
     if offload is None or not offloaded_units:
         return model
-    if options.overlap_host_step:
+    steps = (
         overlap_host_steps(
             model, runtime, offloaded_units, in_backward=offload.step_in_backward, threads=options.host_step_threads
         )
+        if options.overlap_host_step
+        else None
+    )
     if offload.disk_dir is not None:
-        attach_disk_state(runtime.host_steps, offload, rank=dist.get_rank() if dist.is_initialized() else 0)
+        attach_disk_state(steps, offload, rank=dist.get_rank() if dist.is_initialized() else 0)
     return model
 
 

@@ -33,11 +33,11 @@ import time
 import psutil
 import torch
 import torch.distributed as dist
+from shardtrain.core.host_step import HostSteps
+from shardtrain.core.step_queue import worker_threads
 
 import shardtrain as st
-from shardtrain.core.host_step import HostSteps
 from shardtrain.core.shard_module import runtime_of
-from shardtrain.core.step_queue import worker_threads
 from shardtrain.models.llama import SHARD_UNITS, Block, Llama, llama_config
 from shardtrain.options import HOST_STEP_ENV, HOST_STEP_THREADS_ENV
 

@@ -62,7 +62,7 @@ class ShardOptions:
     lives in host memory).
 
     The last four come from the environment only (the module's docstring): `overlap_host_step` False
-    steps the offloaded units in the user's `step()`, after backward (core/host_step.py);
+    steps the offloaded units in the user's `step()`, after backward (offload/host_step.py);
     `host_step_threads` None gives the step worker one thread fewer than the host's; `gather` None
     gathers grouped on NCCL and flat on Gloo (core/comm.py); `check_order` False skips the order
     check (core/order_check.py).

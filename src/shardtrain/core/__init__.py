@@ -3,7 +3,7 @@
 The face the rest of shardtrain may use (`__all__`); everything else in `core` is the engine's own:
 
 - `shard_module(model, options)`: shard in place from a resolved `ShardOptions` (the public `st.shard`
-  in sharding.py reads the user's spellings first); `runtime_of(model)`: its runtime.
+  in sharding.py reads the user's spellings first, and offload/ wraps it); `runtime_of(model)`: its runtime.
 - `held_params(model)`: what this rank holds, one read-only `HeldParam` per original parameter (name,
   global shape, this rank's rows, owner unit, the local tensor): what `ops/`, `checkpoint/` and
   `pretrained/` read and write instead of walking units and layouts.
@@ -15,12 +15,10 @@ The face the rest of shardtrain may use (`__all__`); everything else in `core` i
   `checkpoint/`), `GatheredUnit` (the units `ops/compile.py` compiles), `tensor_parallel_of` /
   `tp_coordinates` (the tensor parallelism a runtime runs under, this rank's place in it).
 - for the Engine's tensor-parallel setup: `record` (a parameter replaced before sharding, for `rebind`);
-  `DefaultInit` (what `st.shard` initialises a meta module with; LoRA falls back to it);
-  `DEFAULT_SLOTS` (the disk tier's default pool, in units, which the planner's estimate reuses).
+  `DefaultInit` (what `st.shard` initialises a meta module with; LoRA falls back to it).
 """
 
 from .collectives import all_gather_tensor
-from .disk_state import DEFAULT_SLOTS
 from .gathered import GatheredUnit
 from .held import HeldParam, held_params
 from .materialize import DefaultInit
@@ -35,7 +33,6 @@ from .tensor_parallel import tensor_parallel_of, tp_coordinates
 from .unit import ShardUnit
 
 __all__ = [
-    "DEFAULT_SLOTS",
     "RUNTIME_ATTR",
     "DefaultInit",
     "GatheredUnit",

@@ -10,10 +10,10 @@ follows right behind it while the remaining units step beside the GPU's forward
 
 Exactness: each unit is stepped by a view of the user's optimizer over the unit's local rows, with
 the hyperparameters of the `step()` call; AdamW, Adam and SGD update each element from that element
-alone, so stepping per unit is bitwise the single step (core/optimizer_view.py).
+alone, so stepping per unit is bitwise the single step (offload/optimizer_view.py).
 
 With `st.CPUOffload(step_in_backward=True)` a unit may step earlier still: during backward, once its
-reduction landed (core/backward_step.py says when that is allowed and how `step()` proves it exact).
+reduction landed (offload/backward_step.py says when that is allowed and how `step()` proves it exact).
 The worker always takes, of the units ready to step, the one the next forward needs first.
 
 Other optimizers, a closure, or `differentiable=True` step in sequence as before, with one warning
@@ -43,9 +43,9 @@ from .optimizer_view import UnitStep, amp_of, hyperparameters, unit_step, unspli
 from .step_queue import StepQueue
 
 if TYPE_CHECKING:
+    from ..core.runtime import Runtime
+    from ..core.unit import ShardUnit
     from .disk_state import DiskState
-    from .runtime import Runtime
-    from .unit import ShardUnit
 
 
 @dataclass(kw_only=True)
@@ -81,7 +81,7 @@ class HostSteps:
         self._held: _Held | None = None
         self._adopted: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._warned: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
-        self.store: DiskState | None = None  # the disk tier (core/disk_state.py): state streamed from files
+        self.store: DiskState | None = None  # the disk tier (offload/disk_state.py): state streamed from files
 
     # ------------------------------------------------------------------ waiting
     def pending(self) -> list[ShardUnit]:
@@ -120,7 +120,7 @@ class HostSteps:
         self.early.backward_ended(self.units)
 
     def allow_clipping(self, coef: torch.Tensor, total: torch.Tensor, max_norm: float) -> bool:
-        """`st.clip_grad_norm_` is about to scale by `coef`: whether to (core/backward_step.py decides)."""
+        """`st.clip_grad_norm_` is about to scale by `coef`: whether to (offload/backward_step.py decides)."""
         return self.early.allow_clipping(coef, total, max_norm)
 
     def _step_landed(self) -> None:
@@ -332,7 +332,7 @@ def _pre_step(optimizer, args, kwargs) -> None:
         steps.before_user_step(optimizer)
 
 
-def _post_step(optimizer, args, kwargs) -> None:  # noqa: ARG001 - the hook's signature
+def _post_step(optimizer, args, kwargs) -> None:
     for steps in list(_LIVE):
         steps.after_step(optimizer)
 
@@ -348,7 +348,7 @@ def overlap_host_steps(
     """Defer and overlap the optimizer step of `units` of the sharded `model` (`st.shard` does this for
     the offloaded units; on a CPU device, where nothing is offloaded, the tests do it for any unit);
     `in_backward`: step them during backward where the loop allows it (CPUOffload.step_in_backward);
-    `threads`: the worker's intra-op threads (core/step_queue.py)."""
+    `threads`: the worker's intra-op threads (offload/step_queue.py)."""
     global _hooks_installed
     steps = HostSteps(runtime=runtime, units=units, in_backward=in_backward, threads=threads)
     runtime.step_hook = steps

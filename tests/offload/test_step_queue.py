@@ -1,11 +1,11 @@
-"""core/step_queue.py: the host step's worker runs, of the queued steps, the most urgent first."""
+"""offload/step_queue.py: the host step's worker runs, of the queued steps, the most urgent first."""
 
 import threading
 
 import pytest
 import torch
 
-from shardtrain.core.step_queue import StepQueue, worker_threads
+from shardtrain.offload.step_queue import StepQueue, worker_threads
 
 
 def test_runs_the_lowest_priority_first_then_by_arrival():

@@ -1,7 +1,7 @@
 """The host step's worker thread: of the unit steps queued, it always runs the one needed first.
 
-Unit steps are queued as their gradients become final (during backward, core/backward_step.py) or
-at `step()` (core/host_step.py); the next forward needs them in forward order. A first-in first-out
+Unit steps are queued as their gradients become final (during backward, offload/backward_step.py) or
+at `step()` (offload/host_step.py); the next forward needs them in forward order. A first-in first-out
 queue would run the units backward finished first, which the forward needs last, so the queue is a
 heap keyed by the unit's place in the next forward.
 """

@@ -33,12 +33,12 @@ import time
 import psutil
 import torch
 import torch.distributed as dist
-from shardtrain.core.host_step import HostSteps
-from shardtrain.core.step_queue import worker_threads
 
 import shardtrain as st
 from shardtrain.core.shard_module import runtime_of
 from shardtrain.models.llama import SHARD_UNITS, Block, Llama, llama_config
+from shardtrain.offload.host_step import HostSteps
+from shardtrain.offload.step_queue import worker_threads
 from shardtrain.options import HOST_STEP_ENV, HOST_STEP_THREADS_ENV
 
 
@@ -242,7 +242,7 @@ def main() -> None:
     waits_s = times.wait_s / args.steps
     if args.engine == "shardtrain":
         runtime = runtime_of(model)  # completes the last step's deferred host steps
-        units = len(runtime.host_steps.units) if runtime.host_steps is not None else 0
+        units = len(runtime.step_hook.units) if isinstance(runtime.step_hook, HostSteps) else 0
         per_step = times.unit_steps / units if times.unit_steps else 0
         host_step_s = times.step_s / per_step if per_step else sequential_step_s
         in_backward_s = times.in_backward_s / per_step if per_step else 0.0

@@ -20,7 +20,7 @@ The face the rest of shardtrain may use (`__all__`); everything else in `core` i
 
 from .collectives import all_gather_tensor
 from .gathered import GatheredUnit
-from .held import HeldParam, held_params
+from .held import HeldParam, held_params, tensor_parallel_of, tp_coordinates
 from .materialize import DefaultInit
 from .param_layout import ParamShard, layout_of_unit
 from .partition import clean_name, matching_paths, partition, repeated_blocks
@@ -29,7 +29,6 @@ from .rebind_optimizers import rebind, record
 from .runtime import Runtime
 from .shard_module import RUNTIME_ATTR, runtime_of, shard_module
 from .sharded_param import local_of
-from .tensor_parallel import tensor_parallel_of, tp_coordinates
 from .unit import ShardUnit
 
 __all__ = [

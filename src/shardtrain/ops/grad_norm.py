@@ -8,9 +8,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..core.held import tensor_parallel_of
 from ..core.shard_module import runtime_of
 from ..core.sharded_param import local_of
-from ..core.tensor_parallel import tensor_parallel_of
 
 
 def _local_grads(model: nn.Module, *, for_norm: bool) -> list[torch.Tensor]:

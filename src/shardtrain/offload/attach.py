@@ -38,9 +38,7 @@ def shard_offloaded(model: nn.Module, options: ShardOptions) -> nn.Module:
     if offload is None or not offloaded_units:
         return model
     steps = (
-        overlap_host_steps(
-            model, runtime, offloaded_units, in_backward=offload.step_in_backward, threads=options.host_step_threads
-        )
+        overlap_host_steps(model, runtime, offloaded_units, in_backward=offload.step_in_backward)
         if options.overlap_host_step
         else None
     )

@@ -66,16 +66,14 @@ _hooks_installed = False
 class HostSteps:
     """The deferred per-unit optimizer steps of one sharded model's host-stepped `units`."""
 
-    def __init__(
-        self, *, runtime: Runtime, units: list[ShardUnit], in_backward: bool = False, threads: int | None = None
-    ) -> None:
+    def __init__(self, *, runtime: Runtime, units: list[ShardUnit], in_backward: bool = False) -> None:
         self.runtime = runtime
         self.units = units
         self.early = BackwardSteps(enabled=in_backward)
         self._unit_of = {id(p): unit for unit in units for p in unit.params}
         self._indices = {unit.index for unit in units}
         self._pending: dict[int, Future] = {}  # unit.index -> its step on the worker
-        self._queue = StepQueue(device=runtime.comm.device, threads=threads)
+        self._queue = StepQueue(device=runtime.comm.device)
         self._position: dict[int, int] = {}  # unit.index -> its place in the next forward
         self._landing: list[tuple[ShardUnit, tuple[torch.cuda.Event, ...]]] = []  # reduced, not yet stepped
         self._held: _Held | None = None
@@ -343,14 +341,13 @@ def overlap_host_steps(
     units: list[ShardUnit],
     *,
     in_backward: bool = False,
-    threads: int | None = None,
 ) -> HostSteps:
     """Defer and overlap the optimizer step of `units` of the sharded `model` (`st.shard` does this for
     the offloaded units; on a CPU device, where nothing is offloaded, the tests do it for any unit);
     `in_backward`: step them during backward where the loop allows it (CPUOffload.step_in_backward);
-    `threads`: the worker's intra-op threads (offload/step_queue.py)."""
+    the worker steps with one intra-op thread fewer than the host's (offload/step_queue.py)."""
     global _hooks_installed
-    steps = HostSteps(runtime=runtime, units=units, in_backward=in_backward, threads=threads)
+    steps = HostSteps(runtime=runtime, units=units, in_backward=in_backward)
     runtime.step_hook = steps
     _LIVE.add(steps)
     if not _hooks_installed:

@@ -33,9 +33,9 @@ import torch
 import torch.distributed as dist
 
 import shardtrain as st
-from shardtrain.core import aio
 from shardtrain.core.shard_module import runtime_of
 from shardtrain.models.llama import SHARD_UNITS, Block, Llama, llama_config
+from shardtrain.offload import aio
 
 
 def parse_args() -> argparse.Namespace:
@@ -140,8 +140,8 @@ def build(args: argparse.Namespace, directory: str, cuda: bool) -> tuple[torch.n
             cpu_offload=offload,
         )
     else:  # nothing is offloaded on a CPU device: host-step every unit and give it the disk tier
-        from shardtrain.core.disk_state import attach_disk_state
-        from shardtrain.core.host_step import overlap_host_steps
+        from shardtrain.offload.attach import attach_disk_state
+        from shardtrain.offload.host_step import overlap_host_steps
 
         st.shard(model, strategy="full_shard", wrap=SHARD_UNITS)
         runtime = runtime_of(model)
@@ -171,7 +171,7 @@ def main() -> None:
     started = time.perf_counter()
     torch.manual_seed(0)
     model, pool = build(args, directory, cuda)
-    store = runtime_of(model).host_steps.store
+    store = runtime_of(model).step_hook.store  # the offload package's HostSteps
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     init_s = time.perf_counter() - started
     device = torch.device("cuda" if cuda else "cpu")

@@ -35,11 +35,11 @@ import torch
 import torch.distributed as dist
 
 import shardtrain as st
-from shardtrain.core.host_step import HostSteps
 from shardtrain.core.shard_module import runtime_of
-from shardtrain.core.step_queue import worker_threads
 from shardtrain.models.llama import SHARD_UNITS, Block, Llama, llama_config
-from shardtrain.options import HOST_STEP_ENV, HOST_STEP_THREADS_ENV
+from shardtrain.offload.host_step import HostSteps
+from shardtrain.offload.step_queue import worker_threads
+from shardtrain.options import HOST_STEP_ENV
 
 
 def parse_args() -> argparse.Namespace:
@@ -73,7 +73,10 @@ def parse_args() -> argparse.Namespace:
         help=f"sets {HOST_STEP_ENV}; backward: overlapped and CPUOffload(step_in_backward=True)",
     )
     p.add_argument(
-        "--host-threads", type=int, default=None, help=f"the host step's threads (sets {HOST_STEP_THREADS_ENV})"
+        "--host-threads",
+        type=int,
+        default=None,
+        help="the host step worker's threads (CPUOffload(threads=) one more: the worker takes one fewer)",
     )
     p.add_argument("--engine", choices=["shardtrain", "fsdp2"], default="shardtrain", help="fsdp2: CPUOffloadPolicy")
     p.add_argument("--warmup", type=int, default=2)
@@ -139,8 +142,6 @@ def pinned_bandwidth(nbytes: int = 2**30) -> tuple[float, float]:
 
 def build_shardtrain(args: argparse.Namespace) -> torch.nn.Module:
     os.environ[HOST_STEP_ENV] = "sequential" if args.host_step == "sequential" else "overlapped"
-    if args.host_threads is not None:
-        os.environ[HOST_STEP_THREADS_ENV] = str(args.host_threads)
     offload = (
         False
         if args.offload is None
@@ -148,6 +149,7 @@ def build_shardtrain(args: argparse.Namespace) -> torch.nn.Module:
             fraction=args.offload,
             step_in_backward=args.host_step == "backward",
             reshard_after_forward=False if args.keep_offloaded else None,
+            threads=None if args.host_threads is None else args.host_threads + 1,
         )
     )
     with torch.device("meta"):
@@ -242,7 +244,7 @@ def main() -> None:
     waits_s = times.wait_s / args.steps
     if args.engine == "shardtrain":
         runtime = runtime_of(model)  # completes the last step's deferred host steps
-        units = len(runtime.host_steps.units) if runtime.host_steps is not None else 0
+        units = len(runtime.step_hook.units) if isinstance(runtime.step_hook, HostSteps) else 0
         per_step = times.unit_steps / units if times.unit_steps else 0
         host_step_s = times.step_s / per_step if per_step else sequential_step_s
         in_backward_s = times.in_backward_s / per_step if per_step else 0.0
@@ -279,9 +281,7 @@ def main() -> None:
                     "h2d_gbs": h2d_gbs,
                     "d2h_gbs": d2h_gbs,
                     "threads": torch.get_num_threads(),
-                    "host_step_threads": worker_threads(
-                        int(os.environ[HOST_STEP_THREADS_ENV]) if HOST_STEP_THREADS_ENV in os.environ else None
-                    ),
+                    "host_step_threads": worker_threads(),
                     "peak_alloc_gib": torch.cuda.max_memory_allocated() / 2**30,
                     "host_rss_gib_rank0": rss.peak / 2**30,
                     "host_used_gib_machine": rss.machine_peak / 2**30,

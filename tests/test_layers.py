@@ -2,7 +2,8 @@
 
     descriptions   policy, strategy, compat, options,    what users choose, read into one ShardOptions, the
                    models, tp                            built-in model, TP plans
-    engine         core                                  st.shard's machinery: units, runtime, comm
+    engine         core, offload                         st.shard's machinery: units, runtime, comm; CPU offload
+                                                         (the host step, the disk tier) on top of core
     entry          sharding                              the public st.shard: options read once, then core
     planning       planning                              plans, memory estimates and st.shard_auto (above the entry)
     operations     ops, checkpoint, pretrained, data     around the step: norms, state dicts, checkpoints, HF weights,
@@ -27,7 +28,7 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src" / "shardtrain"
 LAYERS = [
     {"policy", "strategy", "compat", "options", "models", "tp"},
-    {"core"},
+    {"core", "offload"},
     {"sharding"},
     {"planning"},
     {"ops", "checkpoint", "pretrained", "data"},
@@ -37,8 +38,9 @@ LAYERS = [
     {"integrations"},
 ]
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
-# within a layer: checkpoint uses ops, pretrained both; train uses the engine
-ORDER = {"ops": 0, "checkpoint": 1, "pretrained": 2, "engine": 0, "train": 1}
+# within a layer: offload uses core (core never imports offload: the runtime reaches it through
+# core/step_hook.py); checkpoint uses ops, pretrained both; train uses the engine
+ORDER = {"core": 0, "offload": 1, "ops": 0, "checkpoint": 1, "pretrained": 2, "engine": 0, "train": 1}
 
 
 def _package(path: Path) -> str:

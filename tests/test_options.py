@@ -7,6 +7,8 @@ below for each of its spellings).
 import dataclasses
 import functools
 import inspect
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -35,10 +37,21 @@ FIELDS = [
     "sync_module_states",
     "tp_plan",
     "overlap_host_step",
-    "host_step_threads",
     "gather",
     "check_order",
 ]
+# st.CPUOffload's fields: each earns its place in docs/design.md, Note [Offload settings]
+OFFLOAD_FIELDS = [
+    "params",
+    "optimizer",
+    "fraction",
+    "threads",
+    "step_in_backward",
+    "reshard_after_forward",
+    "disk_dir",
+    "disk_buffer_bytes",
+]
+ROOT = Path(__file__).resolve().parents[1]
 BF16 = st.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 FP16 = st.MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float32)
 
@@ -54,6 +67,25 @@ def test_the_fields_and_the_entry_points_keywords_are_pinned():
         ShardOptions().prefetch = 2  # type: ignore[misc]
     with pytest.raises(TypeError, match="build it with resolve_options"):
         ShardOptions(strategy="zero3")  # type: ignore[arg-type]
+
+
+def test_the_offload_fields_and_the_environment_switches_are_pinned_and_justified():
+    """A new CPUOffload field or SHARDTRAIN_ environment switch is a deliberate change of this file and of
+    docs/design.md's Note [Offload settings], which says why each exists."""
+    assert [f.name for f in dataclasses.fields(st.CPUOffload)] == OFFLOAD_FIELDS
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        st.CPUOffload().threads = 2  # type: ignore[misc]
+    design = (ROOT / "docs" / "design.md").read_text()
+    assert "### Note [Offload settings]" in design
+    note = design.split("### Note [Offload settings]", 1)[1].split("\n#", 1)[0]
+    switches = {m for p in (ROOT / "src").rglob("*.py") for m in re.findall(r'"(SHARDTRAIN_[A-Z_]+)"', p.read_text())}
+    assert switches == {
+        "SHARDTRAIN_HOST_STEP",
+        "SHARDTRAIN_GATHER",
+        "SHARDTRAIN_CHECK_ORDER",
+        "SHARDTRAIN_LAUNCHER_PID",
+    }
+    assert [n for n in OFFLOAD_FIELDS + sorted(switches) if f"`{n}`" not in note and f"`{n}=" not in note] == []
 
 
 @pytest.mark.parametrize(
@@ -203,32 +235,20 @@ def test_bad_spellings_are_one_line_errors(kwargs, error, message):
 
 
 def test_the_environment_switches(monkeypatch, tmp_path):
-    """SHARDTRAIN_HOST_STEP, _HOST_STEP_THREADS, _GATHER and _CHECK_ORDER are read here, once."""
-    for name in ("SHARDTRAIN_HOST_STEP", "SHARDTRAIN_HOST_STEP_THREADS", "SHARDTRAIN_GATHER", "SHARDTRAIN_CHECK_ORDER"):
+    """SHARDTRAIN_HOST_STEP, _GATHER and _CHECK_ORDER are read here, once."""
+    for name in ("SHARDTRAIN_HOST_STEP", "SHARDTRAIN_GATHER", "SHARDTRAIN_CHECK_ORDER"):
         monkeypatch.delenv(name, raising=False)
     default = resolve_options()
-    assert (default.overlap_host_step, default.host_step_threads, default.gather, default.check_order) == (
-        True,
-        None,
-        None,
-        True,
-    )
+    assert (default.overlap_host_step, default.gather, default.check_order) == (True, None, True)
     monkeypatch.setenv("SHARDTRAIN_HOST_STEP", "sequential")
-    monkeypatch.setenv("SHARDTRAIN_HOST_STEP_THREADS", "3")
     monkeypatch.setenv("SHARDTRAIN_GATHER", "Grouped")
     monkeypatch.setenv("SHARDTRAIN_CHECK_ORDER", "0")
     given = resolve_options()
-    assert (given.overlap_host_step, given.host_step_threads, given.gather, given.check_order) == (
-        False,
-        3,
-        GatherMode.GROUPED,
-        False,
-    )
+    assert (given.overlap_host_step, given.gather, given.check_order) == (False, GatherMode.GROUPED, False)
     with pytest.raises(ValueError, match=r"SHARDTRAIN_HOST_STEP=sequential: the disk tier streams"):
         resolve_options(cpu_offload=st.CPUOffload(disk_dir=str(tmp_path)))
     for name, value, message in [
         ("SHARDTRAIN_HOST_STEP", "later", "SHARDTRAIN_HOST_STEP='later': use 'overlapped' or 'sequential'"),
-        ("SHARDTRAIN_HOST_STEP_THREADS", "0", "SHARDTRAIN_HOST_STEP_THREADS='0': give a positive number of threads"),
         ("SHARDTRAIN_GATHER", "ring", "SHARDTRAIN_GATHER='ring': use 'grouped' or 'flat'"),
     ]:
         monkeypatch.setenv(name, value)

@@ -8,10 +8,10 @@ public `st.shard`, the Engine, the trainer adapters, `st.plan`), and returns a `
 `core.shard_module.shard_module` takes only that object. A new option is a field here, a keyword of
 `resolve_options` (and of `st.shard`, which forwards them), and a line of tests/test_options.py.
 
-Four switches for benchmarks and tests are environment variables (docs/api.md, 'Environment'), read
-here and nowhere else, into the last four fields: `SHARDTRAIN_HOST_STEP=overlapped|sequential`,
-`SHARDTRAIN_HOST_STEP_THREADS=N` (the host step worker's threads alone, beside `CPUOffload(threads=)`
-for the whole host), `SHARDTRAIN_GATHER=grouped|flat` and `SHARDTRAIN_CHECK_ORDER=0`.
+Three switches for benchmarks and tests are environment variables (docs/api.md, 'Environment';
+docs/design.md, Note [Offload settings], says why each exists), read here and nowhere else, into the
+last three fields: `SHARDTRAIN_HOST_STEP=overlapped|sequential`, `SHARDTRAIN_GATHER=grouped|flat`
+and `SHARDTRAIN_CHECK_ORDER=0`. The host's threads have one setting, `CPUOffload(threads=)`.
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ from .strategy import Strategy, parse_strategy
 
 AUTO = "auto"
 HOST_STEP_ENV = "SHARDTRAIN_HOST_STEP"
-HOST_STEP_THREADS_ENV = "SHARDTRAIN_HOST_STEP_THREADS"
 GATHER_ENV = "SHARDTRAIN_GATHER"
 CHECK_ORDER_ENV = "SHARDTRAIN_CHECK_ORDER"
 
@@ -61,9 +60,8 @@ class ShardOptions:
     `offload` None is no offload (and offload is dropped on a CPU device, where everything already
     lives in host memory).
 
-    The last four come from the environment only (the module's docstring): `overlap_host_step` False
-    steps the offloaded units in the user's `step()`, after backward (core/host_step.py);
-    `host_step_threads` None gives the step worker one thread fewer than the host's; `gather` None
+    The last three come from the environment only (the module's docstring): `overlap_host_step` False
+    steps the offloaded units in the user's `step()`, after backward (offload/host_step.py); `gather` None
     gathers grouped on NCCL and flat on Gloo (core/comm.py); `check_order` False skips the order
     check (core/order_check.py).
     """
@@ -81,7 +79,6 @@ class ShardOptions:
     sync_module_states: bool = False
     tp_plan: Mapping[str, Any] | None = None
     overlap_host_step: bool = True
-    host_step_threads: int | None = None
     gather: GatherMode | None = None
     check_order: bool = True
 
@@ -165,7 +162,6 @@ def resolve_options(
         sync_module_states=sync_module_states,
         tp_plan=tp_plan,
         overlap_host_step=overlap,
-        host_step_threads=_host_step_threads_from_env(),
         gather=_gather_from_env(),
         check_order=os.environ.get(CHECK_ORDER_ENV, "1").strip() not in ("0", "false", "off"),
     )
@@ -178,15 +174,6 @@ def host_step_overlapped() -> bool:
     if value not in ("overlapped", "sequential"):
         raise ValueError(f"{HOST_STEP_ENV}={value!r}: use 'overlapped' or 'sequential'")
     return value == "overlapped"
-
-
-def _host_step_threads_from_env() -> int | None:
-    value = os.environ.get(HOST_STEP_THREADS_ENV)
-    if value is None:
-        return None
-    if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"{HOST_STEP_THREADS_ENV}={value!r}: give a positive number of threads")
-    return int(value)
 
 
 def _gather_from_env() -> GatherMode | None:

@@ -118,7 +118,7 @@ class CPUOffload:
     # compute-dtype size in device memory (BENCHMARKS.md, "Offloaded optimizer step").
     reshard_after_forward: bool | None = None
 
-    # The disk tier (core/disk_state.py): a directory for per-rank files holding the offloaded units'
+    # The disk tier (offload/disk_state.py): a directory for per-rank files holding the offloaded units'
     # optimizer state, streamed through `disk_buffer_bytes` of host buffers (None: 4 units' worth).
     disk_dir: str | None = None
     disk_buffer_bytes: int | None = None

@@ -2,7 +2,7 @@
 
 It reads every accepted spelling of every option once (`options.resolve_options`: shardtrain's,
 torch FSDP's through compat.py) and hands the resulting `ShardOptions` to the engine
-(`core.shard_module.shard_module`). The automatic plan (`st.shard_auto`, planning/shard_auto.py) sits
+(`core.shard_module.shard_module`, through the offload package's `offload.attach.shard_offloaded`). The automatic plan (`st.shard_auto`, planning/shard_auto.py) sits
 above this entry point and calls it with the options it chose.
 """
 
@@ -17,7 +17,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .core.process_groups import require_process_group
-from .core.shard_module import RUNTIME_ATTR, shard_module
+from .core.shard_module import RUNTIME_ATTR
+from .offload import shard_offloaded
 from .options import ShardOptions, resolve_options
 from .policy import CPUOffload, MixedPrecision, WrapPolicy
 from .strategy import Strategy
@@ -121,4 +122,4 @@ def shard_with(model: nn.Module, options: ShardOptions) -> nn.Module:
     if hasattr(model, RUNTIME_ATTR):
         raise ValueError(f"{type(model).__name__} is already sharded; call st.shard once per model")
     require_process_group()
-    return shard_module(model, options)
+    return shard_offloaded(model, options)

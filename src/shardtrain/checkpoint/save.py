@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from .. import __version__
+from ..core.held import tp_coordinates
 from ..core.shard_module import runtime_of
-from ..core.tensor_parallel import tp_coordinates
 from . import commit
 from .collective import Comm
 from .entries import Entries, classify

@@ -20,9 +20,8 @@ from typing import Any
 
 import torch
 
-from ..core.held import held_params
+from ..core.held import held_params, tp_coordinates
 from ..core.shard_module import runtime_of
-from ..core.tensor_parallel import tp_coordinates
 from ..tp import Box, held_box, stores
 from .entries import Entries
 from .format import (

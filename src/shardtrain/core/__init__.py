@@ -3,7 +3,7 @@
 The face the rest of shardtrain may use (`__all__`); everything else in `core` is the engine's own:
 
 - `shard_module(model, options)`: shard in place from a resolved `ShardOptions` (the public `st.shard`
-  in sharding.py reads the user's spellings first); `runtime_of(model)`: its runtime.
+  in sharding.py reads the user's spellings first, and offload/ wraps it); `runtime_of(model)`: its runtime.
 - `held_params(model)`: what this rank holds, one read-only `HeldParam` per original parameter (name,
   global shape, this rank's rows, owner unit, the local tensor): what `ops/`, `checkpoint/` and
   `pretrained/` read and write instead of walking units and layouts.
@@ -15,14 +15,12 @@ The face the rest of shardtrain may use (`__all__`); everything else in `core` i
   `checkpoint/`), `GatheredUnit` (the units `ops/compile.py` compiles), `tensor_parallel_of` /
   `tp_coordinates` (the tensor parallelism a runtime runs under, this rank's place in it).
 - for the Engine's tensor-parallel setup: `record` (a parameter replaced before sharding, for `rebind`);
-  `DefaultInit` (what `st.shard` initialises a meta module with; LoRA falls back to it);
-  `DEFAULT_SLOTS` (the disk tier's default pool, in units, which the planner's estimate reuses).
+  `DefaultInit` (what `st.shard` initialises a meta module with; LoRA falls back to it).
 """
 
 from .collectives import all_gather_tensor
-from .disk_state import DEFAULT_SLOTS
 from .gathered import GatheredUnit
-from .held import HeldParam, held_params
+from .held import HeldParam, held_params, tensor_parallel_of, tp_coordinates
 from .materialize import DefaultInit
 from .param_layout import ParamShard, layout_of_unit
 from .partition import clean_name, matching_paths, partition, repeated_blocks
@@ -31,11 +29,9 @@ from .rebind_optimizers import rebind, record
 from .runtime import Runtime
 from .shard_module import RUNTIME_ATTR, runtime_of, shard_module
 from .sharded_param import local_of
-from .tensor_parallel import tensor_parallel_of, tp_coordinates
 from .unit import ShardUnit
 
 __all__ = [
-    "DEFAULT_SLOTS",
     "RUNTIME_ATTR",
     "DefaultInit",
     "GatheredUnit",

@@ -2,7 +2,9 @@
 
 `ops/`, `checkpoint/` and `pretrained/` read and write a rank's rows through these records instead
 of walking the runtime's units and layouts, so a change inside `core` (a field of `ParamShard`, how
-a unit stores its buffers) stays inside `core`.
+a unit stores its buffers) stays inside `core`. The tensor parallelism a runtime or unit runs under
+(`tensor_parallel_of`, `tp_coordinates`, each parameter's global shape, split and held box) is read
+here too, so core/tensor_parallel.py, which the units build on, knows no runtime or unit.
 """
 
 from __future__ import annotations
@@ -13,11 +15,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..tp import Box
+from ..tp import Box, held_box
 from .param_layout import ParamShard
 from .runtime import Runtime
 from .shard_module import runtime_of
-from .tensor_parallel import global_shape, held_box_of, split_in
+from .tensor_parallel import TensorParallel
 from .unit import ShardUnit
 
 
@@ -92,3 +94,44 @@ def held_params(model: nn.Module | Runtime) -> Iterator[HeldParam]:
                 index=index,
                 layout=shard,
             )
+
+
+def tensor_parallel_of(runtime: Runtime) -> TensorParallel | None:
+    """The tensor parallelism a sharded model's runtime runs under (None: none)."""
+    return runtime.units[0].factory.tp if runtime.units else None
+
+
+def global_shape(unit: ShardUnit, shard: ParamShard) -> tuple[int, ...]:
+    """The shape of the parameter `shard` describes as the unsharded model has it (not TP-local)."""
+    tp = unit.factory.tp
+    return tp.global_shape(shard) if tp is not None else shard.shape
+
+
+def split_in(unit: ShardUnit, shard: ParamShard) -> str | None:
+    """How tensor parallelism splits the parameter ("rows", "cols"; None: not split, or no TP)."""
+    tp = unit.factory.tp
+    return tp.split(shard) if tp is not None else None
+
+
+def tp_coordinates(runtime: Runtime) -> tuple[int, int]:
+    """(tp rank, tp size) of this rank; (0, 1) without tensor parallelism."""
+    return _coordinates(tensor_parallel_of(runtime))
+
+
+def _coordinates(tp: TensorParallel | None) -> tuple[int, int]:
+    return (tp.tp_rank, tp.tp_size) if tp is not None else (0, 1)
+
+
+def held_box_of(unit: ShardUnit, index: int) -> Box:
+    """The box of parameter `index`'s global tensor this rank holds (`unit.held(index)` has its shape)."""
+    shard = unit.layout.params[index]
+    tp_rank, tp_world = _coordinates(unit.factory.tp)  # the model's (one factory per model)
+    cut = shard.world > 1
+    return held_box(
+        global_shape(unit, shard),
+        split=split_in(unit, shard),
+        dp_rank=unit.comm.shard_rank if cut else 0,
+        dp_world=shard.world,
+        tp_rank=tp_rank,
+        tp_world=tp_world,
+    )

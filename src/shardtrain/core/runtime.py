@@ -20,7 +20,6 @@ forward compiles into one graph shared by every block of its class.
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -32,11 +31,8 @@ from .collectives import all_reduce
 from .comm import Pending, UnitComm
 from .gathered import GatheredUnit
 from .order_check import Collective, OrderCheck
-from .unit import ShardUnit
-
-if TYPE_CHECKING:
-    from .host_step import HostSteps
-    from .pinned import PinnedBuffers
+from .step_hook import NoStepHook, StepHook
+from .unit import HostBuffers, ShardUnit
 
 
 class TrainingState(enum.Enum):
@@ -55,7 +51,7 @@ class Runtime:
         cast_inputs_to: torch.dtype | None,
         control_group: dist.ProcessGroup | None,
         order_group: dist.ProcessGroup | None,
-        pinned: PinnedBuffers | None = None,
+        pinned: HostBuffers | None = None,
     ) -> None:
         self.strategy = strategy
         self.pinned = pinned  # host buffers of the offloaded units (None: nothing offloaded)
@@ -74,7 +70,8 @@ class Runtime:
         self._next_backward: dict[int, list[GatheredUnit]] = {}
         self._last_reduce: Pending | None = None
         self._deferred: tuple[ShardUnit, list] | None = None
-        self.host_steps: HostSteps | None = None  # deferred optimizer steps (core/host_step.py), if any
+        # optimizer steps deferred out of the user's step() (the offload package attaches its own)
+        self.step_hook: StepHook = NoStepHook()
         # None: nothing to compare (one rank, or the options' check_order False)
         self.order = (
             OrderCheck(group=order_group, unit_name=lambda i: self.units[i].label, slots=2 + prefetch)
@@ -99,16 +96,14 @@ class Runtime:
 
     def settle(self) -> None:
         """Complete the deferred optimizer steps, if any (before the shards are read or replaced)."""
-        if self.host_steps is not None:
-            self.host_steps.flush()
+        self.step_hook.flush()
 
     def _begin_iteration(self) -> None:
         """The first unit of a new forward runs: free gradients the user cleared since the last step."""
         if self.root.factory.tp is not None:
             self._refuse_compiled_units()
         self.state = TrainingState.FORWARD
-        if self.host_steps is not None:
-            self.host_steps.begin_pass("the next forward")
+        self.step_hook.begin_pass("the next forward")
         if self.order is not None:
             self.order.iteration += 1
         for u in self.units:
@@ -146,8 +141,7 @@ class Runtime:
         if not self._order_recorded and not in_backward and unit not in self._forward_order:
             self._forward_order.append(unit)
         ahead = self._next_forward.get(unit.index, []) if self._order_recorded and not in_backward else []
-        if self.host_steps is not None:
-            self.host_steps.wait_for([unit, *ahead])  # their optimizer steps land before their shards are read
+        self.step_hook.wait_for([unit, *ahead])  # their optimizer steps land before their shards are read
         entries = self._gathers([unit, *ahead])
         if not unit.gathers:
             entries.append((Collective.LOOKUP, unit.index))  # its forward exchanges ids and rows
@@ -191,8 +185,7 @@ class Runtime:
     def _pre_backward(self, unit: ShardUnit) -> None:
         if self.state is not TrainingState.BACKWARD:
             self.state = TrainingState.BACKWARD
-            if self.host_steps is not None:
-                self.host_steps.begin_pass("another backward")
+            self.step_hook.begin_pass("another backward")
             self.settle()  # a unit the forward skipped steps now, before gradients land again
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
         ahead = self._next_backward.get(unit.index, []) if self._order_recorded else []
@@ -220,8 +213,7 @@ class Runtime:
             unit, flats = self._deferred
             self._deferred = None
             unit.issue_reduce(flats)
-            if self.host_steps is not None:
-                self.host_steps.reduced(unit)  # may step it during the rest of backward
+            self.step_hook.reduced(unit)  # may step it during the rest of backward
 
     # ------------------------------------------------------------------ order of collectives
     def _check(self, entries: list[tuple[Collective, int]]) -> None:
@@ -258,9 +250,8 @@ class Runtime:
         self._finish_reduces()
         if self.comm.cuda and any(u.behaviour.offload for u in self.units):
             torch.cuda.current_stream().synchronize()  # the host optimizer reads the offloaded gradients
-        if self.host_steps is not None and self.sync_gradients:
-            self.host_steps.backward_ended()
         if self.sync_gradients:
+            self.step_hook.backward_ended()
             used = self._agree_on_used()
             for unit, mask in zip(self.units, used):
                 unit.publish_grads(mask)

@@ -12,41 +12,38 @@ from torch import nn
 from ..options import ShardOptions
 from . import rebind_optimizers
 from .comm import UnitComm
-from .disk_state import attach_disk_state
 from .flat_buffers import FlatBuffers
 from .gathered import GatheredUnit
-from .host_step import overlap_host_steps
 from .lookup import LookupUnit, runs_sharded_lookup
 from .materialize import Materializer, current_tensors, cut_shards
 from .param_layout import layout_of_unit
 from .partition import Occurrence, Partition, UnitSpec, matching_paths, partition
-from .pinned import PinnedBuffers
 from .process_groups import control_group, order_group, resolve_device, resolve_groups
 from .recompute import apply_activation_checkpointing
 from .runtime import Runtime
 from .sharded_param import ParamFactory
 from .tensor_parallel import local_tensors, prepare_tensor_parallel
-from .unit import ShardUnit, UnitBehaviour
+from .unit import HostBuffers, ShardUnit, UnitBehaviour
 
 RUNTIME_ATTR = "_shardtrain_runtime"
 
 
-def shard_module(model: nn.Module, options: ShardOptions) -> nn.Module:
+def shard_module(model: nn.Module, options: ShardOptions, *, host_buffers: Callable[[], HostBuffers]) -> nn.Module:
     """Shard `model` in place with every option resolved (`options.resolve_options`, called by the public
     `st.shard` in shardtrain/sharding.py): partition into units, materialise and cut each unit, build
     its buffers and the parameters the optimizer sees, install the runtime's hooks. A mesh with a "tp"
     dimension first splits the model over it (`options.tp_plan`, or a model already through
     `parallelize_module`), then shards each TP-local tensor over the data-parallel dimension
-    (core/tensor_parallel.py)."""
+    (core/tensor_parallel.py).
+
+    With `options.offload` on a GPU, the offloaded units' shards and gradients live in host memory
+    from `host_buffers()`, called once if any unit is offloaded (the offload package, offload/attach.py,
+    passes its page-locked buffers, then attaches its host step to the runtime)."""
     strategy, precision, prefetch = options.strategy, options.precision, options.prefetch
     process_group, param_init_fn = options.process_group, options.param_init_fn
     device = resolve_device(options.device)
     # Note: on a CPU device everything already lives in host memory.
     offload = options.offload if device.type == "cuda" else None
-    if offload and (offload.threads or torch.get_num_threads() < offload.host_threads()):
-        # Note: the optimizer steps the offloaded shards with torch's intra-op threads; one thread
-        # per process (torchrun's default) made the host AdamW most of the step at 8B.
-        torch.set_num_threads(offload.host_threads())
     tp = prepare_tensor_parallel(
         model, mesh=options.mesh, plan=options.tp_plan, strategy=strategy, process_group=process_group
     )
@@ -78,7 +75,7 @@ def shard_module(model: nn.Module, options: ShardOptions) -> nn.Module:
         cast_inputs_to=precision.param_dtype if precision.cast_forward_inputs else None,
         control_group=control_group(process_group),
         order_group=order_group(process_group, check=options.check_order),
-        pinned=PinnedBuffers() if any(offloaded) else None,
+        pinned=host_buffers() if any(offloaded) else None,
     )
     materialize_unit = _unit_materializer(model, plan, device=device, param_init_fn=param_init_fn)
     broadcast_group = (process_group or dist.group.WORLD) if options.sync_module_states else None
@@ -141,15 +138,6 @@ def shard_module(model: nn.Module, options: ShardOptions) -> nn.Module:
         runtime.register(unit, spec.module)
     _place_buffers(model, device, precision.buffer_dtype, broadcast_group)
     setattr(model, RUNTIME_ATTR, runtime)
-    offloaded_units = [u for u in runtime.units if u.behaviour.offload]
-    if offload is None or not offloaded_units:
-        return model
-    if options.overlap_host_step:
-        overlap_host_steps(
-            model, runtime, offloaded_units, in_backward=offload.step_in_backward, threads=options.host_step_threads
-        )
-    if offload.disk_dir is not None:
-        attach_disk_state(runtime.host_steps, offload, rank=dist.get_rank() if dist.is_initialized() else 0)
     return model
 
 

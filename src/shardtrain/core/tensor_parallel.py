@@ -21,7 +21,7 @@ on the mesh.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,9 +33,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from ..strategy import Strategy
 from ..tp import (
-    Box,
     MeshDims,
-    held_box,
     is_tensor_parallel_mesh,
     mesh_dims,
     mesh_placements,
@@ -45,10 +43,6 @@ from ..tp import (
 )
 from .param_layout import ParamShard
 from .process_groups import default_group, derived, subgroup
-
-if TYPE_CHECKING:
-    from .runtime import Runtime
-    from .unit import ShardUnit
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -142,47 +136,6 @@ class TensorParallel:
                 )
             out.append(view)
         return tuple(out)
-
-
-def tensor_parallel_of(runtime: Runtime) -> TensorParallel | None:
-    """The tensor parallelism a sharded model's runtime runs under (None: none)."""
-    return runtime.units[0].factory.tp if runtime.units else None
-
-
-def global_shape(unit: ShardUnit, shard: ParamShard) -> tuple[int, ...]:
-    """The shape of the parameter `shard` describes as the unsharded model has it (not TP-local)."""
-    tp = unit.factory.tp
-    return tp.global_shape(shard) if tp is not None else shard.shape
-
-
-def split_in(unit: ShardUnit, shard: ParamShard) -> str | None:
-    """How tensor parallelism splits the parameter ("rows", "cols"; None: not split, or no TP)."""
-    tp = unit.factory.tp
-    return tp.split(shard) if tp is not None else None
-
-
-def tp_coordinates(runtime: Runtime) -> tuple[int, int]:
-    """(tp rank, tp size) of this rank; (0, 1) without tensor parallelism."""
-    return _coordinates(tensor_parallel_of(runtime))
-
-
-def _coordinates(tp: TensorParallel | None) -> tuple[int, int]:
-    return (tp.tp_rank, tp.tp_size) if tp is not None else (0, 1)
-
-
-def held_box_of(unit: ShardUnit, index: int) -> Box:
-    """The box of parameter `index`'s global tensor this rank holds (`unit.held(index)` has its shape)."""
-    shard = unit.layout.params[index]
-    tp_rank, tp_world = _coordinates(unit.factory.tp)  # the model's (one factory per model)
-    cut = shard.world > 1
-    return held_box(
-        global_shape(unit, shard),
-        split=split_in(unit, shard),
-        dp_rank=unit.comm.shard_rank if cut else 0,
-        dp_world=shard.world,
-        tp_rank=tp_rank,
-        tp_world=tp_world,
-    )
 
 
 def local_tensors(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

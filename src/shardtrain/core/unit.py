@@ -26,15 +26,20 @@ from .comm import Pending, UnitComm
 from .flat_buffers import FlatBuffers
 from .order_check import Collective
 from .param_layout import UnitLayout
-from .pinned import PinnedBuffers
 from .sharded_param import ParamFactory
+
+
+class HostBuffers(Protocol):
+    """Host memory for the offloaded units' shards and gradients (page-locked: offload/pinned.py)."""
+
+    def empty(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor: ...
 
 
 class UnitHost(Protocol):
     """What a unit asks of the runtime that drives it (runtime.py's `Runtime`): the units know this
     much of it and no more, so `unit`, `gathered` and `lookup` do not import the runtime."""
 
-    pinned: PinnedBuffers | None  # host buffers of the offloaded units
+    pinned: HostBuffers | None  # host buffers of the offloaded units
     control_group: dist.ProcessGroup | None  # a CPU (Gloo) group for host-side agreement
     sync_gradients: bool  # False inside no_sync
 
@@ -162,7 +167,7 @@ class ShardUnit(ABC):
         buf = self.buffers[g]
         if buf.offload:
             if buf.grad is None:
-                buf.grad = cast(PinnedBuffers, self.runtime.pinned).empty((buf.group.grad_numel,), buf.group.dtype)
+                buf.grad = cast(HostBuffers, self.runtime.pinned).empty((buf.group.grad_numel,), buf.group.dtype)
             buf.grad.copy_(shard_grad, non_blocking=True)  # on the reduce stream; waited on at the end of backward
         else:
             buf.grad = shard_grad if shard_grad.dtype == buf.group.dtype else shard_grad.to(buf.group.dtype)

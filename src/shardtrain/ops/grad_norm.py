@@ -8,9 +8,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..core.held import tensor_parallel_of
 from ..core.shard_module import runtime_of
 from ..core.sharded_param import local_of
-from ..core.tensor_parallel import tensor_parallel_of
 
 
 def _local_grads(model: nn.Module, *, for_norm: bool) -> list[torch.Tensor]:
@@ -117,8 +117,7 @@ def clip_grad_norm_(
             "pass error_if_nonfinite=False to skip this check"
         )
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    steps = runtime_of(model, settle=False).host_steps
-    if steps is not None and not steps.early.allow_clipping(coef, total, max_norm):
+    if not runtime_of(model, settle=False).step_hook.allow_clipping(coef, total, max_norm):
         return total  # units stepped during backward read these gradients; the coefficient is 1
     for where, on_one in _by_device(_local_grads(model, for_norm=False)).items():
         torch._foreach_mul_(on_one, coef.to(where))

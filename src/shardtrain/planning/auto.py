@@ -9,7 +9,7 @@ one that needs less memory, then to the earlier in `strategies`. CPU offload is 
 nothing fits without it, of a quarter, half, three quarters or all of the model (whole units); its
 host step is priced per offloaded parameter, so the smallest share that fits usually wins. Given a
 disk directory (`disk_dir`), the disk tier (all units offloaded, their optimizer state in files there,
-core/disk_state.py) is weighed only when nothing fits with device and host memory either: a
+offload/disk_state.py) is weighed only when nothing fits with device and host memory either: a
 configuration fits the host when the estimator's host bytes (and the disk tier's buffers) stay within
 `host_memory` less the safety margin.
 

@@ -9,7 +9,7 @@ held from the first micro-batch's backward to the last one's. Counting them on t
 upper bound (the last backward frees them unit by unit while it reduces).
 
 Host memory: the estimator's host bytes, plus with the disk tier its pool of read/write buffers
-(`DEFAULT_SLOTS` slots, each the largest unit's optimizer state per rank, as core/disk_state.py sizes it).
+(`DEFAULT_SLOTS` slots, each the largest unit's optimizer state per rank, as offload/disk_state.py sizes it).
 
 Gradients are assumed released by `zero_grad(set_to_none=True)` between steps (keep_grads=False), as
 the training loop does; the engine then frees the cleared sharded gradients before the next forward.
@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..core.disk_state import DEFAULT_SLOTS
+from ..offload import DEFAULT_SLOTS
 from ..policy import CPUOffload
 from ..strategy import Strategy, parse_strategy
 from .activations import checkpointed_blocks

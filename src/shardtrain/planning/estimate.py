@@ -289,7 +289,7 @@ def _estimate(inputs: EstimateInputs) -> MemoryEstimate:
         master, grads, optim = (b - off for b, off in zip((sharded, grads, optim), moved))
         params_alias = frozen_alias = False  # the offloaded shards live on the host: the device needs copies
     disk = moved[2] if inputs.offload and inputs.offload.disk_dir is not None else 0
-    host -= disk  # the disk tier keeps the offloaded optimizer state in files (core/disk_state.py)
+    host -= disk  # the disk tier keeps the offloaded optimizer state in files (offload/disk_state.py)
 
     copy, frozen_copy = (0 if params_alias else p), (0 if frozen_alias else p)
     grad_copy = 0 if grads_alias else p

@@ -79,7 +79,7 @@ DISK_WRITE_BYTES_PER_S = 2.54e9
 
 
 class HostStep(enum.Enum):
-    """When the host AdamW over the offloaded units runs (core/host_step.py)."""
+    """When the host AdamW over the offloaded units runs (offload/host_step.py)."""
 
     SEQUENTIAL = "in sequence"  # in the user's step(), after backward (SHARDTRAIN_HOST_STEP=sequential)
     OVERLAPPED = "overlapped"  # deferred to the next forward, unit by unit (the default)

@@ -30,10 +30,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .sharded_param import local_of
+from ..core.sharded_param import local_of
 
 if TYPE_CHECKING:
-    from .unit import ShardUnit
+    from ..core.unit import ShardUnit
 
 OPT_OUT = "st.CPUOffload(step_in_backward=False)"
 

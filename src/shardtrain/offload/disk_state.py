@@ -2,8 +2,8 @@
 
 With `st.CPUOffload(disk_dir=DIR)` the elementwise optimizer state of the offloaded units (AdamW's
 `exp_avg` and `exp_avg_sq`) lives in one file per rank under DIR instead of host memory. Each unit owns
-one region of the file; the deferred per-unit host step (core/host_step.py) streams the units through a
-bounded ring of aligned host memory (`buffer_bytes`, core/disk_pool.py): before unit k steps its region
+one region of the file; the deferred per-unit host step (offload/host_step.py) streams the units through a
+bounded ring of aligned host memory (`buffer_bytes`, offload/disk_pool.py): before unit k steps its region
 is read into a buffer taken from the ring (read-ahead: the next units' reads are issued as soon as
 their bytes are free, as many as fit), the optimizer view steps the buffer in place, and the buffer is
 written back (write-behind) and returns to the ring when the write completes (docs/design.md, Note
@@ -17,12 +17,11 @@ optimizer step that does not run per unit (a closure, an unsplittable optimizer)
 first. The bytes are moved, never converted: training is bitwise that of host-memory offload.
 
 The file itself (scratch that only its own process reads, its space checked and reserved up front,
-running out one line) is core/disk_file.py.
+running out one line) is offload/disk_file.py.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 import weakref
 from collections import deque
@@ -30,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..core.sharded_param import local_of
 from .aio import ALIGN, Request, aligned_empty
 from .disk_file import StateFile
 from .disk_layout import (
@@ -45,12 +45,9 @@ from .disk_layout import (
     restore,
 )
 from .disk_pool import BufferRing
-from .sharded_param import local_of
 
 if TYPE_CHECKING:
-    from ..policy import CPUOffload
-    from .host_step import HostSteps
-    from .unit import ShardUnit
+    from ..core.unit import ShardUnit
 
 DEFAULT_SLOTS = 4  # pool size when no budget is given, in the largest unit's regions (smaller ones: more)
 
@@ -327,12 +324,3 @@ class DiskState:
             (index, [params[k] for k in {piece.key[0] for piece in region.pieces} if k in params])
             for index, region in self._regions.items()
         ]
-
-
-def attach_disk_state(steps: HostSteps | None, policy: CPUOffload, *, rank: int) -> DiskState:
-    """Keep the optimizer state of the units `steps` defers in files under `policy.disk_dir`."""
-    # Note: resolve_options refuses the disk tier with SHARDTRAIN_HOST_STEP=sequential (no deferred steps).
-    assert steps is not None, "the disk tier streams the state through the per-unit host step"
-    assert policy.disk_dir is not None, "attach_disk_state is for a policy with a disk_dir"
-    steps.store = DiskState(directory=os.fspath(policy.disk_dir), rank=rank, buffer_bytes=policy.disk_buffer_bytes)
-    return steps.store

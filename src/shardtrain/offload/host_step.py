@@ -10,10 +10,10 @@ follows right behind it while the remaining units step beside the GPU's forward
 
 Exactness: each unit is stepped by a view of the user's optimizer over the unit's local rows, with
 the hyperparameters of the `step()` call; AdamW, Adam and SGD update each element from that element
-alone, so stepping per unit is bitwise the single step (core/optimizer_view.py).
+alone, so stepping per unit is bitwise the single step (offload/optimizer_view.py).
 
 With `st.CPUOffload(step_in_backward=True)` a unit may step earlier still: during backward, once its
-reduction landed (core/backward_step.py says when that is allowed and how `step()` proves it exact).
+reduction landed (offload/backward_step.py says when that is allowed and how `step()` proves it exact).
 The worker always takes, of the units ready to step, the one the next forward needs first.
 
 Other optimizers, a closure, or `differentiable=True` step in sequence as before, with one warning
@@ -43,9 +43,9 @@ from .optimizer_view import UnitStep, amp_of, hyperparameters, unit_step, unspli
 from .step_queue import StepQueue
 
 if TYPE_CHECKING:
+    from ..core.runtime import Runtime
+    from ..core.unit import ShardUnit
     from .disk_state import DiskState
-    from .runtime import Runtime
-    from .unit import ShardUnit
 
 
 @dataclass(kw_only=True)
@@ -66,22 +66,20 @@ _hooks_installed = False
 class HostSteps:
     """The deferred per-unit optimizer steps of one sharded model's host-stepped `units`."""
 
-    def __init__(
-        self, *, runtime: Runtime, units: list[ShardUnit], in_backward: bool = False, threads: int | None = None
-    ) -> None:
+    def __init__(self, *, runtime: Runtime, units: list[ShardUnit], in_backward: bool = False) -> None:
         self.runtime = runtime
         self.units = units
         self.early = BackwardSteps(enabled=in_backward)
         self._unit_of = {id(p): unit for unit in units for p in unit.params}
         self._indices = {unit.index for unit in units}
         self._pending: dict[int, Future] = {}  # unit.index -> its step on the worker
-        self._queue = StepQueue(device=runtime.comm.device, threads=threads)
+        self._queue = StepQueue(device=runtime.comm.device)
         self._position: dict[int, int] = {}  # unit.index -> its place in the next forward
         self._landing: list[tuple[ShardUnit, tuple[torch.cuda.Event, ...]]] = []  # reduced, not yet stepped
         self._held: _Held | None = None
         self._adopted: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._warned: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
-        self.store: DiskState | None = None  # the disk tier (core/disk_state.py): state streamed from files
+        self.store: DiskState | None = None  # the disk tier (offload/disk_state.py): state streamed from files
 
     # ------------------------------------------------------------------ waiting
     def pending(self) -> list[ShardUnit]:
@@ -118,6 +116,10 @@ class HostSteps:
         self._step_landed()
         self._landing = []
         self.early.backward_ended(self.units)
+
+    def allow_clipping(self, coef: torch.Tensor, total: torch.Tensor, max_norm: float) -> bool:
+        """`st.clip_grad_norm_` is about to scale by `coef`: whether to (offload/backward_step.py decides)."""
+        return self.early.allow_clipping(coef, total, max_norm)
 
     def _step_landed(self) -> None:
         """Queue the early step of each landing unit whose reductions the host has waited on."""
@@ -328,7 +330,7 @@ def _pre_step(optimizer, args, kwargs) -> None:
         steps.before_user_step(optimizer)
 
 
-def _post_step(optimizer, args, kwargs) -> None:  # noqa: ARG001 - the hook's signature
+def _post_step(optimizer, args, kwargs) -> None:
     for steps in list(_LIVE):
         steps.after_step(optimizer)
 
@@ -339,15 +341,14 @@ def overlap_host_steps(
     units: list[ShardUnit],
     *,
     in_backward: bool = False,
-    threads: int | None = None,
 ) -> HostSteps:
     """Defer and overlap the optimizer step of `units` of the sharded `model` (`st.shard` does this for
     the offloaded units; on a CPU device, where nothing is offloaded, the tests do it for any unit);
     `in_backward`: step them during backward where the loop allows it (CPUOffload.step_in_backward);
-    `threads`: the worker's intra-op threads (core/step_queue.py)."""
+    the worker steps with one intra-op thread fewer than the host's (offload/step_queue.py)."""
     global _hooks_installed
-    steps = HostSteps(runtime=runtime, units=units, in_backward=in_backward, threads=threads)
-    runtime.host_steps = steps
+    steps = HostSteps(runtime=runtime, units=units, in_backward=in_backward)
+    runtime.step_hook = steps
     _LIVE.add(steps)
     if not _hooks_installed:
         register_optimizer_step_pre_hook(_pre_step)

@@ -1,5 +1,5 @@
 """How the disk tier lays out a unit's optimizer state in its region of the file, and how a state
-tensor whose values are in the file looks to the user's optimizer (core/disk_state.py streams them).
+tensor whose values are in the file looks to the user's optimizer (offload/disk_state.py streams them).
 
 A region packs the unit's elementwise state tensors (shaped like the parameter's local rows), each on
 a cache line, and is rounded up to `aio.ALIGN` for O_DIRECT. A tensor on disk keeps its shape and
@@ -15,11 +15,11 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
+from ..core.sharded_param import local_of
 from .aio import align_up
-from .sharded_param import local_of
 
 if TYPE_CHECKING:
-    from .unit import ShardUnit
+    from ..core.unit import ShardUnit
 
 PIECE_ALIGN = 64  # each state tensor starts on a cache line inside its unit's region
 

@@ -1,6 +1,6 @@
 """One unit's optimizer step: a view of the user's optimizer over the unit's local rows, exactly.
 
-The host step (core/host_step.py) steps each unit with a shallow copy of the user's optimizer (same
+The host step (offload/host_step.py) steps each unit with a shallow copy of the user's optimizer (same
 class, same code path: fused, foreach or per tensor as chosen) whose param groups hold the unit's
 local rows as plain tensors and the hyperparameters as they were when `step()` was called (an LR
 scheduler may change them right after), and whose state entries are the local rows of the user's
@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from .sharded_param import local_of
+from ..core.sharded_param import local_of
 
 if TYPE_CHECKING:
-    from .unit import ShardUnit
+    from ..core.unit import ShardUnit
 
 # Optimizers whose update of an element reads that element's parameter, gradient and state only.
 SPLITTABLE = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)

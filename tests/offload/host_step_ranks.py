@@ -1,4 +1,4 @@
-"""Rank-side code of the overlapped host step tests (core/host_step.py): the deferred per-unit steps
+"""Rank-side code of the overlapped host step tests (offload/host_step.py): the deferred per-unit steps
 against the user's own sequential `step()`, bit for bit.
 
 On a CPU device nothing is offloaded, so the tests hand every unit to `overlap_host_steps`, which runs
@@ -24,10 +24,10 @@ import torch.distributed as dist
 from torch import nn
 
 import shardtrain as st
-from shardtrain.core.host_step import HostSteps, overlap_host_steps
 from shardtrain.core.shard_module import runtime_of
 from shardtrain.core.sharded_param import local_of
 from shardtrain.models.llama import Block
+from shardtrain.offload.host_step import HostSteps, overlap_host_steps
 from shardtrain.options import HOST_STEP_ENV
 from tests.core.parity import _chunk, nanogpt_groups
 from tests.models import lm_loss, make_batches, tiny_llama
@@ -90,7 +90,7 @@ def build(
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.8**s)
     stepped = [0, 0] if stepped is None else stepped
     runtime = runtime_of(model)
-    steps = runtime.host_steps
+    steps = runtime.step_hook if isinstance(runtime.step_hook, HostSteps) else None
     if overlapped and not cuda:
         steps = overlap_host_steps(model, runtime, runtime.units, in_backward=in_backward)
     assert (steps is not None) == overlapped

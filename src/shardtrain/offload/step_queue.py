@@ -1,7 +1,7 @@
 """The host step's worker thread: of the unit steps queued, it always runs the one needed first.
 
-Unit steps are queued as their gradients become final (during backward, core/backward_step.py) or
-at `step()` (core/host_step.py); the next forward needs them in forward order. A first-in first-out
+Unit steps are queued as their gradients become final (during backward, offload/backward_step.py) or
+at `step()` (offload/host_step.py); the next forward needs them in forward order. A first-in first-out
 queue would run the units backward finished first, which the forward needs last, so the queue is a
 heap keyed by the unit's place in the next forward.
 """
@@ -21,8 +21,8 @@ import torch
 class StepQueue:
     """One worker thread running queued callables by priority (the lowest first, then by arrival)."""
 
-    def __init__(self, *, device: torch.device, threads: int | None = None) -> None:
-        """`threads`: the worker's intra-op threads (`worker_threads`)."""
+    def __init__(self, *, device: torch.device) -> None:
+        """The worker steps with `worker_threads()` intra-op threads on `device`."""
         self._heap: list[tuple[int, int, Callable[[], None], Future]] = []
         self._arrival = itertools.count()
         self._lock = threading.Lock()
@@ -30,7 +30,7 @@ class StepQueue:
             max_workers=1,
             thread_name_prefix="shardtrain-host-step",
             initializer=_init_worker,
-            initargs=(worker_threads(threads), device),
+            initargs=(worker_threads(), device),
         )
         weakref.finalize(self, self._worker.shutdown, wait=True)
 
@@ -54,18 +54,17 @@ class StepQueue:
             future.set_result(None)
 
 
-def worker_threads(threads: int | None) -> int:
-    """The worker's intra-op threads: `threads` (the options' `host_step_threads`,
-    SHARDTRAIN_HOST_STEP_THREADS), else one fewer than this process's
-    (which `st.shard` set to CPUOffload.host_threads()), so the main thread keeps a core to launch the
+def worker_threads() -> int:
+    """The worker's intra-op threads: one fewer than this process's (which `st.shard` set to
+    CPUOffload.host_threads(), the one thread setting), so the main thread keeps a core to launch the
     GPU's work and copies beside the step (the gain measured: BENCHMARKS.md, 'Offloaded optimizer
     step')."""
-    return threads if threads is not None else max(1, torch.get_num_threads() - 1)
+    return max(1, torch.get_num_threads() - 1)
 
 
 def _init_worker(threads: int, device: torch.device) -> None:
     """Note: intra-op threads and the current CUDA device are per thread; the worker takes the thread
-    count st.shard chose for the host (or the options' host_step_threads) and this rank's device (the
+    count derived from the host's and this rank's device (the
     optimizer's capture check queries the current device's stream, which would otherwise open a
     context on GPU 0 from every rank)."""
     torch.set_num_threads(threads)

@@ -2,7 +2,7 @@
 steps, during backward with CPUOffload(step_in_backward=True)), bitwise against
 SHARDTRAIN_HOST_STEP=sequential. Run by test_host_step.py on a GPU machine:
 
-    torchrun --nproc_per_node=1 tests/core/host_step_gpu.py DIRECTORY
+    torchrun --nproc_per_node=1 tests/offload/host_step_gpu.py DIRECTORY
 """
 
 import os
@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from tests.core.host_step_ranks import (
+from tests.offload.host_step_ranks import (
     falls_back_once,
     in_backward_error,
     overlapped_equals_sequential,

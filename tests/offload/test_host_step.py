@@ -1,4 +1,4 @@
-"""The overlapped host step (core/host_step.py) trains bit for bit like the user's sequential step."""
+"""The overlapped host step (offload/host_step.py) trains bit for bit like the user's sequential step."""
 
 import os
 import subprocess
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.core.host_step_ranks import (
+from tests.offload.host_step_ranks import (
     falls_back_once,
     in_backward_error,
     in_backward_falls_back,
@@ -77,7 +77,7 @@ def test_offloaded_units_on_cuda(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(root / "src"), os.environ.get("PYTHONPATH", "")]))
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "--master_port=29645"]
     out = subprocess.run(
-        [*command, str(root / "tests" / "core" / "host_step_gpu.py"), str(tmp_path)],
+        [*command, str(root / "tests" / "offload" / "host_step_gpu.py"), str(tmp_path)],
         env=env,
         capture_output=True,
         text=True,

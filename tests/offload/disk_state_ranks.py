@@ -1,8 +1,8 @@
-"""Rank-side code of the disk tier tests (core/disk_state.py): optimizer state in per-rank files,
+"""Rank-side code of the disk tier tests (offload/disk_state.py): optimizer state in per-rank files,
 streamed through the deferred per-unit host step, against the same step with the state in host memory.
 
 On a CPU device nothing is offloaded, so the runs hand every unit to `overlap_host_steps` (as
-tests/core/host_step_ranks.py does) and attach the disk tier to it as `st.shard` does for offloaded
+tests/offload/host_step_ranks.py does) and attach the disk tier to it as `st.shard` does for offloaded
 units.
 """
 
@@ -20,14 +20,17 @@ import torch.distributed as dist
 from torch import nn
 
 import shardtrain as st
-from shardtrain.core import aio, disk_file
-from shardtrain.core.disk_layout import on_disk
-from shardtrain.core.disk_state import DiskState, attach_disk_state
-from shardtrain.core.host_step import overlap_host_steps
 from shardtrain.core.shard_module import runtime_of
 from shardtrain.core.sharded_param import local_of
 from shardtrain.models.llama import Block
-from tests.core.host_step_ranks import (
+from shardtrain.offload import aio, disk_file
+from shardtrain.offload.attach import attach_disk_state
+from shardtrain.offload.disk_layout import on_disk
+from shardtrain.offload.disk_state import DiskState
+from shardtrain.offload.host_step import overlap_host_steps
+from tests.core.parity import _chunk
+from tests.models import lm_loss, make_batches, tiny_llama
+from tests.offload.host_step_ranks import (
     CHECKPOINT_STEP,
     MICRO,
     PER,
@@ -37,8 +40,6 @@ from tests.core.host_step_ranks import (
     make_optimizer,
     train_step,
 )
-from tests.core.parity import _chunk
-from tests.models import lm_loss, make_batches, tiny_llama
 
 STEPS = 10
 
@@ -65,7 +66,7 @@ def build(directory: str | None, *, buffer_bytes: int | None = None, direct: boo
             cpu_offload=(policy or st.CPUOffload(fraction=fraction)) if cuda else False,
         )
         runtime = runtime_of(model)
-        steps = runtime.host_steps if cuda else overlap_host_steps(model, runtime, runtime.units)
+        steps = runtime.step_hook if cuda else overlap_host_steps(model, runtime, runtime.units)
         if policy is not None and not cuda:
             attach_disk_state(steps, policy, rank=dist.get_rank())
     finally:

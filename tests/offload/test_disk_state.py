@@ -1,4 +1,4 @@
-"""The disk tier (core/disk_state.py, core/aio.py): optimizer state in per-rank files, bitwise the
+"""The disk tier (offload/disk_state.py, offload/aio.py): optimizer state in per-rank files, bitwise the
 host-memory offload; O_DIRECT and buffered I/O; crash safety; bounded memory; a full disk."""
 
 import errno
@@ -17,9 +17,9 @@ import torch
 import torch.multiprocessing as mp
 
 import shardtrain as st
-from shardtrain.core import aio
-from shardtrain.core.disk_pool import BufferRing
-from tests.core.disk_state_ranks import (
+from shardtrain.offload import aio
+from shardtrain.offload.disk_pool import BufferRing
+from tests.offload.disk_state_ranks import (
     closure_step_equals_memory,
     crash,
     disk_equals_memory,
@@ -188,7 +188,7 @@ def test_offloaded_units_on_cuda(tmp_path):
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "--master_port=29646"]
     buffered = _buffered_dir(tmp_path)
     out = subprocess.run(
-        [*command, str(root / "tests" / "core" / "disk_state_gpu.py"), str(tmp_path), buffered],
+        [*command, str(root / "tests" / "offload" / "disk_state_gpu.py"), str(tmp_path), buffered],
         env=env,
         capture_output=True,
         text=True,

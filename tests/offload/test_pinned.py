@@ -5,7 +5,7 @@ import gc
 import pytest
 import torch
 
-from shardtrain.core.pinned import PinnedBuffers
+from shardtrain.offload.pinned import PinnedBuffers
 
 
 class FakeCudart:

@@ -1,7 +1,7 @@
 """The disk tier on CUDA with the units offloaded (the real path: `st.shard` attaches it), bitwise
 against host-memory offload, with every unit and with half of them offloaded. Run by test_disk_state.py on a GPU machine:
 
-    torchrun --nproc_per_node=1 tests/core/disk_state_gpu.py DIRECTORY BUFFERED_DIRECTORY
+    torchrun --nproc_per_node=1 tests/offload/disk_state_gpu.py DIRECTORY BUFFERED_DIRECTORY
 """
 
 import os
@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from tests.core.disk_state_ranks import disk_equals_memory
+from tests.offload.disk_state_ranks import disk_equals_memory
 
 
 def main() -> None:

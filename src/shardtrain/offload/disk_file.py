@@ -1,5 +1,5 @@
 """The disk tier's per-rank state file: scratch that only the process which wrote it reads, with its
-space checked and reserved before a region is first written (core/disk_state.py lays regions in it).
+space checked and reserved before a region is first written (offload/disk_state.py lays regions in it).
 
 Crash safety: the files are scratch. Each process creates its own file (exclusively, named by host,
 pid and rank) and reads a region only after it wrote it itself, so nothing a killed process left

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import shardtrain as st
-from shardtrain.planning.activations import block_bytes
+from shardtrain.planning.activations import block_bytes, chunked_loss_wins, loss_bytes
 from shardtrain.planning.auto import choose_plan
 from shardtrain.planning.estimate import OVERHEAD_BYTES
 from shardtrain.planning.sizes import GiB
@@ -46,6 +46,27 @@ def test_lora_bill_by_hand():
     # the full-training bill of the same model peaks at the end of backward with 16 B/param
     full = st.estimate_memory(HF_8B, world_size=1, seq_len=T)
     assert full.peak_phase == "backward end" and full.model_states == 16 * P8
+
+
+def test_chunked_loss_bill_by_hand():
+    """Only a chunk of logits lives: 128 rows (logits as large as the 4096 x 4096 hidden states), fp32 logits
+    and log-probabilities and the bf16 gradient, beside the hidden states' bf16 gradient; a trained head adds
+    its weight's fp32 gradient and a bf16 product."""
+    lora = dict(world_size=1, lora_rank=8, lora_targets=("q_proj", "v_proj"), seq_len=T)
+    full = st.estimate_memory(HF_8B, **lora)
+    chunked = st.estimate_memory(HF_8B, **lora, chunked_loss=True)
+    assert chunked.logits == (4 + 4 + 2) * 128 * 128256 + 2 * T * 4096
+    assert chunked.activations == full.activations and chunked.logits < full.logits / 30
+    assert st.estimate_memory(HF_8B, **lora, chunked_loss="auto").logits == chunked.logits
+    sizes = dict(dim=4096, vocab=128256, compute_bytes=2)
+    trained = loss_bytes(tokens=T, **sizes, head_trains=True, chunked=True)
+    assert trained == chunked.logits + (4 + 2) * 128256 * 4096
+    # a trained head at 512 tokens: the weight's gradient outweighs the logits, so auto keeps them whole
+    assert chunked_loss_wins(tokens=T, **sizes, head_trains=True)
+    assert not chunked_loss_wins(tokens=512, **sizes, head_trains=True)
+    assert chunked_loss_wins(tokens=512, **sizes, head_trains=False)
+    with pytest.raises(ValueError, match="chunked_loss='yes' is invalid"):
+        st.estimate_memory(HF_8B, world_size=1, chunked_loss="yes")
 
 
 def test_frozen_fp32_base_sharded_and_a_trainable_share():

@@ -1,29 +1,20 @@
 """The loss is the mean over the trained tokens of the whole global batch: accumulation 1 vs 4 and world
-1 vs 2 give the same gradient as one reference forward over all rows, for rows of unequal length."""
+1 vs 2 give the same gradient as one reference forward over all rows, for rows of unequal length, with
+the loss over the full logits and in chunks (train.chunked_loss)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from shardtrain.data import DataSpec, WindowBatches, prepare
-from tests.train.facts import llama_folder, write_jsonl
-from tests.train.loss_ranks import one_step
+from tests.train.loss_ranks import one_step, uneven_rows_case
 
 pytest.importorskip("datasets")
-WORDS = "the quick brown fox jumps over a lazy dog and runs far away into green hills".split()
 
 
 @pytest.fixture(scope="module")
 def case(tmp_path_factory):
-    root = tmp_path_factory.mktemp("loss")
-    rows = [
-        {"prompt": f"Q: {WORDS[i]}?\nA:", "completion": " " + " ".join(WORDS[: 1 + (i * 7) % 16])} for i in range(16)
-    ]
-    return (
-        str(llama_folder(root / "model", hidden=32, init_range=0.5)),
-        str(write_jsonl(rows, root / "rows.jsonl")),
-        str(root / "cache"),
-    )
+    return uneven_rows_case(tmp_path_factory.mktemp("loss"))
 
 
 def _reference(folder: str, data: str, cache: str, *, packing: bool) -> tuple[dict, float, float]:
@@ -46,17 +37,25 @@ def _reference(folder: str, data: str, cache: str, *, packing: bool) -> tuple[di
 
 
 @pytest.mark.parametrize(
-    "packing, runs", [(False, [(1, 4), (2, 1), (2, 4)]), (True, [(2, 4)])], ids=["padded", "packed"]
+    "packing, runs",
+    [(False, [(1, 4, False), (2, 1, True), (2, 4, True)]), (True, [(2, 4, True)])],
+    ids=["padded", "packed"],
 )
 def test_accumulation_and_world_size_give_the_reference_gradient(pools, case, packing, runs):
     grads, loss, per_micro_mean = _reference(*case, packing=packing)
     assert abs(per_micro_mean - loss) > 1e-3, "the rows must be unequal enough to tell the two normalisations apart"
     flag = ["--data.packing", str(packing).lower()]
-    for world, accum in runs:  # (world size, micro-batches per step)
-        for got in pools(world).run(one_step, *case, "--train.grad_accum", str(accum), *flag):
-            assert got["loss"] == pytest.approx(loss, rel=1e-5), (world, accum)
+    for world, accum, chunked in runs:  # (world size, micro-batches per step, train.chunked_loss)
+        extra = ["--train.grad_accum", str(accum), "--train.chunked_loss", str(chunked).lower(), *flag]
+        for got in pools(world).run(one_step, *case, *extra):
+            assert got["chunked"] is chunked
+            assert got["loss"] == pytest.approx(loss, rel=1e-5), (world, accum, chunked)
             assert set(got["grads"]) == set(grads)
             for name, g in got["grads"].items():
                 torch.testing.assert_close(
-                    g, grads[name], rtol=1e-4, atol=1e-6, msg=f"{name} at world {world}, accum {accum}"
+                    g,
+                    grads[name],
+                    rtol=1e-4,
+                    atol=1e-6,
+                    msg=f"{name} at world {world}, accum {accum}, chunked {chunked}",
                 )

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
+from ..ops.chunked_ce import chunked_cross_entropy
 from .llama_config import LLAMA_SIZES, LlamaConfig, flops_per_token, llama_config, splits_embedding
 
 __all__ = [
@@ -194,7 +195,16 @@ class Block(nn.Module):
 
 class OutputHead(nn.Linear):
     """The projection to the vocabulary: an nn.Linear with a class of its own, so that a wrap policy
-    can make it a unit without making every Linear one."""
+    can make it a unit without making every Linear one.
+
+    Given `labels`, it returns the summed cross-entropy instead of the logits, in chunks of rows
+    (`st.chunked_cross_entropy`), inside its own forward: a head that is a sharding unit has its
+    weight gathered around that call and its gradient reduced like any unit's."""
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        if labels is None:
+            return super().forward(x)
+        return chunked_cross_entropy(x, self.weight, labels, bias=self.bias)
 
 
 # One sharding unit per Block, and the embedding and the output head apart from the root: each is as
@@ -211,7 +221,8 @@ def default_units(cfg: LlamaConfig) -> frozenset[type[nn.Module]]:
 
 
 class Llama(nn.Module):
-    """Returns logits of shape (batch, seq, vocab); `loss(tokens, targets)` gives mean cross-entropy.
+    """Returns logits of shape (batch, seq, vocab), or with `labels` the summed cross-entropy without
+    them (`OutputHead`); `loss(tokens, targets)` gives the mean cross-entropy over the full logits.
 
     `packed_attention` picks the kernel of packed batches (None: `PackedAttention.for_device`).
     """
@@ -242,14 +253,18 @@ class Llama(nn.Module):
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
 
-    def forward(self, tokens: torch.Tensor, *, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, *, position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Logits of `tokens` (batch, seq); with `position_ids` (same shape), of packed documents
-        (module docstring): no token attends to another document's."""
+        (module docstring): no token attends to another document's. With `labels` (same shape, already
+        shifted, -100 where nothing trains): the fp32 cross-entropy summed over the trained labels,
+        computed in chunks without the logits."""
         x = self.embed(tokens)
         if position_ids is None:
             for layer in self.layers:
                 x = layer(x, self.rope_cos, self.rope_sin)
-            return self.head(self.norm(x))
+            return self._out(x, labels)
         if position_ids.shape != tokens.shape:
             raise ValueError(
                 f"position_ids of shape {tuple(position_ids.shape)} for tokens of shape {tuple(tokens.shape)}; "
@@ -260,7 +275,11 @@ class Llama(nn.Module):
         cos, sin = self.rope_cos[position_ids].unsqueeze(1), self.rope_sin[position_ids].unsqueeze(1)
         for layer in self.layers:
             x = layer(x, cos, sin, mask)
-        return self.head(self.norm(x))
+        return self._out(x, labels)
+
+    def _out(self, x: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
+        # Note: without labels the head is called as before: tensor-parallel styles hook that call
+        return self.head(self.norm(x)) if labels is None else self.head(self.norm(x), labels)
 
     def loss(
         self, tokens: torch.Tensor, targets: torch.Tensor, *, position_ids: torch.Tensor | None = None

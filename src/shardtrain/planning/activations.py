@@ -47,12 +47,21 @@ the incoming gradient from nll_loss, and the gradient of the logits: 12 * T * V 
 holds 10 * T * V in bf16: logits, their fp32 copy, the log-probabilities.) This is what dominates small
 models with a large vocabulary: 11.7 GiB at 1.5B, batch 2 x 4096, vocab 128,256. A training loop that
 keeps its own reference to the logits until backward adds c * T * V.
+
+The chunked loss (`st.chunked_cross_entropy`, train.chunked_loss) holds one chunk of R rows at a time,
+R the rows whose logits match the hidden states in size (`default_chunk_rows`): the chunk's fp32 logits
+and log-probabilities and the gradient cast to the compute dtype, (8 + c) * R * V; beside them the
+hidden states' gradient it computes in forward, c * T * h; and when the head trains, the weight's
+gradient accumulated in fp32 (4 * V * h) with, in a 16-bit compute dtype, each chunk's product and the
+final cast (c * V * h). It wins where T * V outgrows those (`chunked_loss_wins`): at every length with
+a frozen head (LoRA), and from about h / 2 tokens per micro-batch with a trained one.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..ops.chunked_ce import default_chunk_rows
 from .model_spec import LlamaShape
 from .trained import FULL_TRAINING, TrainedParts
 
@@ -67,6 +76,22 @@ class ActivationBill:
     saved: int  # every block's saved tensors (or checkpoints) and the final norm's, at the end of forward
     backward_extra: int  # a checkpointed block's recomputation and the attention backward's temporaries
     loss_peak: int  # logits and cross-entropy tensors at their peak (backward of log_softmax)
+
+
+def loss_bytes(*, tokens: int, dim: int, vocab: int, compute_bytes: int, head_trains: bool, chunked: bool) -> int:
+    """The loss's peak bytes for `tokens` rows over a `vocab` (this rank's share under loss parallelism):
+    full logits, or the chunked loss (module docstring)."""
+    if not chunked:
+        return LOSS_BYTES_PER_LOGIT * tokens * vocab
+    rows = min(tokens, default_chunk_rows(rows=tokens, dim=dim, vocab=vocab))
+    weight_grad = (FP32 + (compute_bytes if compute_bytes < FP32 else 0)) * vocab * dim if head_trains else 0
+    return (2 * FP32 + compute_bytes) * rows * vocab + compute_bytes * tokens * dim + weight_grad
+
+
+def chunked_loss_wins(*, tokens: int, dim: int, vocab: int, compute_bytes: int, head_trains: bool) -> bool:
+    """Whether the chunked loss peaks lower than the full logits' for this micro-batch."""
+    sizes = {"tokens": tokens, "dim": dim, "vocab": vocab, "compute_bytes": compute_bytes, "head_trains": head_trains}
+    return loss_bytes(**sizes, chunked=True) < loss_bytes(**sizes, chunked=False)
 
 
 def norm_input_bytes(shape: LlamaShape, *, compute_bytes: int, trained: TrainedParts) -> int:
@@ -128,9 +153,11 @@ def activation_bill(
     trained: TrainedParts = FULL_TRAINING,
     sequence_split: int = 1,
     vocab_split: int = 1,
+    chunked_loss: bool | str = False,
 ) -> ActivationBill:
     """`sequence_split`: the tp ranks sequence parallelism splits the norms and the residual over (1: none);
-    `vocab_split`: the tp ranks loss parallelism splits the logits and the cross-entropy over (1: none)."""
+    `vocab_split`: the tp ranks loss parallelism splits the logits and the cross-entropy over (1: none);
+    `chunked_loss`: the loss in chunks (`loss_bytes`); "auto": where that peaks lower (`chunked_loss_wins`)."""
     tokens = micro_batch * seq_len
     block = block_bytes(
         shape,
@@ -152,6 +179,13 @@ def activation_bill(
     extra = block + 3 * compute_bytes * tokens * shape.ffn_dim if n_ckpt else 0
     if compute_bytes >= FP32:
         extra += 2 * tokens * attention_matrix_bytes(shape, seq_len=seq_len)
-    return ActivationBill(
-        saved=saved, backward_extra=extra, loss_peak=LOSS_BYTES_PER_LOGIT * tokens * -(-shape.vocab_size // vocab_split)
-    )
+    sizes = {
+        "tokens": tokens,
+        "dim": shape.dim,
+        "vocab": -(-shape.vocab_size // vocab_split),
+        "compute_bytes": compute_bytes,
+        "head_trains": trained.head,
+    }
+    chunked = chunked_loss_wins(**sizes) if chunked_loss == "auto" else bool(chunked_loss)
+    loss = loss_bytes(**sizes, chunked=chunked)
+    return ActivationBill(saved=saved, backward_extra=extra, loss_peak=loss)

@@ -172,6 +172,7 @@ def estimate_memory(
     tp: int = 1,
     sequence_parallel: bool = False,
     loss_parallel: bool = False,
+    chunked_loss: bool | str = False,
     **shape_hints: Any,
 ) -> MemoryEstimate:
     """Estimate one device's peak memory for a training step (see the module docstring for the bill).
@@ -191,6 +192,10 @@ def estimate_memory(
     `tp`: each layer split over `tp` ranks (the world a multiple of it), the TP-local tensors sharded
     over the world / tp data-parallel ranks; `sequence_parallel`: the norms and the residual split
     along the sequence over them too.
+
+    `chunked_loss`: the loss computed in chunks (`st.chunked_cross_entropy`), only a chunk of logits live;
+    "auto": chunked where that peaks lower, as `shardtrain train`'s train.chunked_loss auto decides
+    (False: the full logits, as `Llama.loss` computes them).
     """
     options = resolve_options(strategy=strategy, mixed_precision=precision, cpu_offload=cpu_offload)
     strategy = options.strategy
@@ -201,6 +206,8 @@ def estimate_memory(
         raise ValueError("sequence_parallel=True splits activations over the tp ranks: also give tp > 1")
     if loss_parallel and tp == 1:
         raise ValueError("loss_parallel=True splits the logits over the tp ranks: also give tp > 1")
+    if chunked_loss not in (True, False, "auto"):
+        raise ValueError(f"chunked_loss={chunked_loss!r} is invalid: use True, False or 'auto'")
     optimizer_name, optimizer_state_bytes = optimizer_bytes(optimizer)
     model = fine_tune_spec(
         resolve_model(model_or_spec, params=params, wrap=wrap, **shape_hints),
@@ -226,6 +233,7 @@ def estimate_memory(
         tp=tp,
         sequence_parallel=bool(sequence_parallel),
         loss_parallel=bool(loss_parallel),
+        chunked_loss=chunked_loss,
     )
     return _estimate(inputs)
 
@@ -243,6 +251,7 @@ def _activations(inputs: EstimateInputs) -> ActivationBill:
         trained=inputs.model.trained,
         sequence_split=inputs.tp if inputs.sequence_parallel else 1,
         vocab_split=inputs.tp if inputs.loss_parallel else 1,
+        chunked_loss=inputs.chunked_loss,
     )
 
 

@@ -36,6 +36,7 @@ class EstimateInputs:
     tp: int = 1  # ranks each layer is split over; `model` is then what one of them holds (tensor_parallel.py)
     sequence_parallel: bool = False
     loss_parallel: bool = False
+    chunked_loss: bool | str = False  # the loss in chunks (True), over the full logits (False), or "auto"
 
     @property
     def param_bytes(self) -> int:

@@ -26,6 +26,7 @@ from ..engine import Engine
 from ..engine.health import heartbeat
 from ..planning.checkpointing import recompute_policy
 from ..tp import plan_for
+from .chunked_choice import check_chunked_loss_config, use_chunked_loss
 from .config import save_config
 from .data import ByteTokenizer
 from .early_stop import EarlyStop
@@ -67,6 +68,7 @@ def _prepare(cfg: Config, engine: Engine) -> tuple[BuiltModel, int, DataPlan]:
     """Every check a user can fail, on every rank, before any communication."""
     micro_batch = check_batch(cfg, engine.data_parallel_size)
     check_finetune_config(cfg)
+    check_chunked_loss_config(cfg)
     if cfg.run.best_metric == "eval_loss_ema" and not cfg.train.ema_decay:
         raise ValueError("run.best_metric=eval_loss_ema needs the EMA weights: pass --train.ema_decay D (e.g. 0.999)")
     out_dir = Path(cfg.run.out_dir)
@@ -145,6 +147,9 @@ def build_job(cfg: Config, engine: Engine) -> tuple[Job, str]:
         print(loaded, flush=True)
     if data.packed:  # every rank probes the model it will train, together (the forward gathers)
         check_packing_supported(model, device=engine.device)
+    chunked, notice = use_chunked_loss(cfg, model, engine, micro_batch=micro_batch // engine.data_parallel_size)
+    if notice and engine.rank == 0:
+        print(f"note: {notice}", flush=True)
     scheduler = build_scheduler(optimizer, optim=cfg.optim, total_steps=cfg.train.steps)
     guard = NonFiniteGuard(
         engine, mode=cfg.train.on_nonfinite, check_norm=cfg.optim.grad_clip > 0 and engine.grad_scaler is None
@@ -164,6 +169,7 @@ def build_job(cfg: Config, engine: Engine) -> tuple[Job, str]:
         else None,
         data=data,
         vocab_size=ByteTokenizer.vocab_size if data.tokenizer is None else len(data.tokenizer),
+        chunked_loss=chunked,
     )
     return job, describe_lora(cfg, model, built.description)
 

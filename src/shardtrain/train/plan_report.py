@@ -77,6 +77,7 @@ def plan_report(cfg: Config, *, auto: bool = False, device_memory: str | None = 
         tp=setup.tp,
         sequence_parallel=setup.sequence_parallel,
         loss_parallel=setup.loss_parallel,
+        chunked_loss=cfg.train.chunked_loss if setup.tp == 1 else False,  # train/chunked_choice.py
     )
     held = accumulation_bytes(estimate, grad_accum=setup.grad_accum)
     bill = str(estimate)

@@ -320,6 +320,13 @@ class TrainConfig:
         0,
     )
     early_stop_min_delta: float = _help("an evaluation improves when it beats the best by more than this", 0.0)
+    chunked_loss: bool | str = _help(
+        "compute the loss through the output head in chunks of rows, never holding the [tokens, vocab] logits "
+        "(st.chunked_cross_entropy; Liger's fused kernel on CUDA when installed): true, false, or auto (on "
+        "where the memory estimator prices it below the full logits, for the built-in Llama and transformers "
+        "models with an nn.Linear head, without tensor parallelism)",
+        "auto",
+    )
 
     def __post_init__(self) -> None:
         _require(
@@ -329,6 +336,12 @@ class TrainConfig:
             self.early_stop_min_delta >= 0, "train.early_stop_min_delta", self.early_stop_min_delta, "use 0 or more"
         )
         _require(self.on_nonfinite in ("stop", "skip"), "train.on_nonfinite", self.on_nonfinite, "use stop or skip")
+        _require(
+            self.chunked_loss in (True, False, "auto"),
+            "train.chunked_loss",
+            self.chunked_loss,
+            "use true, false or auto",
+        )
         for key in ("steps", "batch_size", "grad_accum", "log_every"):
             value = getattr(self, key)
             _require(value >= 1, f"train.{key}", value, "use 1 or more")

@@ -28,6 +28,7 @@ from .early_stop import EarlyStop
 from .ema import WeightEMA
 from .finetune import checkpoint_params
 from .finite import NonFiniteGuard
+from .head_loss import head_loss_sum, output_head
 from .inputs import TrainData
 from .packed import forward_logits
 from .samples import greedy_samples
@@ -37,20 +38,29 @@ from .state import check_data_position, data_position
 Batch = dict[str, torch.Tensor]
 
 
-def loss_sum(model: nn.Module, batch: Batch, *, packed: bool, vocab_size: int) -> torch.Tensor:
+def loss_sum(model: nn.Module, batch: Batch, *, packed: bool, vocab_size: int, chunked: bool) -> torch.Tensor:
     """Summed next-token cross-entropy (in fp32) over the batch's trained labels (labels are already shifted).
-    Packed windows go through train/packed.py's forward, which keeps their documents apart."""
-    logits = forward_logits(model, batch["input_ids"], position_ids=batch["position_ids"] if packed else None)
-    if logits.size(-1) < vocab_size:
-        raise ValueError(
-            f"the model predicts {logits.size(-1)} classes but the tokenizer has {vocab_size} tokens; "
-            f"give the model a vocabulary of at least {vocab_size} (e.g. --model.kwargs.vocab_size {vocab_size})"
-        )
+    Packed windows go through train/packed.py's forward, which keeps their documents apart. `chunked`:
+    through train/head_loss.py, in chunks of rows that never hold the logits (train.chunked_loss)."""
+    position_ids = batch["position_ids"] if packed else None
+    if chunked:
+        _check_vocab(output_head(model).out_features, vocab_size)
+        return head_loss_sum(model, batch["input_ids"], labels=batch["labels"], position_ids=position_ids)
+    logits = forward_logits(model, batch["input_ids"], position_ids=position_ids)
+    _check_vocab(logits.size(-1), vocab_size)
     loss = F.cross_entropy(
         logits.flatten(0, 1).float(), batch["labels"].flatten(), ignore_index=IGNORE, reduction="sum"
     )
     # engine.loss_parallel: a DTensor over the tp ranks (replicated: full_tensor() moves nothing)
     return loss.full_tensor() if isinstance(loss, DTensor) else loss
+
+
+def _check_vocab(classes: int, vocab_size: int) -> None:
+    if classes < vocab_size:
+        raise ValueError(
+            f"the model predicts {classes} classes but the tokenizer has {vocab_size} tokens; "
+            f"give the model a vocabulary of at least {vocab_size} (e.g. --model.kwargs.vocab_size {vocab_size})"
+        )
 
 
 @dataclass(kw_only=True)
@@ -64,6 +74,7 @@ class Job:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     data: TrainData
     vocab_size: int
+    chunked_loss: bool  # the loss through train/head_loss.py (train.chunked_loss, decided by build_job)
     ema: WeightEMA | None
     guard: NonFiniteGuard
     stopper: EarlyStop | None = None  # train.early_stop_patience; its state is checkpointed with the run
@@ -100,7 +111,16 @@ class Job:
         total = torch.zeros((), device=self.engine.device)
         for micro, batch in enumerate(batches):
             with self.engine.no_backward_sync(self.model, enabled=micro < accum - 1), self.loss_context():
-                loss = loss_sum(self.model, batch, packed=self.data.packed, vocab_size=self.vocab_size) * scale
+                loss = (
+                    loss_sum(
+                        self.model,
+                        batch,
+                        packed=self.data.packed,
+                        vocab_size=self.vocab_size,
+                        chunked=self.chunked_loss,
+                    )
+                    * scale
+                )
                 self.engine.backward(loss)
             total += loss.detach()
         norm = None
@@ -127,7 +147,9 @@ class Job:
         for index in range(held_out.held_out_batches(self.cfg.train.eval_batches)):
             batch = self.to_device(held_out.batch(index))
             with self.loss_context():
-                sums[0] += loss_sum(self.model, batch, packed=self.data.packed, vocab_size=self.vocab_size)
+                sums[0] += loss_sum(
+                    self.model, batch, packed=self.data.packed, vocab_size=self.vocab_size, chunked=self.chunked_loss
+                )
             sums[1] += (batch["labels"] != IGNORE).sum()
         self.model.train()
         sums = self.engine.all_reduce(sums, op="sum")

@@ -144,3 +144,43 @@ def test_missing_or_malformed_file(tmp_path):
 
 def test_parse_overrides_forms():
     assert parse_overrides(["--a.b", "1", "--c.d=2", "--e.f"]) == [("a.b", "1"), ("c.d", "2"), ("e.f", None)]
+
+
+def test_data_sources_are_a_list_of_tables_in_toml_and_on_the_command_line(tmp_path):
+    path = tmp_path / "mix.toml"
+    path.write_text(
+        '[[data.sources]]\npath = "task.jsonl"\nweight = 0.7\ncolumns = {question = "prompt"}\n'
+        '[[data.sources]]\npath = "chat.jsonl"\nweight = 0.3\ntrain_on = "all"\n'
+    )
+    more = ["--data.sources.2.path", "more.jsonl", "--data.sources.2.weight", "0.1"]
+    cfg = load_config(path, ["--data.sources.1.weight", "0.2", *more])
+    task, chat, added = cfg.data.sources
+    assert (task.path, task.weight, task.columns) == ("task.jsonl", 0.7, {"question": "prompt"})
+    assert (chat.weight, chat.train_on, added.path, added.weight) == (0.2, "all", "more.jsonl", 0.1)
+    save_config(load_config(path), tmp_path / "saved.yaml")  # the YAML form reloads the same
+    assert load_config(tmp_path / "saved.yaml").data.sources == load_config(path).data.sources
+    # one source by --data.path is the same single-item form inside
+    assert [s.path for s in load_config(None, ["--data.path", "a.jsonl"]).data.source_list()] == ["a.jsonl"]
+
+
+@pytest.mark.parametrize(
+    ("tokens", "expected"),
+    [
+        (["--data.sources.0.wieght", "1"], "did you mean 'data.sources.0.weight'"),
+        (["--data.sources", "[{path: a, wieght: 1}]"], "did you mean 'data.sources.0.weight'"),
+        (["--data.sources.3.path", "a"], "data.sources has 0 item(s), numbered from 0; set item 0 to add one"),
+        (["--data.sources.path", "a"], "is set as data.sources.N.KEY"),
+        (
+            ["--data.sources", "[{path: a, weight: 1, epochs: 2}]"],
+            "data.sources.0.epochs=2.0 is invalid: a source gives a weight",
+        ),
+        (["--data.sources", "[{path: a, weight: 0}, {path: b, weight: 0}]"], "the weights sum to 0"),
+        (["--data.sources", "[{path: a, weight: 1}, {path: b}]"], "give every source a weight, or none"),
+        (["--data.sources", "[{path: a}]", "--data.path", "b"], "not both"),
+        (["--data.sources", "[{weight: 1}]"], "data.sources.0.path=None is invalid"),
+    ],
+)
+def test_data_source_mistakes_are_one_line_with_the_fix(tokens, expected):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, tokens)
+    assert expected in str(err.value) and "\n" not in str(err.value)

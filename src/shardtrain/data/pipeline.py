@@ -44,6 +44,7 @@ class DataSpec:
     revision: str | None = None  # of a Hub dataset id: a branch, tag or commit; None: main
     eval_path: str | None = None
     format: str = "auto"
+    columns: tuple[tuple[str, str], ...] = ()  # (old, new) column renames, applied before the format is detected
     train_on: str = "completion"
     packing: bool = True
     overlong: str = "truncate"
@@ -124,7 +125,11 @@ def prepare(
     common = dict(root=root, workers=workers, tok_key=tok_key, spec=spec)
     docs = _encode(rows, encoder, **common)
     if spec.eval_path is not None:
-        eval_rows = load_rows(spec.eval_path, key="data.eval_path", pattern=spec.pattern, cache_dir=cache_dir)
+        eval_rows = _renamed(
+            load_rows(spec.eval_path, key="data.eval_path", pattern=spec.pattern, cache_dir=cache_dir),
+            spec,
+            where=f"data.eval_path={spec.eval_path!r}",
+        )
         train_docs, held_docs = docs, _encode(eval_rows, encoder, **common)
     else:
         held = _held_out_rows(len(rows), spec)
@@ -161,6 +166,7 @@ def read_source(
         cache_dir=cache_dir,
     )
     where = f"data.path={spec.path!r}"
+    rows = _renamed(rows, spec, where=where)
     fmt = detect_format(rows.column_names, forced=spec.format, where=where)
     if fmt is Format.MESSAGES and not tokenizer.chat_template:
         raise ValueError(
@@ -168,7 +174,11 @@ def read_source(
             "(tokenizer_config.json's chat_template) or pass --data.tokenizer with a chat tokenizer"
         )
     if spec.eval_path is not None:
-        eval_rows = load_rows(spec.eval_path, key="data.eval_path", pattern=spec.pattern, cache_dir=cache_dir)
+        eval_rows = _renamed(
+            load_rows(spec.eval_path, key="data.eval_path", pattern=spec.pattern, cache_dir=cache_dir),
+            spec,
+            where=f"data.eval_path={spec.eval_path!r}",
+        )
         eval_fmt = detect_format(eval_rows.column_names, forced=spec.format, where=f"data.eval_path={spec.eval_path!r}")
         if eval_fmt is not fmt:
             raise ValueError(
@@ -176,6 +186,18 @@ def read_source(
                 "rows; hold out rows of the same layout"
             )
     return rows, fmt
+
+
+def _renamed(rows, spec: DataSpec, *, where: str):
+    """`rows` with the source's column renames (columns = {old: new}) applied; a column it lacks is an error."""
+    if not spec.columns:
+        return rows
+    missing = [old for old, _ in spec.columns if old not in rows.column_names]
+    if missing:
+        raise ValueError(
+            f"{where}: columns renames {missing}, but the rows have {rows.column_names}; name existing columns"
+        )
+    return rows.rename_columns(dict(spec.columns))
 
 
 def _key(*parts: Any) -> str:

@@ -48,9 +48,44 @@ def _resolve_key(dotted: str) -> tuple[str, str, str | None]:
     fields = _fields(section)
     if key not in fields:
         raise _unknown(dotted, [f"{section}.{k}" for k in fields])
-    if item and typing.get_origin(typing.get_type_hints(SECTIONS[section])[key]) is not dict:
+    tp = typing.get_type_hints(SECTIONS[section])[key]
+    if item and _table_type(tp) is not None:
+        index, _, name = item.partition(".")
+        names = list(typing.get_type_hints(_table_type(tp)))
+        if not index.isdigit() or not name:
+            raise ConfigError(
+                f"{dotted!r}: an item of the list {section}.{key} is set as {section}.{key}.N.KEY (N from 0), "
+                f"e.g. --{section}.{key}.0.{names[0]}"
+            )
+        if name not in names:
+            raise _unknown(dotted, [f"{section}.{key}.{index}.{n}" for n in names])
+    elif item and typing.get_origin(tp) is not dict:
         raise ConfigError(f"{section}.{key} is not a table; {dotted!r} cannot set an item in it")
     return section, key, item or None
+
+
+def _table_type(tp: Any) -> type | None:
+    """The dataclass of a list of tables (e.g. data.sources' SourceConfig), else None."""
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) is tuple and args and dataclasses.is_dataclass(args[0]):
+        return args[0]
+    return None
+
+
+def _tables(value: Any, cls: type, key: str) -> tuple:
+    """A list of tables (from a file, or YAML text from the command line) as a tuple of `cls`; an unknown key
+    in a table is an error with the closest valid one."""
+    items = yaml.safe_load(value) if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not all(isinstance(t, dict) for t in items):
+        raise ConfigError(f"{key}={value!r}: expected a list of tables such as [{{path: a.jsonl, weight: 0.7}}]")
+    hints = typing.get_type_hints(cls)
+    tables = []
+    for i, table in enumerate(items):
+        for name in table:
+            if name not in hints:
+                raise _unknown(f"{key}.{i}.{name}", [f"{key}.{i}.{n}" for n in hints])
+        tables.append(cls(**{k: _coerce(v, hints[k], f"{key}.{i}.{k}") for k, v in table.items()}))
+    return tuple(tables)
 
 
 _TRUE, _FALSE = {"true", "1", "yes", "on"}, {"false", "0", "no", "off"}
@@ -68,6 +103,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             except ConfigError:
                 continue
         raise ConfigError(f"{key}={value!r}: expected {_type_name(tp)}")
+    if _table_type(tp) is not None:
+        return _tables(value, _table_type(tp), key)
     if origin is tuple:
         items = [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else value
         if not isinstance(items, (list, tuple)):
@@ -176,7 +213,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
             if tp is not bool:
                 raise ConfigError(f"--{dotted} needs a value ({_type_name(tp)})")
             value = "true"
-        if item is not None:
+        if item is not None and _table_type(tp) is not None:
+            raw[section][key] = _set_item(raw[section].get(key), item, value, f"{section}.{key}")
+        elif item is not None:
             table = dict(raw[section].get(key) or {})
             table[item] = yaml.safe_load(value)
             raw[section][key] = table
@@ -187,6 +226,21 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
         hints = typing.get_type_hints(cls)
         sections[section] = cls(**{k: _coerce(v, hints[k], f"{section}.{k}") for k, v in raw[section].items()})
     return Config(**sections)
+
+
+def _set_item(items: Any, item: str, value: str, key: str) -> list[dict]:
+    """`--data.sources.1.weight 0.3`: the list of tables with item 1's weight set; N = the list's length adds
+    a table."""
+    tables = [dict(t) for t in (yaml.safe_load(items) if isinstance(items, str) else items or [])]
+    index, _, name = item.partition(".")
+    if int(index) > len(tables):
+        raise ConfigError(
+            f"--{key}.{item}: {key} has {len(tables)} item(s), numbered from 0; set item {len(tables)} to add one"
+        )
+    if int(index) == len(tables):
+        tables.append({})
+    tables[int(index)][name] = value
+    return tables
 
 
 def to_dict(config: Config) -> dict[str, dict[str, Any]]:

@@ -1,4 +1,4 @@
-"""A run's Hub ids (model.pretrained, data.path, data.eval_path), fetched once per node before anything reads them.
+"""A run's Hub ids (model.pretrained, each data source's path and eval_path), fetched once per node before anything reads them.
 
 model.pretrained 'org/name' is replaced by its local snapshot folder, so the model builder, the
 tokenizer, the weights loader and a LoRA resume all keep taking a folder. A Hub dataset id stays in
@@ -20,8 +20,11 @@ def fetch_hub_inputs(cfg: Config, *, engine=None) -> Config:
     """`cfg` with model.pretrained a local folder and its Hub datasets in the HF cache; ValueError with the fix.
     `engine`: a launched Engine (local rank 0 fetches first), or None in a single process."""
     hub_model = is_hub_id(cfg.model.pretrained)
-    sources = (("data.path", cfg.data.path), ("data.eval_path", cfg.data.eval_path))
-    hub_data = [(key, path) for key, path in sources if is_hub_id(path)]
+    sources = cfg.data.source_list()
+    keys = ("data",) if not cfg.data.sources else [f"data.sources.{i}" for i in range(len(sources))]
+    inputs = [(f"{k}.path", s.path, s.revision) for k, s in zip(keys, sources)]
+    inputs += [(f"{k}.eval_path", s.eval_path, None) for k, s in zip(keys, sources)]
+    hub_data = [(key, path, revision) for key, path, revision in inputs if is_hub_id(path)]
     if not hub_model and not hub_data:
         return cfg
     first = engine is None or engine.local_rank == 0
@@ -40,9 +43,8 @@ def fetch_hub_inputs(cfg: Config, *, engine=None) -> Config:
     return cfg
 
 
-def _fetched(cfg: Config, hub_data: list[tuple[str, str]]) -> Config:
-    for key, path in hub_data:
-        revision = cfg.data.revision if key == "data.path" else None
+def _fetched(cfg: Config, hub_data: list[tuple[str, str, str | None]]) -> Config:
+    for key, path, revision in hub_data:
         hub_snapshot(path, kind="dataset", key=key, revision=revision, local="file or folder")
     if not is_hub_id(cfg.model.pretrained):
         return cfg

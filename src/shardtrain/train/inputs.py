@@ -13,13 +13,15 @@ any communication; the tokenizing runs once per node (local rank 0 first, the ot
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..data.batches import WindowBatches
+from ..data.mixing import MixedBatches
 from ..data.sources import is_structured
 from .data import ByteTokenizer, TokenBatches, build_cache, corpus_files
 from .sections import Config
@@ -42,8 +44,25 @@ class TrainData:
     held_out: TokenBatches | WindowBatches | None  # None: nothing held out, nothing evaluated
     tokenizer: Any
     packed: bool  # windows hold several documents: the forward needs their position_ids
-    stats: Any = None  # shardtrain.data.DataStats of the rows' path
+    stats: Any = None  # shardtrain.data's DataStats of the rows' path, or MixStats of several sources
     prompts: list[dict] | None = None
+
+    def show(self, count: int) -> str:
+        """`--data.show`: the first `count` documents of each source, the trained spans marked."""
+        from ..data.display import show
+
+        if not isinstance(self.train, MixedBatches):
+            return show(self.train.windows, self.tokenizer, count=count)
+        parts = zip(self.train.names, self.train.parts)
+        return "\n".join(f"=== source {name} ===\n{show(part, self.tokenizer, count=count)}" for name, part in parts)
+
+    def describe(self, engine) -> str | None:
+        """The data's statistics for the run summary; with several sources, each one's share of the tokens
+        trained this run (an all-reduce of the ranks' counts: every rank calls this)."""
+        if not isinstance(self.train, MixedBatches):
+            return None if self.stats is None else self.stats.describe()
+        trained = engine.all_reduce(torch.from_numpy(self.train.trained_tokens), op="sum")
+        return self.stats.describe(trained.cpu().numpy())
 
 
 def embedding_rows(module: nn.Module) -> int | None:
@@ -56,7 +75,8 @@ def embedding_rows(module: nn.Module) -> int | None:
 def plan_data(cfg: Config, module: nn.Module, *, progress: bool = False) -> DataPlan:
     """The tokenizer and data source of the run; ValueError with the fix. `progress`: show reading bars."""
     data, pretrained = cfg.data, cfg.model.pretrained
-    structured = is_structured(data.path)
+    sources = data.source_list()
+    structured = any(is_structured(s.path) for s in sources)
     notice = None
     path, key = (data.tokenizer, "data.tokenizer") if data.tokenizer else (pretrained, "model.pretrained")
     if key == "model.pretrained" and path is not None and not any((Path(path) / f).exists() for f in TOKENIZER_FILES):
@@ -77,6 +97,11 @@ def plan_data(cfg: Config, module: nn.Module, *, progress: bool = False) -> Data
             "--model.pretrained DIR or --data.tokenizer FOLDER"
         )
     if path is None:
+        if data.sources:
+            raise ValueError(
+                f"data.sources ({len(data.sources)} sources) are read through a tokenizer; pass --data.tokenizer "
+                "FOLDER (a Hugging Face tokenizer) or --model.pretrained DIR"
+            )
         if structured:
             raise ValueError(
                 f"data.path={data.path!r} holds rows, which need a tokenizer; the byte tokenizer reads only "
@@ -93,12 +118,12 @@ def plan_data(cfg: Config, module: nn.Module, *, progress: bool = False) -> Data
     tokenizer = load_tokenizer(path, key=key, chat_template=data.chat_template)
     if rows is not None:
         check_vocab(tokenizer, embedding_rows=rows, where=f"{key}={path!r}")
-    if data.path is None:
+    if not sources:
         raise ValueError(
             f"a tokenizer ({key}={path!r}) trains on your data: pass --data.path (a .jsonl, .parquet, ... "
             "file, a folder of them, or plain text)"
         )
-    if cfg.eval.samples and data.eval_path is None and data.held_out_fraction(byte_corpus=False) == 0:
+    if cfg.eval.samples and not any(spec.eval_path or spec.val_fraction for spec in data_specs(cfg)):
         raise ValueError(
             f"eval.samples={cfg.eval.samples} decodes held-out prompts, but every row trains "
             "(data.val_fraction 0, no data.eval_path); hold rows out with --data.val_fraction 0.02 or "
@@ -106,20 +131,35 @@ def plan_data(cfg: Config, module: nn.Module, *, progress: bool = False) -> Data
         )
     from ..data.pipeline import read_source
 
-    read_source(data_spec(cfg), tokenizer=tokenizer, cache_dir=data.cache_dir, progress=progress)
+    for spec in data_specs(cfg):
+        read_source(spec, tokenizer=tokenizer, cache_dir=data.cache_dir, progress=progress)
     return DataPlan(tokenizer=tokenizer, corpus=None, notice=notice)
 
 
-def data_spec(cfg: Config):
-    """The data section as shardtrain.data's DataSpec."""
+def data_specs(cfg: Config) -> list:
+    """Each training source as shardtrain.data's DataSpec: its own fields, the data section's where it sets none."""
     from ..data.pipeline import DataSpec
 
-    shared = {f.name for f in fields(DataSpec)} - {"seed", "val_fraction"}  # the data section's own fields
-    return DataSpec(
-        **{name: getattr(cfg.data, name) for name in shared},
-        val_fraction=cfg.data.held_out_fraction(byte_corpus=False),
-        seed=cfg.train.seed,
-    )
+    d = cfg.data
+    return [
+        DataSpec(
+            path=s.path,
+            config=s.config,
+            split=s.split,
+            revision=s.revision,
+            eval_path=s.eval_path,
+            format=s.format or d.format,
+            columns=tuple(s.columns.items()),
+            train_on=s.train_on or d.train_on,
+            val_fraction=d.held_out_fraction(byte_corpus=False) if s.val_fraction is None else s.val_fraction,
+            seq_len=d.seq_len,
+            packing=d.packing,
+            overlong=d.overlong,
+            pattern=d.pattern,
+            seed=cfg.train.seed,
+        )
+        for s in d.source_list()
+    ]
 
 
 def build_data(cfg: Config, engine, plan: DataPlan, *, micro_batch: int) -> TrainData:
@@ -156,22 +196,52 @@ def build_data(cfg: Config, engine, plan: DataPlan, *, micro_batch: int) -> Trai
 
     d = cfg.data
     with engine.rank_zero_first(local=True):
-        prepared = prepare(
-            data_spec(cfg),
-            tokenizer=plan.tokenizer,
-            cache_dir=d.cache_dir,
-            num_proc=d.num_proc,
-            progress=progress,
-            prompts=cfg.eval.samples,
-        )
+        prepared = [
+            prepare(
+                spec,
+                tokenizer=plan.tokenizer,
+                cache_dir=d.cache_dir,
+                num_proc=d.num_proc,
+                progress=progress,
+                prompts=cfg.eval.samples,
+            )
+            for spec in data_specs(cfg)
+        ]
     tok = plan.tokenizer
     pad = next(t for t in (tok.pad_token_id, tok.eos_token_id, 0) if t is not None)
     windows = dict(seq_len=d.seq_len, pad_id=pad, **order)
+    held = [p.held_out for p in prepared if p.held_out is not None]
+    if len(prepared) == 1:
+        train, stats = WindowBatches(prepared[0].train, shuffle=True, **windows), prepared[0].stats
+    else:
+        train, stats = _mixed(cfg, prepared, windows)
+    if len(held) > 1:
+        from datasets import concatenate_datasets
+
+        held = [concatenate_datasets(held)]
     return TrainData(
-        train=WindowBatches(prepared.train, shuffle=True, **windows),
-        held_out=None if prepared.held_out is None else WindowBatches(prepared.held_out, shuffle=False, **windows),
+        train=train,
+        held_out=WindowBatches(held[0], shuffle=False, **windows) if held else None,
         tokenizer=tok,
         packed=d.packing,
-        stats=prepared.stats,
-        prompts=prepared.prompts,
+        stats=stats,
+        prompts=[row for rows in zip(*(p.prompts for p in prepared)) for row in rows][: cfg.eval.samples],
     )
+
+
+def _mixed(cfg: Config, prepared: list, windows: dict) -> tuple[Any, Any]:
+    """Several sources' windows in one seeded stream (data/mixing.py), and their statistics."""
+    from ..data.mixing import MixStats, shares_of, source_name
+
+    sources = cfg.data.source_list()
+    names = [source_name(s.path, config=s.config, split=s.split) for s in sources]
+    shares, epoch_samples = shares_of(
+        windows=[len(p.train) for p in prepared],
+        trained=[p.stats.supervised_tokens for p in prepared],
+        weights=[s.weight for s in sources],
+        epochs=[s.epochs for s in sources],
+    )
+    train = MixedBatches(
+        [p.train for p in prepared], names=names, shares=shares, epoch_samples=epoch_samples, **windows
+    )
+    return train, MixStats(names=names, stats=[p.stats for p in prepared], shares=shares)

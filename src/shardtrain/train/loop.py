@@ -128,9 +128,7 @@ def build_job(cfg: Config, engine: Engine) -> tuple[Job, str]:
     if steps_line and engine.rank == 0:
         print(steps_line, flush=True)
     if cfg.data.show and engine.rank == 0 and data.stats is not None:
-        from ..data.display import show
-
-        print(show(data.train.windows, data.tokenizer, count=cfg.data.show), flush=True)
+        print(data.show(cfg.data.show), flush=True)
     model, adapter_init = with_lora(cfg, built.module)
     optimizer = build_optimizer(cfg.optim, model, device=engine.device)
     split = cfg.engine.tp > 1
@@ -322,7 +320,7 @@ def _loop(
         memory_per_rank=memory,
         memory_label=memory_label,
         skipped_steps=job.guard.skipped,
-        data=None if job.data.stats is None else job.data.stats.describe(),
+        data=job.data.describe(engine),
         stopped=stopped,
         best=retention and retention.describe_best(),
     )

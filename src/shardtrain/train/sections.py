@@ -15,6 +15,7 @@ from ..data.encode import Overlong, TrainOn
 from ..data.formats import FORMAT_NAMES
 from ..data.pipeline import DataSpec
 from .loggers.trackers import LOGGER_NAMES
+from .source_section import SourceConfig, check_sources
 
 
 class ConfigError(ValueError):
@@ -138,6 +139,12 @@ class DataConfig:
     revision: str | None = _help(
         "the branch, tag or commit of a Hub dataset id (default: main)", _SPEC_DEFAULTS["revision"]
     )
+    sources: tuple[SourceConfig, ...] = _help(
+        "several training sources instead of data.path: [[data.sources]] tables (TOML) or a list (YAML), each "
+        "with path, config, split, revision, format, columns (a rename map), train_on, weight or epochs, "
+        "eval_path, val_fraction; --data.sources.1.weight 0.3 sets one item (docs/data.md)",
+        (),
+    )
     pattern: str = _help("glob of the plain text files to read under a folder", "**/*.py")
     seq_len: int = _help("tokens per training sequence (a packed window)", 256)
     val_fraction: float | None = _help(
@@ -184,7 +191,24 @@ class DataConfig:
             return self.val_fraction
         return BYTE_VAL_FRACTION if byte_corpus else _SPEC_DEFAULTS["val_fraction"]
 
+    def source_list(self) -> tuple[SourceConfig, ...]:
+        """The training sources: data.sources, or data.path's one (None: the byte corpus, no source)."""
+        if self.sources or self.path is None:
+            return self.sources
+        return (
+            SourceConfig(
+                path=self.path, config=self.config, split=self.split, revision=self.revision, eval_path=self.eval_path
+            ),
+        )
+
     def __post_init__(self) -> None:
+        check_sources(self.sources, path=self.path, require=_require)
+        _require(
+            not (self.sources and self.eval_path is not None),
+            "data.eval_path",
+            self.eval_path,
+            "with data.sources, give each source its own eval_path (or val_fraction)",
+        )
         _require(self.seq_len >= 2, "data.seq_len", self.seq_len, "use at least 2 tokens")
         _require(
             self.val_fraction is None or 0 <= self.val_fraction < 1,

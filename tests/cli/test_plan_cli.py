@@ -80,7 +80,10 @@ def test_plan_auto_for_8b_on_two_h200(capsys):
     assert "- vs full_shard with every block checkpointed at the same batch split: predicted 1.26x" in out
     assert "shardtrain plan: Llama, shard_grad_op, world size 2, 35 units" in out
     assert ["layers.31", "218,112,000", "fp32", "bf16", "bf16", "fp32", "fp32", "fp32", "-"] in _rows(out)
-    # the loss in chunks (train.chunked_loss auto): 3.30 GiB of "logits & loss" where the full logits take 11.74
+    assert "total (peak allocated)       114.00" in out and "fits in 131.32 GiB: yes" in out
+    # the loss in chunks: 3.30 GiB of "logits & loss" where the full logits take 11.74
+    code, out, err = _plan([*EIGHT_B, "--auto", "--device-memory", "141GB", "--train.chunked_loss", "auto"], capsys)
+    assert code == 0, err
     assert "total (peak allocated)       105.56" in out and "fits in 131.32 GiB: yes" in out
 
 

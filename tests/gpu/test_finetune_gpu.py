@@ -16,7 +16,11 @@ pytest.importorskip("peft")
 ALL_LINEAR = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 MODES = {
     "full": [],
-    "lora": ["--lora.rank", "32", "--lora.alpha", "64", "--lora.targets", ALL_LINEAR, "--lora.merge_on_export", "true"],
+    # LoRA's loss through the head in chunks (train.chunked_loss; its frozen head gets no weight gradient)
+    "lora": [
+        *("--lora.rank", "32", "--lora.alpha", "64", "--lora.targets", ALL_LINEAR, "--lora.merge_on_export", "true"),
+        *("--train.chunked_loss", "true"),
+    ],
 }
 
 

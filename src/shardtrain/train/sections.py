@@ -346,10 +346,10 @@ class TrainConfig:
     early_stop_min_delta: float = _help("an evaluation improves when it beats the best by more than this", 0.0)
     chunked_loss: bool | str = _help(
         "compute the loss through the output head in chunks of rows, never holding the [tokens, vocab] logits "
-        "(st.chunked_cross_entropy; Liger's fused kernel on CUDA when installed): true, false, or auto (on "
-        "where the memory estimator prices it below the full logits, for the built-in Llama and transformers "
-        "models with an nn.Linear head, without tensor parallelism)",
-        "auto",
+        "(st.chunked_cross_entropy; Liger's fused kernel on CUDA when installed): true, false (the full logits), "
+        "or auto (on where the memory estimator prices it below the full logits, for the built-in Llama and "
+        "transformers models with an nn.Linear head, without tensor parallelism)",
+        False,
     )
 
     def __post_init__(self) -> None:

@@ -11,8 +11,7 @@
 #      --resume, offload, half offload and the disk tier against the device run, the 2-D path at tp 1
 #      against the 1-D one, and a Hugging Face folder fine-tuned on packed chat rows (flex_attention),
 #      full and LoRA, exported, reopened with from_pretrained and judged by generate(); with them the
-#      global norm on CUDA with host gradients and flex_attention on packed rows (tests/ops,
-#      tests/models_llama).
+#      global norm on CUDA with host gradients (tests/ops/test_grad_norm.py).
 # The whole GPU tier (`pytest -m gpu`, every compile form included) and the NCCL parity matrix
 # (tests/gpu/nccl_parity.py) are CONTRIBUTING.md's GPU and NCCL tiers.
 #
@@ -50,10 +49,9 @@ part "plan --auto 8B" "$PY" -m shardtrain plan --auto --model.name llama-8b --en
     --engine.precision bf16-mixed --data.seq_len 4096 --train.batch_size 4 --device-memory 80GB
 part "estimate" "$PY" -m shardtrain estimate --params 7B --gpus 4
 part "bench 125m" "$PY" -m shardtrain bench --sizes 125m --device cuda --nproc 1 --batch 4 --seq 1024 \
-    --warmup 2 --steps 5 --repeats 1 --engines shardtrain,fsdp2 --timeout 120
+    --warmup 2 --steps 3 --repeats 1 --engines shardtrain,fsdp2 --timeout 120
 part "GPU tests of the loop and the fine-tune" "$PY" -m pytest -q -p no:cacheprovider -m gpu -rs --durations=10 \
-    tests/gpu/test_train_gpu.py tests/gpu/test_finetune_gpu.py tests/ops/test_grad_norm.py \
-    tests/models_llama/test_packed_llama.py
+    tests/gpu/test_train_gpu.py tests/gpu/test_finetune_gpu.py tests/ops/test_grad_norm.py
 
 rm -rf "$SCRATCH"
 if [ ${#FAILED[@]} -eq 0 ]; then note "gpu smoke: every part passed in ${SECONDS} s"

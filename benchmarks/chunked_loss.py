@@ -21,7 +21,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from shardtrain.ops.chunked_ce import fused_kernel
+from shardtrain.models.chunked_ce import fused_kernel
 from shardtrain.train.head_loss import head_loss_sum
 
 EIGHT_B = dict(

@@ -34,7 +34,7 @@ _EXPORTS = {
     "Engine": "shardtrain.engine",
     "GradScaler": "shardtrain.ops.grad_scaler",
     "compile_blocks": "shardtrain.ops.compile",
-    "chunked_cross_entropy": "shardtrain.ops.chunked_ce",
+    "chunked_cross_entropy": "shardtrain.models.chunked_ce",
 }
 
 # fine-tuning data (st.data.prepare, ...): needs the hf extra only when used; tensor-parallel plans (st.tp)

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..hub import hub_snapshot, is_hub_id
 from .deps import first_line, require
+from .hub import hub_snapshot, is_hub_id
 
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
 SAVED_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")

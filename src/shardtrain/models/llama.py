@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-from ..ops.chunked_ce import chunked_cross_entropy
+from .chunked_ce import chunked_cross_entropy
 from .llama_config import LLAMA_SIZES, LlamaConfig, flops_per_token, llama_config, splits_embedding
 
 __all__ = [

@@ -61,7 +61,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..ops.chunked_ce import default_chunk_rows
+from ..models.chunked_ce import default_chunk_rows
 from .model_spec import LlamaShape
 from .trained import FULL_TRAINING, TrainedParts
 

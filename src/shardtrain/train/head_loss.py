@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..models.chunked_ce import chunked_cross_entropy
 from ..models.llama import Llama
-from ..ops.chunked_ce import chunked_cross_entropy
 from ..pretrained.keys import hf_model
 from .packed import check_packing_supported, forward_logits
 

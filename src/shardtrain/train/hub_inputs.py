@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..hub import hub_snapshot, is_hub_id, resolve_model_source
+from ..data.hub import hub_snapshot, is_hub_id, resolve_model_source
 from .sections import Config
 
 

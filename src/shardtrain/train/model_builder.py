@@ -130,7 +130,7 @@ def _transformers():
 
 def _build_pretrained(cfg: ModelConfig, *, dtype: torch.dtype) -> BuiltModel:
     """The model of a Hugging Face folder, from its config.json, on the meta device (weights come later)."""
-    from ..hub import is_hub_id
+    from ..data.hub import is_hub_id
     from ..pretrained.files import CONFIG_FILE, weights_in_folder
 
     if cfg.name not in ("hf", ModelConfig.name):

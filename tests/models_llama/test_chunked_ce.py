@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import shardtrain as st
-from shardtrain.ops.chunked_ce import default_chunk_rows
+from shardtrain.models.chunked_ce import default_chunk_rows
 
 ROWS, DIM, VOCAB = 48, 16, 37
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .data.deps import first_line, require
+from .deps import first_line, require
 
 # What a model needs to be built, tokenized and loaded: no pickled .bin weights, no other formats.
 MODEL_FILES = (

@@ -21,9 +21,10 @@ is installed, with its weight gradient accumulated in fp32 too; the torch chunks
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -172,3 +173,26 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         ctx.grads = None  # each stored gradient is handed out once, scaled in place
         scaled = [None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in (grad_hidden, grad_weight, grad_bias)]
         return *scaled, None, None, None, None
+
+
+@contextlib.contextmanager
+def head_returns_loss(head: torch.nn.Linear, labels: torch.Tensor) -> Iterator[list[torch.Tensor]]:
+    """Within the block, calling `head` (an nn.Linear) on hidden states returns their summed cross-entropy
+    against `labels` (`chunked_cross_entropy`) instead of the logits; the list collects what each call
+    returned.
+
+    Why swap the instance's `forward` rather than subclass it: the call still goes through the module, so a
+    head that is a sharding unit has its weight gathered around it and its gradient reduced; and the class
+    keeps nn.Linear's own forward, which torch.compile of a whole model steps over without a frame of its own.
+    """
+    returned: list[torch.Tensor] = []
+
+    def loss(hidden: torch.Tensor) -> torch.Tensor:
+        returned.append(chunked_cross_entropy(hidden, head.weight, labels, bias=head.bias))
+        return returned[-1]
+
+    head.forward = loss  # type: ignore[method-assign]
+    try:
+        yield returned
+    finally:
+        del head.forward

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-from .chunked_ce import chunked_cross_entropy
+from .chunked_ce import head_returns_loss
 from .llama_config import LLAMA_SIZES, LlamaConfig, flops_per_token, llama_config, splits_embedding
 
 __all__ = [
@@ -195,16 +195,9 @@ class Block(nn.Module):
 
 class OutputHead(nn.Linear):
     """The projection to the vocabulary: an nn.Linear with a class of its own, so that a wrap policy
-    can make it a unit without making every Linear one.
-
-    Given `labels`, it returns the summed cross-entropy instead of the logits, in chunks of rows
-    (`st.chunked_cross_entropy`), inside its own forward: a head that is a sharding unit has its
+    can make it a unit without making every Linear one. `Llama.forward(labels=)` calls it to return the
+    summed cross-entropy in chunks instead (`head_returns_loss`): a head that is a sharding unit has its
     weight gathered around that call and its gradient reduced like any unit's."""
-
-    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        if labels is None:
-            return super().forward(x)
-        return chunked_cross_entropy(x, self.weight, labels, bias=self.bias)
 
 
 # One sharding unit per Block, and the embedding and the output head apart from the root: each is as
@@ -261,10 +254,16 @@ class Llama(nn.Module):
         shifted, -100 where nothing trains): the fp32 cross-entropy summed over the trained labels,
         computed in chunks without the logits."""
         x = self.embed(tokens)
+        # Note: the head is called inline, not in a helper: under torch.compile(model) a graph break at a
+        # unit's hooks would otherwise resume in one more frame. Without labels it is called as before
+        # (tensor-parallel styles hook that call); with them it returns the loss (head_returns_loss).
         if position_ids is None:
             for layer in self.layers:
                 x = layer(x, self.rope_cos, self.rope_sin)
-            return self._out(x, labels)
+            if labels is None:
+                return self.head(self.norm(x))
+            with head_returns_loss(self.head, labels):
+                return self.head(self.norm(x))
         if position_ids.shape != tokens.shape:
             raise ValueError(
                 f"position_ids of shape {tuple(position_ids.shape)} for tokens of shape {tuple(tokens.shape)}; "
@@ -275,11 +274,10 @@ class Llama(nn.Module):
         cos, sin = self.rope_cos[position_ids].unsqueeze(1), self.rope_sin[position_ids].unsqueeze(1)
         for layer in self.layers:
             x = layer(x, cos, sin, mask)
-        return self._out(x, labels)
-
-    def _out(self, x: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
-        # Note: without labels the head is called as before: tensor-parallel styles hook that call
-        return self.head(self.norm(x)) if labels is None else self.head(self.norm(x), labels)
+        if labels is None:
+            return self.head(self.norm(x))
+        with head_returns_loss(self.head, labels):
+            return self.head(self.norm(x))
 
     def loss(
         self, tokens: torch.Tensor, targets: torch.Tensor, *, position_ids: torch.Tensor | None = None

@@ -4,12 +4,11 @@
 Which models, and how the head stays a module call (a sharded model gathers the head's weight around
 the call of the module that owns it: the head's unit, or the root):
 
-- the built-in Llama: its forward takes `labels`, and its `OutputHead` computes the loss inside its
-  own forward;
+- the built-in Llama: its forward takes `labels` and calls its `OutputHead` to return the loss;
 - a transformers causal LM (a peft model around one too) whose output embeddings are an `nn.Linear`:
   the model runs its ordinary forward, with the head's `forward` swapped for that call only for one
-  that takes the hidden states and returns the summed loss, which the model hands back as its
-  "logits". A model that changes its logits after the head (Gemma's softcapping, a logit scale, a
+  that takes the hidden states and returns the summed loss (`head_returns_loss`, as the built-in
+  Llama does), which the model hands back as its "logits". A model that changes its logits after the head (Gemma's softcapping, a logit scale, a
   vocabulary cut) would train on the raw ones, so the swap is checked: the head called once, the
   output's logits the very tensor it returned. `probe` checks this once per model on two tokens
   (every rank, together: the forward gathers); `HeadLossProbe.refusal` says why a model is left out.
@@ -20,16 +19,14 @@ logits split: the chunks run on plain tensors, so the chunked loss stays off the
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import weakref
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from ..models.chunked_ce import chunked_cross_entropy
+from ..models.chunked_ce import head_returns_loss
 from ..models.llama import Llama
 from ..pretrained.keys import hf_model
 from .packed import check_packing_supported, forward_logits
@@ -116,7 +113,7 @@ def head_loss_sum(
             else model(input_ids, position_ids=position_ids, labels=labels)
         )
     head = output_head(model)
-    with _head_returns_loss(head, labels) as returned:
+    with head_returns_loss(head, labels) as returned:
         out = forward_logits(model, input_ids, position_ids=position_ids)
     if len(returned) != 1 or out is not returned[0]:
         what = (
@@ -126,20 +123,3 @@ def head_loss_sum(
         )
         raise _LogitsChanged(f"{type(hf_model(model)).__name__} {what}; {_FIX}")
     return out
-
-
-@contextlib.contextmanager
-def _head_returns_loss(head: nn.Linear, labels: torch.Tensor) -> Iterator[list[torch.Tensor]]:
-    """Within the block, calling `head` on hidden states returns their summed loss against `labels`;
-    the list collects what each call returned."""
-    returned: list[torch.Tensor] = []
-
-    def loss(hidden: torch.Tensor) -> torch.Tensor:
-        returned.append(chunked_cross_entropy(hidden, head.weight, labels, bias=head.bias))
-        return returned[-1]
-
-    head.forward = loss
-    try:
-        yield returned
-    finally:
-        del head.forward

@@ -5,7 +5,7 @@ sequence length, checkpointing, offload) the way `shardtrain train` resolves it:
 precision="auto" follow the Engine's rules, the micro-batch follows the loop's `check_batch`. So
 `shardtrain plan` describes the run that `shardtrain train` starts, from the same config.
 
-`resolve_auto_config(cfg)` replaces strategy "auto" by `planning.auto.choose_plan`'s choice, keeping
+`resolve_auto_config(cfg)` replaces strategy "auto" by `planning.cost.auto.choose_plan`'s choice, keeping
 the global batch: engine.strategy, model.activation_checkpointing, engine.cpu_offload,
 engine.offload_dir and train.grad_accum change; nothing else does. engine.offload_dir offers the
 disk tier: the plan keeps it only when nothing fits with device and host memory (this host's share
@@ -27,8 +27,8 @@ import torch
 
 from ..engine.devices import launched_externally, resolve_topology
 from ..options import offload_setting, precision_name, resolve_options
-from ..planning.auto import AutoChoice, choose_plan
-from ..planning.machine import plan_memory
+from ..planning.cost.auto import AutoChoice, choose_plan
+from ..planning.cost.machine import plan_memory
 from ..tp.mesh import check_tp_divides
 from .finetune import build_dtype, check_finetune_config, describe_lora, with_lora
 from .loop import check_batch

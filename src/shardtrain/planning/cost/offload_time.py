@@ -66,8 +66,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from ..options import host_step_overlapped
-from ..policy import CPUOffload
+from ...options import host_step_overlapped
+from ...policy import CPUOffload
 
 PCIE_BYTES_PER_S = 54.5e9  # Note [Offload time constants]
 HOST_ADAMW_S_PER_PARAM = 0.185e-9  # alone, over plain tensors
@@ -118,7 +118,7 @@ def disk_time(seconds: float) -> str:
     """The disk tier's time per step for a person, with the bandwidths it assumes."""
     return (
         f"reading and writing its state takes {seconds:.1f} s per step at {DISK_READ_BYTES_PER_S / 1e9:.2f} / "
-        f"{DISK_WRITE_BYTES_PER_S / 1e9:.2f} GB/s (planning/offload_time.py), the step at least as long"
+        f"{DISK_WRITE_BYTES_PER_S / 1e9:.2f} GB/s (planning/cost/offload_time.py), the step at least as long"
     )
 
 

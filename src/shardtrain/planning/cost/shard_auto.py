@@ -15,11 +15,11 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from ..core.process_groups import require_process_group
-from ..options import ShardOptions, resolve_options
-from ..policy import AutoPolicy
-from ..sharding import shard_with
-from ..tp import is_tensor_parallel_mesh
+from ...core.process_groups import require_process_group
+from ...options import ShardOptions, resolve_options
+from ...policy import AutoPolicy
+from ...sharding import shard_with
+from ...tp import is_tensor_parallel_mesh
 from .auto import SAFETY_MARGIN, AutoChoice, choose_plan
 from .machine import plan_memory
 

@@ -17,7 +17,7 @@ Safety margin: 5% of the device's memory on top of the estimator's own reserve (
 5% fragmentation), because the estimator errs low against this engine's measured peaks (BENCHMARKS.md,
 'Memory estimator against measured peaks (2 × H200)').
 
-`st.shard_auto` (planning/shard_auto.py) plans a built model for the batch its caller's loop feeds
+`st.shard_auto` (planning/cost/shard_auto.py) plans a built model for the batch its caller's loop feeds
 and shards it with the choice (`AutoChoice.applied_to`).
 """
 
@@ -28,8 +28,8 @@ from typing import Any
 
 from torch import nn
 
-from ..options import ShardOptions, offload_setting, resolve_options
-from ..strategy import Strategy
+from ...options import ShardOptions, offload_setting, resolve_options
+from ...strategy import Strategy
 from .candidates import Candidate, batch_splits, evaluate, offload_label, parse_strategies
 from .checkpointing import recompute_policy
 from .estimate import MemoryEstimate, estimate_memory, positive_int

@@ -18,7 +18,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..planning.cost.auto import AutoChoice
+from ..planning.cost.choice import AutoChoice
 from ..planning.cost.report import checkpointing_label
 from .config import save_config
 from .sections import Config

@@ -24,7 +24,7 @@ matrices.
 
 Activation checkpointing keeps only each checkpointed block's input (c * T * h) and recomputes one
 block's full activations at a time during backward, beside which that block's backward holds the
-gradients of its three ffn-wide tensors (3 * c * T * f): measured on the CPU (tests/planning), they are
+gradients of its three ffn-wide tensors (3 * c * T * f): measured on the CPU (tests/planning/cost), they are
 what a small model's checkpointed peak lacked without them. Checkpointing every k-th block checkpoints blocks
 0, k, 2k, ... (ceil(L / k) of them); the others save everything.
 

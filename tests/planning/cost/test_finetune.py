@@ -11,7 +11,7 @@ from shardtrain.planning.cost.auto import choose_plan
 from shardtrain.planning.cost.estimate import OVERHEAD_BYTES
 from shardtrain.planning.cost.sizes import GiB
 from shardtrain.planning.cost.trained import lora_parts
-from tests.planning import ranks
+from tests.planning.cost import ranks
 
 # Llama-3-8B as a Hugging Face config
 HF_8B = SimpleNamespace(

@@ -11,7 +11,7 @@ fused AdamW (the step of benchmarks/pretrained_load.py), each configuration in a
   measured   torch.cuda.max_memory_allocated() over the steps, tokens/s over the steps after --warmup
   estimated  st.estimate_memory of the same peft model (meta device, requires_grad read from it)
 
-and the automatic plan (`planning.shard_auto.resolve_auto`, as `st.shard_auto` runs it, and
+and the automatic plan (`planning.cost.shard_auto.resolve_auto`, as `st.shard_auto` runs it, and
 `train.planned_config.resolve_auto_config`, as `shardtrain train --model.pretrained DIR --lora.rank 8
 --engine.strategy auto` runs it) for this GPU, with whether it chose the faster measured configuration
 among those that fit.
@@ -151,8 +151,8 @@ def train_config_choice(args):
 def main(argv: list[str] | None = None) -> int:
     import torch
 
-    from shardtrain.planning.shard_auto import resolve_auto
-    from shardtrain.planning.sizes import GiB, parse_bytes
+    from shardtrain.planning.cost.shard_auto import resolve_auto
+    from shardtrain.planning.cost.sizes import GiB, parse_bytes
 
     args = parse_args(argv)
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")

@@ -5,13 +5,13 @@
 Rows (bf16 compute, fp32 masters, fused AdamW, seq 4096): 1.5B batch 2 resident; full offload with
 the host step in sequence, overlapped with the next forward, and in backward (each unit steps once
 its gradients landed, `st.CPUOffload(step_in_backward=True)`), also under shard_grad_op (the bf16
-parameters kept from forward to backward: no second host-to-device copy, planning/offload_time.py
+parameters kept from forward to backward: no second host-to-device copy, planning/cost/offload_time.py
 says why it matters), and in backward with every core for the step (the default leaves the main thread
 one); torch FSDP2 with CPUOffloadPolicy; 14.5B (`14b`) batch 2, every block checkpointed, half
 offloaded, in backward (also with the offloaded units kept gathered from forward to backward,
 `st.CPUOffload(reshard_after_forward=False)`), overlapped and in sequence. Prints each row's JSON line, a table with the
 breakdown (offload_step.py's docstring) and the ratios issue 28 asks for, each beside the estimate of
-planning/offload_time.py. A row that fails or runs out of time is reported and the next one runs.
+planning/cost/offload_time.py. A row that fails or runs out of time is reported and the next one runs.
 
     python benchmarks/offload_suite.py --only "resident" "offload sequential" "offload in backward" \
         "offload in backward shard_grad_op" "offload in backward 16 threads" "fsdp2 CPUOffloadPolicy"
@@ -118,9 +118,9 @@ def ratios(rows: dict[str, dict]) -> list[str]:
 
 
 def estimate(name: str, resident: dict, row: dict) -> float:
-    """planning/offload_time.py's step time (ms) for a 1.5B row, from the resident row's step, the
+    """planning/cost/offload_time.py's step time (ms) for a 1.5B row, from the resident row's step, the
     offloaded parameters and the units measured here (its host AdamW rate: issue 28's figure)."""
-    from shardtrain.planning.offload_time import offload_step_time
+    from shardtrain.planning.cost.offload_time import offload_step_time
 
     t = offload_step_time(
         resident_step_s=resident["step_ms"] / 1000,

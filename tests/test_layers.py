@@ -5,7 +5,7 @@
     engine         core, offload                         st.shard's machinery: units, runtime, comm; CPU offload
                                                          (the host step, the disk tier) on top of core
     entry          sharding                              the public st.shard: options read once, then core
-    planning       planning                              plans, memory estimates and st.shard_auto (above the entry)
+    planning       planning                              the dry run (st.plan) and the cost model: estimates, st.shard_auto
     operations     ops, checkpoint, pretrained, data     around the step: norms, state dicts, checkpoints, HF weights,
                                                          fine-tuning data (tokenizers, masks, packing)
     testing        testing                               the test pools
@@ -163,3 +163,46 @@ def test_outside_core_only_the_names_core_exports():
         for name in sorted(_core_names_reached(path) - set(exported))
     ]
     assert wrong == [], "\n".join(wrong)
+
+
+def _planning_modules_imported(path: Path) -> set[str]:
+    """Modules under `planning` that `path` imports anywhere in it (module level, TYPE_CHECKING,
+    functions), as paths relative to planning/ without `.py` (`cost/estimate`)."""
+    here = path.relative_to(SRC).with_suffix("").parts
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = list(here[: len(here) - node.level])
+            parts = base + (node.module.split(".") if node.module else [])
+            found |= {"/".join(parts + [alias.name]) for alias in node.names} | {"/".join(parts)}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("shardtrain.planning"):
+            parts = node.module.split(".")[1:]
+            found |= {"/".join(parts + [alias.name]) for alias in node.names} | {"/".join(parts)}
+    return {
+        name.removeprefix("planning/")
+        for name in found
+        if name.startswith("planning/") and (SRC / f"{name}.py").exists() and SRC / f"{name}.py" != path
+    }
+
+
+def test_planning_parts_import_neither_each_other_nor_in_a_circle():
+    """planning/dry_run and planning/cost do not import each other; no circle among planning's modules,
+    counting imports inside functions too (a function-level import must not close one)."""
+    modules = {p.relative_to(SRC / "planning").with_suffix("").as_posix(): p for p in (SRC / "planning").rglob("*.py")}
+    graph = {name: _planning_modules_imported(path) for name, path in modules.items()}
+    assert "cost/model_spec" in graph["cost/module_spec"]  # the reader sees the imports
+    crossing = [
+        f"{name} imports {other}"
+        for name, others in graph.items()
+        for other in others
+        if name.split("/")[0] != other.split("/")[0]
+    ]
+    assert crossing == [], "\n".join(crossing)
+
+    def reaches(start: str, goal: str, seen: set[str]) -> bool:
+        return any(
+            nxt == goal or (nxt not in seen and not seen.add(nxt) and reaches(nxt, goal, seen)) for nxt in graph[start]
+        )
+
+    circles = sorted(name for name in graph if reaches(name, name, set()))
+    assert circles == [], circles

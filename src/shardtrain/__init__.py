@@ -13,7 +13,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "shard": "shardtrain.sharding",
-    "shard_auto": "shardtrain.planning.shard_auto",
+    "shard_auto": "shardtrain.planning.cost.shard_auto",
     "Strategy": "shardtrain.strategy",
     "SizePolicy": "shardtrain.policy",
     "MixedPrecision": "shardtrain.policy",
@@ -23,10 +23,10 @@ _EXPORTS = {
     "no_sync": "shardtrain.ops.no_sync",
     "full_state_dict": "shardtrain.ops.state_dict",
     "load_full_state_dict": "shardtrain.ops.state_dict",
-    "plan": "shardtrain.planning.dry_run",
-    "Plan": "shardtrain.planning.dry_run",
-    "estimate_memory": "shardtrain.planning.estimate",
-    "MemoryEstimate": "shardtrain.planning.estimate",
+    "plan": "shardtrain.planning.dry_run.units",
+    "Plan": "shardtrain.planning.dry_run.units",
+    "estimate_memory": "shardtrain.planning.cost.estimate",
+    "MemoryEstimate": "shardtrain.planning.cost.estimate",
     "save_checkpoint": "shardtrain.checkpoint",
     "load_checkpoint": "shardtrain.checkpoint",
     "load_pretrained": "shardtrain.pretrained",

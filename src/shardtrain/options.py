@@ -111,7 +111,7 @@ def resolve_options(
     """Every accepted spelling of `st.shard`'s options (its docstring lists them) as one `ShardOptions`.
 
     Raises ValueError or TypeError naming the offending value and the fix. strategy="auto" and
-    `st.AutoPolicy` are refused here: the automatic plan is `st.shard_auto` (planning/shard_auto.py), a
+    `st.AutoPolicy` are refused here: the automatic plan is `st.shard_auto` (planning/cost/shard_auto.py), a
     tool above this entry point.
     """
     given: dict[str, Any] = dict(

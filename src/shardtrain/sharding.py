@@ -2,7 +2,7 @@
 
 It reads every accepted spelling of every option once (`options.resolve_options`: shardtrain's,
 torch FSDP's through compat.py) and hands the resulting `ShardOptions` to the engine
-(`core.shard_module.shard_module`, through the offload package's `offload.attach.shard_offloaded`). The automatic plan (`st.shard_auto`, planning/shard_auto.py) sits
+(`core.shard_module.shard_module`, through the offload package's `offload.attach.shard_offloaded`). The automatic plan (`st.shard_auto`, planning/cost/shard_auto.py) sits
 above this entry point and calls it with the options it chose.
 """
 

@@ -183,7 +183,7 @@ def test_plan_counts_the_disk_tier(capsys, tmp_path):
     assert ", CPU offload, optimizer state on disk" in disk_out.splitlines()[1]  # the header says so too
     assert sum(disk.values()) == pytest.approx(sum(host.values()), abs=0.02)
     # the predicted step: the host step and copies, then 32.1 GB per process read and written at the
-    # tier's 1.77 / 2.54 GB/s (planning/offload_time.py), which the step waits for
+    # tier's 1.77 / 2.54 GB/s (planning/cost/offload_time.py), which the step waits for
     seconds = 29.92 * 2**30 / 1.77e9 + 29.92 * 2**30 / 2.54e9
     assert f"takes {seconds:.1f} s per step at 1.77 / 2.54 GB/s" in disk_out
     (host_time,) = [line for line in host_out.splitlines() if line.startswith("predicted step time with CPU")]

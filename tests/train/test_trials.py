@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from shardtrain.planning.auto import choose_plan
+from shardtrain.planning.cost.auto import choose_plan
 from shardtrain.train.config import ConfigError, load_config
 from shardtrain.train.trials import TRIAL_STEPS, Trial, fastest, measured_tokens_per_s, trial_config
 

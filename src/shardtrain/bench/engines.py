@@ -85,9 +85,9 @@ def build_shardtrain(spec: RunSpec, device: torch.device, *, strategy: str) -> P
 def build_shardtrain_auto(spec: RunSpec, device: torch.device) -> Prepared:
     """strategy="auto" for this run's micro-batch: the planner picks strategy, checkpointing and offload
     (so `--ac` does not apply); the row's label names what it picked."""
-    from ..planning.machine import local_device_memory
-    from ..planning.report import checkpointing_label
-    from ..planning.shard_auto import resolve_auto
+    from ..planning.cost.machine import local_device_memory
+    from ..planning.cost.report import checkpointing_label
+    from ..planning.cost.shard_auto import resolve_auto
 
     named = build_meta_model(spec.model_config())
     precision = "bf16" if compute_dtype(spec) else "fp32"

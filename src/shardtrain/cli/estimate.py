@@ -24,10 +24,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from ..models.llama import LLAMA_SIZES
-from ..planning.compare import DEFAULT_STRATEGIES, compare_strategies
-from ..planning.estimate import MemoryEstimate
-from ..planning.machine import local_device_memory
-from ..planning.sizes import GiB, format_gib, parse_bytes
+from ..planning.cost.compare import DEFAULT_STRATEGIES, compare_strategies
+from ..planning.cost.estimate import MemoryEstimate
+from ..planning.cost.machine import local_device_memory
+from ..planning.cost.sizes import GiB, format_gib, parse_bytes
 from ..policy import CPUOffload
 
 FALLBACK_DEVICE_MEMORY = 80 * GiB

@@ -240,7 +240,7 @@ class Engine(RankCollectives):
         if self._tp > 1:
             options = self._with_tensor_parallel(model, options)
         if self._auto is not None:
-            from ..planning.shard_auto import shard_auto_with
+            from ..planning.cost.shard_auto import shard_auto_with
 
             _, choice = shard_auto_with(model, self._auto, options)
             self.print(choice)  # the plan and its reasons, once (rank 0)

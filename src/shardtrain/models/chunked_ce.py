@@ -2,7 +2,7 @@
 
 The loss of a causal LM is `cross_entropy(hidden @ weight.T + bias, labels)`. Computed whole it holds
 [tokens, vocab] logits in the compute dtype, their fp32 copy, the log-probabilities and their gradient
-(planning/activations.py bills 12 bytes per logit), which at a 128k vocabulary outgrows a LoRA step's
+(planning/cost/activations.py bills 12 bytes per logit), which at a 128k vocabulary outgrows a LoRA step's
 activations. Here the rows go through in chunks: each chunk's logits (in the compute dtype, as the head
 would make them), their fp32 log-softmax, its share of the summed loss and, when gradients are wanted,
 the gradients of that chunk's hidden rows and its contribution to the weight's and bias's gradients,

@@ -2,7 +2,7 @@
 
 true: always (refused up front under tensor parallelism, and for a model the chunks cannot follow);
 false: never (the full logits, as before); auto: where the memory estimator prices the chunked loss
-below the full logits for the run's micro-batch (`planning.activations.chunked_loss_wins`: at every
+below the full logits for the run's micro-batch (`planning.cost.activations.chunked_loss_wins`: at every
 length when the head is frozen, as under LoRA), for a model the chunks follow, without tensor
 parallelism. On the CPU and on CUDA alike: the chunks do the same arithmetic as the full logits.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..engine import Engine
-from ..planning.activations import chunked_loss_wins
+from ..planning.cost.activations import chunked_loss_wins
 from .head_loss import output_head, probe
 from .sections import Config
 

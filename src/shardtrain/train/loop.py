@@ -24,7 +24,7 @@ import torch
 
 from ..engine import Engine
 from ..engine.health import heartbeat
-from ..planning.checkpointing import recompute_policy
+from ..planning.cost.checkpointing import recompute_policy
 from ..tp import plan_for
 from .chunked_choice import check_chunked_loss_config, use_chunked_loss
 from .config import save_config

@@ -8,15 +8,15 @@ record holds what it was predicted to need.
 from __future__ import annotations
 
 from ..options import offload_setting
-from ..planning.audit import audit_precision
-from ..planning.candidates import accumulation_bytes, offload_label, offload_work, predicted_time
-from ..planning.compare import default_shard_size
-from ..planning.dry_run import plan
-from ..planning.estimate import estimate_memory
-from ..planning.inputs import recompute_every_of, tp_label
-from ..planning.machine import local_device_memory
-from ..planning.report import checkpointing_label
-from ..planning.sizes import format_gib, parse_bytes
+from ..planning.cost.candidates import accumulation_bytes, offload_label, offload_work, predicted_time
+from ..planning.cost.compare import default_shard_size
+from ..planning.cost.estimate import estimate_memory
+from ..planning.cost.inputs import recompute_every_of, tp_label
+from ..planning.cost.machine import local_device_memory
+from ..planning.cost.report import checkpointing_label
+from ..planning.cost.sizes import format_gib, parse_bytes
+from ..planning.dry_run.audit import audit_precision
+from ..planning.dry_run.units import plan
 from ..strategy import parse_strategy
 from .planned_config import AUTO, PlannedSetup, build_on_meta, planned_setup, resolve_auto_config
 from .sections import Config
@@ -90,7 +90,7 @@ def plan_report(cfg: Config, *, auto: bool = False, device_memory: str | None = 
     work = offload_work(estimate)
     if work is not None and setup.tp == 1:
         bill += (
-            f"\npredicted step time with CPU offload, host step {work.host_step.value} (planning/offload_time.py): "
+            f"\npredicted step time with CPU offload, host step {work.host_step.value} (planning/cost/offload_time.py): "
             f"{predicted_time(estimate, grad_accum=setup.grad_accum).describe()}"
         )
     parts += [

@@ -5,7 +5,7 @@ sequence length, checkpointing, offload) the way `shardtrain train` resolves it:
 precision="auto" follow the Engine's rules, the micro-batch follows the loop's `check_batch`. So
 `shardtrain plan` describes the run that `shardtrain train` starts, from the same config.
 
-`resolve_auto_config(cfg)` replaces strategy "auto" by `planning.auto.choose_plan`'s choice, keeping
+`resolve_auto_config(cfg)` replaces strategy "auto" by `planning.cost.auto.choose_plan`'s choice, keeping
 the global batch: engine.strategy, model.activation_checkpointing, engine.cpu_offload,
 engine.offload_dir and train.grad_accum change; nothing else does. engine.offload_dir offers the
 disk tier: the plan keeps it only when nothing fits with device and host memory (this host's share
@@ -27,8 +27,8 @@ import torch
 
 from ..engine.devices import launched_externally, resolve_topology
 from ..options import offload_setting, precision_name, resolve_options
-from ..planning.auto import AutoChoice, choose_plan
-from ..planning.machine import plan_memory
+from ..planning.cost.auto import choose_plan
+from ..planning.cost.choice import AutoChoice
 from ..tp.mesh import check_tp_divides
 from .finetune import build_dtype, check_finetune_config, describe_lora, with_lora
 from .loop import check_batch
@@ -162,6 +162,9 @@ def resolve_auto_config(
 ) -> tuple[Config, AutoChoice]:
     """Choose the fastest configuration predicted to fit and return the config that runs it, and the choice.
 
+    The config's request to `choose_plan` (the one function that chooses), read the way `shardtrain
+    train` resolves it; nothing is chosen here.
+
     `device_memory` defaults to the local device's (the GPU's; on the CPU, the host's share per
     process). `built` reuses a model already built on the meta device. Raises ValueError (or
     ConfigError) naming what to change when nothing fits or the model has no blocks to plan with.
@@ -178,14 +181,6 @@ def resolve_auto_config(
             f"engine.strategy='auto' needs the model's block classes, and {cfg.model.name!r} names none; "
             "give them with --model.wrap ClassName"
         )
-    device_memory, host_memory = plan_memory(
-        device_memory=device_memory,
-        host_memory=None,
-        disk_dir=cfg.engine.offload_dir,
-        world_size=setup.world_size,
-        accelerator=setup.accelerator,
-        processes=setup.world_size,
-    )
     choice = choose_plan(
         built.module,
         world_size=setup.world_size,
@@ -194,8 +189,9 @@ def resolve_auto_config(
         micro_batch=setup.micro_batch,
         grad_accum=setup.grad_accum,
         precision=setup.precision,
-        host_memory=host_memory,
         disk_dir=cfg.engine.offload_dir,
         wrap=built.wrap,
+        accelerator=setup.accelerator,
+        processes=setup.world_size,
     )
     return apply_choice(cfg, choice), choice

@@ -18,8 +18,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..planning.auto import AutoChoice
-from ..planning.report import checkpointing_label
+from ..planning.cost.choice import AutoChoice
+from ..planning.cost.report import checkpointing_label
 from .config import save_config
 from .sections import Config
 

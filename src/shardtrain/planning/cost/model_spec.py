@@ -1,9 +1,9 @@
-"""What the memory estimator needs to know about a model, from any of the forms a user has at hand.
+"""What the memory estimator needs to know about a model: its `ModelSpec` and Llama-style shape.
 
-`resolve_model` accepts a built-in Llama size name, a `LlamaConfig`, a parameter count with optional
-shape hints, a Hugging Face config (duck-typed), or an `nn.Module` (typically built on the meta
-device), and returns a `ModelSpec`: the parameter counts per sharding unit, plus the Llama-style shape
-that the activation formulas need (None when it cannot be known).
+A `ModelSpec` holds the parameter counts per sharding unit, plus the Llama-style shape that the
+activation formulas need (None when it cannot be known). The shape comes from a built-in size, a
+`LlamaConfig`, a Hugging Face config or a parameter count with hints (here); a live module's spec
+is read in `module_spec`, and `model_input.resolve_model` picks between them.
 
 Missing shape hints are filled the way Llama-3 models are built: head dim 128, 8 key/value heads (or
 the largest divisor of the head count up to 8), SwiGLU width round_up(1.3 * 8/3 * dim, 256), a
@@ -18,14 +18,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from torch import nn
-
-from ..models.llama_config import LLAMA_SIZES, LlamaConfig, splits_embedding
-from .sizes import format_count, parse_count
+from ...models.llama_config import LlamaConfig, splits_embedding
+from .sizes import format_count
 from .trained import FULL_TRAINING, TrainedParts
 
 DEFAULT_VOCAB = 128256
-HINTS = ("dim", "layers", "vocab", "ffn", "heads", "kv_heads", "tie_embeddings")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -163,7 +160,7 @@ def shape_from_dims(dim: int, layers: int, hints: dict[str, Any]) -> LlamaShape:
     )
 
 
-def _shape_for_count(params: int, hints: dict[str, Any]) -> LlamaShape:
+def shape_for_count(params: int, hints: dict[str, Any]) -> LlamaShape:
     """Choose dim and layers (those not hinted) so that the Llama-style count comes closest to `params`."""
     dim, layers, heads = hints.get("dim"), hints.get("layers"), hints.get("heads")
     if heads and not dim and not layers:
@@ -184,7 +181,7 @@ def _shape_for_count(params: int, hints: dict[str, Any]) -> LlamaShape:
     return replace(probe, n_layers=max(1, round((params - probe.root_params) / probe.block_params)))
 
 
-def _from_shape(name: str, shape: LlamaShape, *, params: int | None = None, notes=()) -> ModelSpec:
+def spec_from_shape(name: str, shape: LlamaShape, *, params: int | None = None, notes=()) -> ModelSpec:
     """Units of a Llama as the built-in Llama's `default_units` cuts it: one unit per block, and the embedding
     and the output head as units of their own with the final norm in the root when the table is at
     least a block's size (else, or with tied embeddings, all three are the root's)."""
@@ -277,62 +274,3 @@ def apply_hints(shape: LlamaShape, hints: dict[str, Any]) -> LlamaShape:
         changes.setdefault("n_heads", shape.n_heads)
         changes["head_dim"] = changes.get("dim", shape.dim) // changes["n_heads"]
     return replace(shape, **changes)
-
-
-def resolve_model(model: Any = None, *, params: Any = None, wrap=None, **hints: Any) -> ModelSpec:
-    """Turn any accepted model description into a `ModelSpec` (see the module docstring)."""
-    unknown = set(hints) - set(HINTS)
-    if unknown:
-        raise ValueError(f"unknown shape hints {sorted(unknown)}; the hints are {list(HINTS)}")
-    for key, value in hints.items():
-        if (
-            value is not None
-            and key != "tie_embeddings"
-            and (isinstance(value, bool) or not isinstance(value, int) or value < 1)
-        ):
-            raise ValueError(f"{key}={value!r} must be a positive integer")
-    hints = {k: v for k, v in hints.items() if v is not None}
-    if isinstance(model, (int, float, str)) and not isinstance(model, bool):
-        if isinstance(model, str) and model.strip().lower() in LLAMA_SIZES:
-            model = LLAMA_SIZES[model.strip().lower()]
-        elif params is None:
-            try:
-                model, params = None, parse_count(model, what="model")
-            except ValueError:
-                raise ValueError(
-                    f"model={model!r} is neither a built-in name (one of {list(LLAMA_SIZES)}) nor a "
-                    "parameter count such as '7B', '1.5b' or '350M'"
-                ) from None
-        else:
-            raise ValueError(f"model={model!r} and params={params!r} both give a size; give one of them")
-    if wrap is not None and not isinstance(model, nn.Module):
-        raise ValueError(f"wrap={wrap!r} applies only to an nn.Module model; drop it for {type(model).__name__}")
-    if model is not None and params is not None:
-        raise ValueError(
-            f"params={params!r} is only for a bare parameter count, but model={type(model).__name__} "
-            "already fixes it; drop params= (use shape hints such as vocab= to adjust the model)"
-        )
-    if model is None:
-        if params is None:
-            raise ValueError(
-                "no model given: pass a built-in name such as '8b' (one of "
-                f"{list(LLAMA_SIZES)}), a LlamaConfig, a Hugging Face config, an nn.Module, or params='7B'"
-            )
-        count = parse_count(params)
-        return _from_shape(f"{format_count(count)} params", _shape_for_count(count, hints), params=count)
-    if isinstance(model, LlamaConfig):
-        shape = apply_hints(shape_from_llama(model), hints)
-        return _from_shape(f"Llama {format_count(shape.num_params)}", shape)
-    if isinstance(model, nn.Module):
-        from .module_spec import spec_of_module  # an nn.Module's units and requires_grad
-
-        return spec_of_module(model, wrap, hints)
-    if hasattr(model, "hidden_size") and hasattr(model, "num_hidden_layers"):
-        shape = apply_hints(shape_from_hf(model), hints)
-        kind = getattr(model, "model_type", None) or type(model).__name__
-        return _from_shape(f"{kind} {format_count(shape.num_params)}", shape)
-    raise ValueError(
-        f"model={model!r} is not understood; pass a built-in name (one of {list(LLAMA_SIZES)}), a "
-        "parameter count such as '7B', a LlamaConfig, a Hugging Face config (hidden_size, "
-        "num_hidden_layers, ...) or an nn.Module"
-    )

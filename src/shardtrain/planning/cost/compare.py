@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..strategy import parse_strategy
+from ...strategy import parse_strategy
 from .estimate import MemoryEstimate, estimate_memory, positive_int
 from .report import format_comparison
 from .sizes import parse_bytes

@@ -8,13 +8,13 @@ import torch.distributed as dist
 
 import shardtrain as st
 from shardtrain.models.llama import SHARD_UNITS, Block, Llama, llama_config
-from shardtrain.planning.auto import choose_plan
-from shardtrain.planning.candidates import batch_splits, checkpoint_options
-from shardtrain.planning.checkpointing import recompute_policy
-from shardtrain.planning.model_spec import resolve_model
-from shardtrain.planning.offload_time import OffloadWork
-from shardtrain.planning.shard_auto import resolve_auto
-from shardtrain.planning.speed import GATHER_EXPOSED_TOKENS, STEP_OVERHEAD_TOKENS, efficiency, step_time
+from shardtrain.planning.cost.auto import choose_plan
+from shardtrain.planning.cost.candidates import batch_splits, checkpoint_options
+from shardtrain.planning.cost.checkpointing import recompute_policy
+from shardtrain.planning.cost.model_input import resolve_model
+from shardtrain.planning.cost.offload_time import OffloadWork
+from shardtrain.planning.cost.shard_auto import resolve_auto
+from shardtrain.planning.cost.speed import GATHER_EXPOSED_TOKENS, STEP_OVERHEAD_TOKENS, efficiency, step_time
 from shardtrain.strategy import Strategy
 from tests.models import lm_loss, make_batches, tiny_llama
 

@@ -21,9 +21,9 @@ unit steps once its gradients landed: the host starts after the first unit's sha
 phase and runs on through the next forward, whose GPU work starts once the first unit, which gets its
 gradients last, is stepped; so the step is bounded by the GPU's phases plus that unit's step, or by
 the host step plus the forward, whichever is longer (the units assumed equal). In backward the
-host-to-device re-gathers and the device-to-host gradient copies share the link (measured 47.7 GB/s
-each way at once on an H200 host, about the one-way rate): they are counted one after the other, at
-the one-way rate. The GPU's share: forward a third of the resident step, backward the rest (half of
+host-to-device re-gathers and the device-to-host gradient copies share the link (both ways at once
+ran at about the one-way rate, BENCHMARKS.md): they are counted one after the other, at the one-way
+rate. The GPU's share: forward a third of the resident step, backward the rest (half of
 it again when every block is checkpointed: the recomputed forward). The offloaded shards are copied
 in their stored dtype (the cast runs on the device).
 
@@ -33,32 +33,9 @@ through the unit steps' pipeline; one device serves both directions, so the disk
 that and the overlapped step above (read-ahead and write-behind run beside the GPU and the host
 AdamW); in sequence it adds to the step.
 
-Note [Offload time constants]
------------------------------
-Measured on one H200 host (16 cores, PCIe Gen5 x16, torch 2.11); BENCHMARKS.md, sections "Offloaded
-optimizer step: overlapped with the next forward, and in backward (1 × H200)" and "Disk tier:
-optimizer state in files, streamed through the host step (1 × H200)":
-
-- PCIE_BYTES_PER_S: pinned copies, 54.5 GB/s one way.
-- HOST_ADAMW_S_PER_PARAM: torch's fused AdamW on the host alone (`benchmarks/optimizer_step.py` on
-  the host, 16 threads over plain tensors), 0.185 ns per fp32 parameter (283 ms at 1,532M
-  parameters); DTENSOR_FACTOR: the same over DTensors (329 ms), which the user's own step() steps in
-  sequence.
-- BESIDE_FORWARD / BESIDE_BACKWARD: the same kernel slows down beside the GPU's work, because the
-  copies and AdamW share the host's memory bandwidth and cores: 381 ms at 1.5B overlapped with the
-  next forward (1.35 x alone, about 0.25 ns per parameter), 491–535 ms stepped during backward beside
-  the copies both ways (1.78 x, about 0.33 ns).
-- DISK_READ / DISK_WRITE_BYTES_PER_S: what the disk tier achieved during training on that host's
-  virtual disk (bytes over the time its requests were in flight): 1.77 GB/s read, 2.54 GB/s written.
-
-With these and the planner's resident step (`speed.py`) for 1.5B, batch 2 × 4096, no checkpointing,
-everything offloaded in 19 units (resident 0.140 s; measured 0.167 s), the model predicts 0.606 s
-overlapped (measured 0.606 s), 0.564 s in backward (0.558 s with 15 host threads, 0.606 s with 16),
-0.558 s in backward with shard_grad_op (0.553 s) and 0.667 s in sequence (0.700 s in an earlier run); with the
-disk tier at 1.5B, batch 1 × 4096, every block checkpointed, its 12.26 GB of state take 11.75 s (the
-step measured 11.82 s). At 14.5B, half offloaded, the host step beside the GPU was slower still (0.27
-ns per parameter overlapped, 0.37 in backward): predicted 3.21 s overlapped and 2.92 s in backward
-against 3.50 and 3.47 s measured.
+The constants (PCIe rate, the host AdamW's time per parameter alone and beside the GPU, the disk
+tier's bandwidths) were measured on one H200 host, and the model checked against measured offloaded
+steps: BENCHMARKS.md, 'Offload time model: its constants and its predictions (1 × H200)'.
 """
 
 from __future__ import annotations
@@ -66,10 +43,10 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from ..options import host_step_overlapped
-from ..policy import CPUOffload
+from ...options import host_step_overlapped
+from ...policy import CPUOffload
 
-PCIE_BYTES_PER_S = 54.5e9  # Note [Offload time constants]
+PCIE_BYTES_PER_S = 54.5e9  # BENCHMARKS.md, 'Offload time model' (so are the constants below)
 HOST_ADAMW_S_PER_PARAM = 0.185e-9  # alone, over plain tensors
 DTENSOR_FACTOR = 329 / 283  # the same fused AdamW over DTensors: their dispatch
 BESIDE_FORWARD = 381 / 283  # the host step beside the next forward's copies and compute
@@ -118,7 +95,7 @@ def disk_time(seconds: float) -> str:
     """The disk tier's time per step for a person, with the bandwidths it assumes."""
     return (
         f"reading and writing its state takes {seconds:.1f} s per step at {DISK_READ_BYTES_PER_S / 1e9:.2f} / "
-        f"{DISK_WRITE_BYTES_PER_S / 1e9:.2f} GB/s (planning/offload_time.py), the step at least as long"
+        f"{DISK_WRITE_BYTES_PER_S / 1e9:.2f} GB/s (planning/cost/offload_time.py), the step at least as long"
     )
 
 

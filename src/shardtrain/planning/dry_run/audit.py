@@ -29,11 +29,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core.param_layout import layout_of_unit
-from ..core.partition import partition
-from ..options import resolve_options
-from ..policy import MixedPrecision
-from ..strategy import Strategy
+from ...core.param_layout import layout_of_unit
+from ...core.partition import partition
+from ...options import resolve_options
+from ...policy import MixedPrecision
+from ...strategy import Strategy
 
 _NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
 _LOW = (torch.bfloat16, torch.float16)

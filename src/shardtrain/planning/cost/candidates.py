@@ -20,12 +20,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..offload import DEFAULT_SLOTS
-from ..policy import CPUOffload
-from ..strategy import Strategy, parse_strategy
+from ...offload import DEFAULT_SLOTS
+from ...policy import CPUOffload
+from ...strategy import Strategy, parse_strategy
 from .activations import checkpointed_blocks
 from .compare import default_shard_size
-from .estimate import MemoryEstimate, estimate_memory, offloaded_units
+from .estimate import MemoryEstimate, estimate_memory
+from .moments import offloaded_units
 from .offload_time import OffloadWork, host_step_of
 from .speed import StepTime, step_time
 

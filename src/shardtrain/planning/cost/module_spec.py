@@ -15,8 +15,8 @@ from typing import Any
 
 from torch import nn
 
-from ..core.partition import partition
-from ..models.llama_config import LlamaConfig
+from ...core.partition import partition
+from ...models.llama_config import LlamaConfig
 from .model_spec import (
     ModelSpec,
     apply_hints,

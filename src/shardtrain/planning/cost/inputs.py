@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from ..policy import CPUOffload, MixedPrecision
-from ..strategy import Strategy
+from ...policy import CPUOffload, MixedPrecision
+from ...strategy import Strategy
 from .model_spec import ModelSpec
 
 OPTIMIZER_BYTES = {"adamw": 8, "adam": 8, "sgd": 4}  # sgd: momentum buffer

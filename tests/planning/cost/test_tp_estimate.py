@@ -4,7 +4,7 @@ import pytest
 
 from shardtrain import cli
 from shardtrain.models.llama_config import llama_config
-from shardtrain.planning.estimate import estimate_memory
+from shardtrain.planning.cost.estimate import estimate_memory
 
 TINY = llama_config("tiny")  # dim 64, 2 layers, 4 heads (2 kv), ffn 176, vocab 256, untied
 NORMS = TINY.n_layers * 2 * TINY.dim + TINY.dim  # RMSNorm weights: replicated on every tp rank

@@ -6,7 +6,7 @@ from typing import Any
 
 from torch import nn
 
-from ..core.partition import matching_paths, repeated_blocks
+from ...core.partition import matching_paths, repeated_blocks
 from .inputs import recompute_every_of
 
 

@@ -6,12 +6,12 @@ import pytest
 import torch
 
 import shardtrain as st
-from shardtrain.planning.activations import block_bytes, chunked_loss_wins, loss_bytes
-from shardtrain.planning.auto import choose_plan
-from shardtrain.planning.estimate import OVERHEAD_BYTES
-from shardtrain.planning.sizes import GiB
-from shardtrain.planning.trained import lora_parts
-from tests.planning import ranks
+from shardtrain.planning.cost.activations import block_bytes, chunked_loss_wins, loss_bytes
+from shardtrain.planning.cost.auto import choose_plan
+from shardtrain.planning.cost.estimate import OVERHEAD_BYTES
+from shardtrain.planning.cost.sizes import GiB
+from shardtrain.planning.cost.trained import lora_parts
+from tests.planning.cost import ranks
 
 # Llama-3-8B as a Hugging Face config
 HF_8B = SimpleNamespace(

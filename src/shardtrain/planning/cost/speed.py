@@ -54,7 +54,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import partial
 
-from ..strategy import Strategy
+from ...strategy import Strategy
 from .model_spec import LlamaShape, ModelSpec
 from .offload_time import OffloadWork, offload_step_time
 

@@ -1,24 +1,7 @@
 """Per-device memory bill of one training step, by sharding strategy, without touching a GPU.
 
-The bill is the peak of torch.cuda.max_memory_allocated() over four moments of the step, each
-itemised (P parameters, N ranks per shard group, u_root the outermost unit, u the largest inner
-unit, p / r the param / reduce dtype sizes, o the optimizer's bytes per parameter):
-
-  forward + loss   fp32 master P*4/N + optimizer state P*o/N, the saved activations of every block,
-                   and the loss tensors at their peak (12 bytes per logit, see `activations`).
-                   The outermost unit is resharded after its forward too (here as in torch FSDP2), so
-                   no unsharded parameters remain under full_shard; shard_grad_op keeps all of them, P*p.
-  backward start   the same states and activations plus a checkpointed block's recomputation; the
-                   outermost unit and `in_flight` inner units are gathered, p*(u_root + in_flight*u);
-                   the unsharded gradients of the outermost unit and of the current unit, p*(u_root + u),
-                   and the current unit's reduce buffer, r*u (only when r != p: a cast copy; otherwise
-                   the collective reads the gradient buffer itself).
-  backward end     the outermost unit reduces last: its unsharded gradients p*u_root are copied into
-                   its reduce buffer r*u_root, then freed while the reduce-scatter writes its gradient
-                   shard 4*u_root/N (the larger moment counts); the previous unit's reduce buffer r*u
-                   is still held by the asynchronous reduce-scatter. At 8B and above this is the peak:
-                   16 B/param / N plus p + r bytes per root parameter (embedding and head).
-  optimizer step   the states alone, 16 B/param / N for AdamW (fused: no temporaries).
+The bill is the peak of torch.cuda.max_memory_allocated() over four moments of the step (forward +
+loss, backward start, backward end, optimizer step), each itemised in `moments`.
 
 Tensor parallelism (`tp` ranks per layer, `tensor_parallel`): the bill is that of the model one tp
 rank holds, sharded over the world / tp data-parallel ranks, with a note naming the collectives.
@@ -57,19 +40,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..options import resolve_options
-from ..policy import CPUOffload, MixedPrecision
-from ..tp.mesh import check_tp_divides
-from .activations import ActivationBill, activation_bill
+from ...options import resolve_options
+from ...policy import CPUOffload, MixedPrecision
+from ...tp.mesh import check_tp_divides
 from .finetune import fine_tune_spec
 from .inputs import EstimateInputs, optimizer_bytes, positive_int, recompute_every_of, shard_size_of
-from .model_spec import ModelSpec, resolve_model
+from .model_input import resolve_model
+from .moments import moments, step_states
 from .report import format_estimate
 from .sizes import GiB, parse_bytes
 from .tensor_parallel import tp_collectives, tp_local_spec
 
-MASTER_BYTES = 4  # fp32 master weights
-GRAD_BYTES = 4  # fp32 sharded gradients
 OVERHEAD_BYTES = GiB // 4  # work buffers and small state the itemised terms leave out (calibrated)
 CONTEXT_BYTES = 3 * GiB // 2  # CUDA context + NCCL: device memory the caching allocator never sees
 FRAGMENTATION = 0.05  # fraction of the peak kept for the caching allocator's fragmentation
@@ -186,7 +167,7 @@ def estimate_memory(
 
     A fine-tune: an nn.Module says what trains through requires_grad (a peft model, say); the other
     forms take `lora_rank` with `lora_targets` (adapters on a frozen base) or `trainable_fraction`
-    (`planning.finetune`). Frozen parameters are billed in their stored dtype, with no gradient and
+    (`planning.cost.finetune`). Frozen parameters are billed in their stored dtype, with no gradient and
     no optimizer state, and their layers save only what backward needs through them.
 
     `tp`: each layer split over `tp` ranks (the world a multiple of it), the TP-local tensors sharded
@@ -238,152 +219,9 @@ def estimate_memory(
     return _estimate(inputs)
 
 
-def _activations(inputs: EstimateInputs) -> ActivationBill:
-    shape = inputs.model.shape
-    if shape is None:
-        return ActivationBill(saved=0, backward_extra=0, loss_peak=0)
-    return activation_bill(
-        shape,
-        micro_batch=inputs.micro_batch,
-        seq_len=inputs.seq_len,
-        compute_bytes=inputs.param_bytes,
-        recompute_every=inputs.recompute_every,
-        trained=inputs.model.trained,
-        sequence_split=inputs.tp if inputs.sequence_parallel else 1,
-        vocab_split=inputs.tp if inputs.loss_parallel else 1,
-        chunked_loss=inputs.chunked_loss,
-    )
-
-
-def offloaded_units(model: ModelSpec, offload: CPUOffload | None) -> list[int]:
-    """The parameters of each unit `offload` moves to the host (whole units, as CPUOffload.select picks them)."""
-    if offload is None:
-        return []
-    sizes = (model.root_params, *model.unit_params)  # plan order, as CPUOffload.select walks it
-    return [size for size, on in zip(sizes, offload.select(sizes)) if on]
-
-
-def offloaded_share(model: ModelSpec, offload: CPUOffload | None) -> float:
-    """The share of the parameters `offload` moves to the host (whole units, as CPUOffload.select picks them)."""
-    return sum(offloaded_units(model, offload)) / max(1, model.root_params + sum(model.unit_params))
-
-
-def _estimate(inputs: EstimateInputs) -> MemoryEstimate:
-    m, s, p, r = inputs.model, inputs.strategy, inputs.param_bytes, inputs.reduce_bytes
-    n = inputs.shard_size
-    resident = s.keeps_params_resident
-    # Frozen parameters stay in the dtype they were built in (`policy.storage_dtypes`): no master.
-    frozen_size = inputs.frozen_param_bytes
-    params_alias = p == MASTER_BYTES and (n == 1 or resident)  # unsharded params are views of the master
-    frozen_alias = frozen_size == p and (n == 1 or resident)  # ... or of the frozen shards
-    grads_alias = p == GRAD_BYTES and n == 1  # unsharded grads land in the fp32 gradient itself
-    # Each parameter's rows are padded to a multiple of the shard group (core.param_layout).
-    padding, trainable_padding = m.padding(n)
-    trainable = m.trainable_params + trainable_padding
-    frozen_stored = int((m.frozen_params + padding - trainable_padding) * frozen_size) // n
-    sharded = trainable * MASTER_BYTES // n + frozen_stored
-    master = (
-        (m.trainable_params * MASTER_BYTES if params_alias else trainable * MASTER_BYTES // n)
-        + (int(m.frozen_params * frozen_size) if frozen_alias else frozen_stored)
-        if resident
-        else sharded
-    )
-    grads = trainable * GRAD_BYTES // n
-    optim = int(trainable * inputs.optimizer_bytes / n)
-    host = 0
-    if inputs.offload:  # the host keeps shards, gradients and optimizer state; the step runs there
-        share = offloaded_share(m, inputs.offload)
-        moved = [int(share * b) for b in (sharded, grads, optim)]
-        host += sum(moved)
-        master, grads, optim = (b - off for b, off in zip((sharded, grads, optim), moved))
-        params_alias = frozen_alias = False  # the offloaded shards live on the host: the device needs copies
-    disk = moved[2] if inputs.offload and inputs.offload.disk_dir is not None else 0
-    host -= disk  # the disk tier keeps the offloaded optimizer state in files (offload/disk_state.py)
-
-    copy, frozen_copy = (0 if params_alias else p), (0 if frozen_alias else p)
-    grad_copy = 0 if grads_alias else p
-
-    def unsharded(params: int, trainable_params: int) -> int:
-        """Bytes of the unsharded copies of `params` parameters, `trainable_params` of them trainable."""
-        trains = min(params, trainable_params)
-        return trains * copy + (params - trains) * frozen_copy
-
-    whole = unsharded(m.num_params, m.trainable_params)  # every unit unsharded
-    resident_params = whole if resident else 0
-    # Note: mirrors core.lookup.runs_sharded_lookup: an embedding unit sharded over several ranks,
-    # neither resident nor offloaded, is never gathered and has no unsharded gradient.
-    lookups_gather = n == 1 or resident or bool(inputs.offload)
-    if s.reshard_after_forward:  # only the outermost unit and the units in flight are gathered
-        in_flight = m.largest_units(inputs.in_flight, lookups_gather=lookups_gather)
-        # CPUOffload(reshard_after_forward=False): the offloaded units stay gathered from forward to backward
-        offload = inputs.offload
-        keeps = offload is not None and not offload.reshards_after_forward(strategy_reshards=True)
-        kept = sum(offloaded_units(m, offload)) if keeps else 0
-        at_loss = unsharded(kept, kept)
-        gathered = (
-            at_loss
-            + unsharded(m.enclosing_params, m.trainable_of("enclosing"))
-            + unsharded(in_flight, inputs.in_flight * m.trainable_of("unit"))
-        )
-    else:  # gathered in forward, kept until each unit's backward ends (or for good)
-        at_loss = gathered = whole - (0 if lookups_gather else sum(m.lookup_params) * copy)  # copy == frozen_copy here
-    # gradients: of the trainable parameters only (the unit with the most of them)
-    big = min(m.largest_units(1, lookups_gather=lookups_gather), m.trainable_of("unit"))
-    root_trainable, enclosing_trainable = m.trainable_of("root"), m.trainable_of("enclosing")
-
-    def reduce_copy(numel: int) -> int:
-        return numel * r if r != p else 0
-
-    root_shard = min(grads, root_trainable * GRAD_BYTES // n)
-    in_place = root_trainable * grad_copy if r == p else 0  # the reduce reads the unsharded gradients
-    reducing = dict(
-        unsharded_params=resident_params,
-        reduce_buffers=reduce_copy(root_trainable) + reduce_copy(big),
-        activations=0,
-        logits=0,
-    )
-    acts = _activations(inputs)
-    grads_between = grads if inputs.keep_grads else 0
-    common = dict(parameters=master, optimizer_state=optim)
-    phases = {
-        "forward + loss": dict(
-            common,
-            gradients=grads_between,
-            unsharded_params=at_loss,
-            unsharded_grads=0,
-            reduce_buffers=0,
-            activations=acts.saved,
-            logits=acts.loss_peak,
-        ),
-        "backward start": dict(
-            common,
-            gradients=grads_between,
-            unsharded_params=gathered,
-            unsharded_grads=(enclosing_trainable + big) * grad_copy,
-            reduce_buffers=reduce_copy(big),
-            activations=acts.saved + acts.backward_extra,
-            logits=0,
-        ),
-        "backward end": max(
-            (  # the outermost unit's gradients are copied into its reduce buffer...
-                dict(common, gradients=grads - root_shard, unsharded_grads=root_trainable * grad_copy, **reducing),
-                # ...then freed, while the reduce-scatter writes its shard of the gradients
-                dict(common, gradients=grads, unsharded_grads=in_place, **reducing),
-            ),
-            key=lambda items: sum(items.values()),
-        ),
-        "optimizer step": dict(
-            common,
-            gradients=grads,
-            unsharded_params=resident_params,
-            unsharded_grads=0,
-            reduce_buffers=0,
-            activations=0,
-            logits=0,
-        ),
-    }
-    totals = {name: sum(items.values()) for name, items in phases.items()}
-    peak = max(totals, key=totals.__getitem__)
+def _notes(inputs: EstimateInputs) -> tuple[str, ...]:
+    """The model's notes, the tensor-parallel collectives and the frozen parameters' billing."""
+    m = inputs.model
     notes = m.notes
     if inputs.tp > 1 and m.shape is not None:
         tokens = inputs.micro_batch * inputs.seq_len
@@ -393,20 +231,30 @@ def _estimate(inputs: EstimateInputs) -> MemoryEstimate:
                 sequence_parallel=inputs.sequence_parallel,
                 tokens=tokens,
                 dim=m.shape.dim,
-                compute_bytes=p,
+                compute_bytes=inputs.param_bytes,
             ),
         )
     if m.trainable_params < m.num_params:
         notes += (
-            f"{m.frozen_params:,} frozen parameters ({frozen_size:g} B each as stored): no gradients or optimizer state",
+            f"{m.frozen_params:,} frozen parameters ({inputs.frozen_param_bytes:g} B each as stored): "
+            "no gradients or optimizer state",
         )
+    return notes
+
+
+def _estimate(inputs: EstimateInputs) -> MemoryEstimate:
+    """The bill at the step's peak moment: the shared states, each moment's items, the largest total."""
+    states = step_states(inputs)
+    phases = moments(inputs, states)
+    totals = {name: sum(items.values()) for name, items in phases.items()}
+    peak = max(totals, key=totals.__getitem__)
     return MemoryEstimate(
         **phases[peak],
         overhead=OVERHEAD_BYTES,
-        host=host,
-        disk=disk,
+        host=states.host,
+        disk=states.disk,
         peak_phase=peak,
         phase_totals=tuple((name, total + OVERHEAD_BYTES) for name, total in totals.items()),
-        notes=notes,
+        notes=_notes(inputs),
         inputs=inputs,
     )

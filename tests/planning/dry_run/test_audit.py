@@ -9,7 +9,7 @@ from torch import nn
 import shardtrain as st
 from shardtrain.core.comm import UnitComm
 from shardtrain.models.llama import Block, Llama, llama_config
-from shardtrain.planning.audit import audit_precision, dtype_name
+from shardtrain.planning.dry_run.audit import audit_precision, dtype_name
 from tests.models import ConvNet, FrozenShared, lm_loss, make_batches, tiny_llama
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16

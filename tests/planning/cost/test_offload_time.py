@@ -1,11 +1,11 @@
-"""planning/offload_time.py: the offloaded step's phases (in sequence, overlapped, in backward, with the disk
+"""planning/cost/offload_time.py: the offloaded step's phases (in sequence, overlapped, in backward, with the disk
 tier), and the planner pricing offload with them."""
 
 import pytest
 
 import shardtrain as st
-from shardtrain.planning.candidates import offload_work, predicted_time
-from shardtrain.planning.offload_time import offload_step_time
+from shardtrain.planning.cost.candidates import offload_work, predicted_time
+from shardtrain.planning.cost.offload_time import offload_step_time
 
 
 def test_one_gpu_figures():

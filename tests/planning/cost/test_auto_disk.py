@@ -12,10 +12,10 @@ import torch
 
 import shardtrain as st
 from shardtrain.models.llama import Block, Llama, llama_config
-from shardtrain.planning import machine
-from shardtrain.planning.auto import choose_plan
-from shardtrain.planning.candidates import predicted_time
-from shardtrain.planning.shard_auto import resolve_auto
+from shardtrain.planning.cost import machine
+from shardtrain.planning.cost.auto import choose_plan
+from shardtrain.planning.cost.candidates import predicted_time
+from shardtrain.planning.cost.shard_auto import resolve_auto
 from shardtrain.train.config import load_config
 from shardtrain.train.planned_config import choice_overrides, resolve_auto_config
 

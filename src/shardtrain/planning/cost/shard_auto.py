@@ -15,13 +15,13 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from ..core.process_groups import require_process_group
-from ..options import ShardOptions, resolve_options
-from ..policy import AutoPolicy
-from ..sharding import shard_with
-from ..tp import is_tensor_parallel_mesh
-from .auto import SAFETY_MARGIN, AutoChoice, choose_plan
-from .machine import plan_memory
+from ...core.process_groups import require_process_group
+from ...options import ShardOptions, resolve_options
+from ...policy import AutoPolicy
+from ...sharding import shard_with
+from ...tp import is_tensor_parallel_mesh
+from .auto import SAFETY_MARGIN, choose_plan
+from .choice import AutoChoice
 
 
 def shard_auto(model: nn.Module, *, policy: AutoPolicy, **options: Any) -> tuple[nn.Module, AutoChoice]:
@@ -81,6 +81,8 @@ def resolve_auto(
 ) -> AutoChoice:
     """The automatic plan for `st.shard(model, wrap=wrap, ...)`: strategy, checkpointing and offload.
 
+    `st.shard_auto`'s request to `choose_plan` (the one function that chooses), with nothing chosen here.
+
     The micro-batch stays as the caller's loop feeds it (`micro_batch` sequences of `seq_len` tokens
     per device, `grad_accum` micro-batches per step). `device_memory` defaults to the local GPU's;
     `host_memory` (per process) to this host's share when planning for the local GPUs or when `disk_dir`
@@ -92,14 +94,6 @@ def resolve_auto(
             "the automatic plan needs wrap= (e.g. the transformer block class): with the whole model as "
             "one unit every strategy gathers all parameters at once and checkpointing has no blocks"
         )
-    device_memory, host_memory = plan_memory(
-        device_memory=device_memory,
-        host_memory=host_memory,
-        disk_dir=disk_dir,
-        world_size=world_size,
-        accelerator="cuda",
-        processes=1,
-    )
     return choose_plan(
         model,
         world_size=world_size,
@@ -115,4 +109,5 @@ def resolve_auto(
         host_memory=host_memory,
         disk_dir=disk_dir,
         wrap=wrap,
+        accelerator="cuda",
     )

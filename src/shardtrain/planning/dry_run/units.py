@@ -13,10 +13,10 @@ from typing import Any
 
 from torch import nn
 
-from ..core.param_layout import layout_of_unit
-from ..core.partition import partition
-from ..options import resolve_options
-from ..strategy import Strategy
+from ...core.param_layout import layout_of_unit
+from ...core.partition import partition
+from ...options import resolve_options
+from ...strategy import Strategy
 
 MIB = 1024 * 1024
 DOMINANT_FRACTION = 0.5

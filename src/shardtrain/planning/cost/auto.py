@@ -17,24 +17,22 @@ Safety margin: 5% of the device's memory on top of the estimator's own reserve (
 5% fragmentation), because the estimator errs low against this engine's measured peaks (BENCHMARKS.md,
 'Memory estimator against measured peaks (2 × H200)').
 
-`st.shard_auto` (planning/shard_auto.py) plans a built model for the batch its caller's loop feeds
-and shards it with the choice (`AutoChoice.applied_to`).
+`choose_plan` is the one function that chooses a plan. Its callers only translate their inputs:
+`st.shard_auto` (`shard_auto.resolve_auto`: the loop's micro-batch, this machine's GPU) and
+`engine.strategy = "auto"` (`train.planned_config.resolve_auto_config`: a training config); what each
+gets back is an `AutoChoice` (`choice`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
 from typing import Any
 
-from torch import nn
-
-from ..options import ShardOptions, offload_setting, resolve_options
-from ..strategy import Strategy
-from .candidates import Candidate, batch_splits, evaluate, offload_label, parse_strategies
-from .checkpointing import recompute_policy
-from .estimate import MemoryEstimate, estimate_memory, positive_int
+from ...strategy import Strategy
+from .candidates import Candidate, batch_splits, evaluate, parse_strategies
+from .choice import AutoChoice
+from .estimate import estimate_memory, positive_int
 from .explain import explain
-from .report import checkpointing_label
+from .machine import plan_memory
 from .sizes import format_gib, parse_bytes
 from .speed import StepTime, step_time
 
@@ -43,89 +41,6 @@ SAFETY_MARGIN = 0.05  # covers the estimator's error against measured peaks (mod
 RUNNERS_UP = 4  # fitting configurations kept after the best, for timed trials
 OFFLOAD_FRACTIONS = (0.25, 0.5, 0.75, 1.0)  # shares of the model weighed for CPU offload (whole units)
 _SEARCH_STEPS = 10  # remedies when nothing fits: up to 2**10 x the devices, down to seq_len / 2**10
-
-
-@dataclass(frozen=True, kw_only=True)
-class AutoChoice:
-    """The chosen configuration, what it is predicted to need and cost, and why it was chosen."""
-
-    strategy: Strategy
-    recompute_every: int  # 0: none, 1: every block, k: blocks 0, k, 2k, ... (as estimate_memory counts)
-    checkpointed_blocks: int
-    cpu_offload: float  # the share of the parameters offloaded to the host (whole units); 0.0: none
-    disk_dir: str | None  # the disk tier's directory for the offloaded optimizer state; None: host memory
-    micro_batch: int  # sequences per rank per micro-step
-    grad_accum: int
-    seq_len: int
-    world_size: int
-    device_memory: int
-    usable_memory: int  # device_memory less the safety margin
-    predicted_bytes: int  # device memory needed: peak allocated + reserve + no_sync accumulation
-    step_time: StepTime
-    reasons: tuple[str, ...]
-    estimate: MemoryEstimate = field(repr=False)
-    runners_up: tuple[Candidate, ...] = field(default=(), repr=False)  # next fastest that fit, in order
-
-    def alternatives(self) -> list[AutoChoice]:
-        """This choice, then each runner-up as a choice of its own (what timed trials compare)."""
-        return [self] + [
-            replace(
-                self,
-                strategy=c.strategy,
-                recompute_every=c.recompute_every,
-                checkpointed_blocks=c.checkpointed_blocks,
-                cpu_offload=c.cpu_offload,
-                disk_dir=c.disk_dir,
-                micro_batch=c.micro_batch,
-                grad_accum=c.grad_accum,
-                predicted_bytes=c.needed,
-                step_time=c.time,
-                estimate=c.estimate,
-                runners_up=(),
-                reasons=(f"runner-up {rank} of the prediction: step time {c.time.relative:.3f} x the ideal",),
-            )
-            for rank, c in enumerate(self.runners_up, start=1)
-        ]
-
-    @property
-    def relative_step_time(self) -> float:
-        """Predicted step time over the ideal (the step's FLOPs at full efficiency, nothing else)."""
-        return self.step_time.relative
-
-    @property
-    def activation_checkpointing(self) -> bool | int:
-        """As estimate_memory and the train config take it: False, True (every block) or k."""
-        return {0: False, 1: True}.get(self.recompute_every, self.recompute_every)
-
-    def shard_kwargs(self, model: nn.Module, *, wrap: Any) -> dict[str, Any]:
-        """strategy, activation_checkpointing and cpu_offload for `st.shard(model, wrap=wrap, ...)`."""
-        return {
-            "strategy": self.strategy,
-            "cpu_offload": offload_setting(self.cpu_offload, disk_dir=self.disk_dir),
-            "activation_checkpointing": recompute_policy(model, wrap=wrap, every=self.recompute_every),
-        }
-
-    def applied_to(self, options: ShardOptions, model: nn.Module) -> ShardOptions:
-        """`options` with this choice's strategy, activation checkpointing and offload."""
-        chosen = resolve_options(wrap=options.wrap, **self.shard_kwargs(model, wrap=options.wrap))
-        return replace(
-            options,
-            strategy=chosen.strategy,
-            activation_checkpointing=chosen.activation_checkpointing,
-            offload=chosen.offload,
-        )
-
-    def __str__(self) -> str:
-        offload = offload_label(self.cpu_offload, disk=self.disk_dir is not None)
-        checkpointing = checkpointing_label(self.recompute_every)
-        head = (
-            f"automatic plan: {self.estimate.inputs.label}, activation checkpointing {checkpointing}{offload}, "
-            f"micro-batch {self.micro_batch} x {self.grad_accum} accumulation step{'s' * (self.grad_accum > 1)}, "
-            f"seq {self.seq_len}, "
-            f"{self.world_size} devices: {format_gib(self.predicted_bytes)} GiB of "
-            f"{format_gib(self.device_memory)} GiB, step time {self.relative_step_time:.3f} x the ideal"
-        )
-        return "\n".join([head, *(f"- {r}" for r in self.reasons)])
 
 
 def _sequences_per_rank(
@@ -220,12 +135,97 @@ def _nothing_fits(
     )
 
 
+def _budget(
+    *,
+    device_memory: int | str | None,
+    host_memory: int | str | None,
+    disk_dir: str | None,
+    world_size: int,
+    accelerator: str | None,
+    processes: int,
+    safety_margin: float,
+) -> tuple[int, int, int | None]:
+    """(device memory, its usable part, the host's usable part or None: unchecked), this machine's
+    where `accelerator` is given and the memory is not (`machine.plan_memory`)."""
+    if accelerator is not None:
+        device_memory, host_memory = plan_memory(
+            device_memory=device_memory,
+            host_memory=host_memory,
+            disk_dir=disk_dir,
+            world_size=world_size,
+            accelerator=accelerator,
+            processes=processes,
+        )
+    if device_memory is None:
+        raise ValueError(
+            "device_memory=None: give each device's memory (e.g. '80GiB'), or accelerator= to read this machine's"
+        )
+    memory = parse_bytes(device_memory, what="device_memory")
+    if not 0 <= safety_margin < 1:
+        raise ValueError(f"safety_margin={safety_margin!r} must be a fraction in [0, 1), e.g. 0.05")
+    usable = int(memory * (1 - safety_margin))
+    if host_memory is None:
+        return memory, usable, None
+    return memory, usable, int(parse_bytes(host_memory, what="host_memory") * (1 - safety_margin))
+
+
+def _splits(sequences: int, *, split_batch: bool, micro_batch: int | None, grad_accum: int) -> list[tuple[int, int]]:
+    """The micro_batch x grad_accum splits of each rank's sequences weighed (without `split_batch`: the given one)."""
+    if split_batch:
+        return batch_splits(sequences)
+    return [(sequences, 1)] if micro_batch is None else [(micro_batch, grad_accum)]
+
+
+def _weigh(
+    model_spec: Any,
+    *,
+    common: dict[str, Any],
+    usable: int,
+    host_usable: int | None,
+    allow_offload: bool,
+    disk_dir: str | None,
+) -> tuple[list[Candidate], list[Candidate]]:
+    """Every candidate weighed, and apart the offloaded ones whose host share does not fit the host.
+
+    The device alone first; CPU offload (every share at once) only when nothing fits without it; the
+    disk tier (`disk_dir`) only when nothing fits with device and host memory either."""
+    candidates = evaluate(model_spec, cpu_offload=0.0, **common)
+    too_big_for_host: list[Candidate] = []
+    stages = [[dict(cpu_offload=fraction) for fraction in OFFLOAD_FRACTIONS]]
+    if disk_dir is not None:
+        stages.append([dict(cpu_offload=1.0, disk_dir=disk_dir)])
+    for stage in stages if allow_offload else ():
+        if any(c.needed <= usable for c in candidates):
+            break
+        for tier in stage:
+            for c in evaluate(model_spec, **tier, **common):
+                fits_host = host_usable is None or c.host_bytes <= host_usable
+                (candidates if fits_host else too_big_for_host).append(c)
+    return candidates, too_big_for_host
+
+
+def _baseline(best: Candidate, *, world_size: int, seq_len: int) -> StepTime | None:
+    """full_shard with every block checkpointed at the best's batch split: what the reasons compare with."""
+    spec = best.estimate.inputs.model
+    if spec.shape is None:
+        return None
+    return step_time(
+        model=spec,
+        strategy=Strategy.FULL_SHARD,
+        shard_size=world_size,
+        checkpointed_blocks=spec.shape.n_layers,
+        micro_batch=best.micro_batch,
+        grad_accum=best.grad_accum,
+        seq_len=seq_len,
+    )
+
+
 def choose_plan(
     model_spec: Any,
     /,
     *,
     world_size: int,
-    device_memory: int | str,
+    device_memory: int | str | None,
     seq_len: int,
     global_batch_tokens: int | None = None,
     micro_batch: int | None = None,
@@ -239,6 +239,8 @@ def choose_plan(
     host_memory: int | str | None = None,
     disk_dir: str | None = None,
     wrap: Any = None,
+    accelerator: str | None = None,
+    processes: int = 1,
     **shape_hints: Any,
 ) -> AutoChoice:
     """The fastest configuration of `model_spec` predicted to fit on `world_size` devices (module docstring).
@@ -253,13 +255,23 @@ def choose_plan(
     (per process) bounds what CPU offload may put on the host (None: not checked). `disk_dir` (an
     existing directory) lets the plan keep the optimizer state of a fully offloaded model there, when
     nothing fits with device and host memory alone.
+    `accelerator` ("cuda" or "cpu") plans for this machine: device_memory=None becomes each of its
+    `processes` local processes' share of it, and host_memory=None this host's share per process when
+    device_memory is None or `disk_dir` is given (`machine.plan_memory`); without `accelerator`
+    nothing is looked up here and device_memory is required.
     Raises ValueError naming what to change (more devices, shorter sequences, ...) if nothing fits.
     """
     world_size = positive_int(world_size, "world_size")
     seq_len = positive_int(seq_len, "seq_len")
-    memory = parse_bytes(device_memory, what="device_memory")
-    if not 0 <= safety_margin < 1:
-        raise ValueError(f"safety_margin={safety_margin!r} must be a fraction in [0, 1), e.g. 0.05")
+    memory, usable, host_usable = _budget(
+        device_memory=device_memory,
+        host_memory=host_memory,
+        disk_dir=disk_dir,
+        world_size=world_size,
+        accelerator=accelerator,
+        processes=processes,
+        safety_margin=safety_margin,
+    )
     sequences = _sequences_per_rank(
         world_size=world_size,
         seq_len=seq_len,
@@ -267,10 +279,7 @@ def choose_plan(
         micro_batch=micro_batch,
         grad_accum=grad_accum,
     )
-    if split_batch:
-        splits = batch_splits(sequences)
-    else:
-        splits = [(sequences, 1)] if micro_batch is None else [(micro_batch, grad_accum)]
+    splits = _splits(sequences, split_batch=split_batch, micro_batch=micro_batch, grad_accum=grad_accum)
     kwargs = dict(precision=precision, optimizer=optimizer, wrap=wrap, **shape_hints)
     common = dict(
         world_size=world_size,
@@ -279,22 +288,14 @@ def choose_plan(
         seq_len=seq_len,
         estimate_kwargs=kwargs,
     )
-    usable = int(memory * (1 - safety_margin))
-    host_usable = (
-        None if host_memory is None else int(parse_bytes(host_memory, what="host_memory") * (1 - safety_margin))
+    candidates, too_big_for_host = _weigh(
+        model_spec,
+        common=common,
+        usable=usable,
+        host_usable=host_usable,
+        allow_offload=allow_offload,
+        disk_dir=disk_dir,
     )
-    candidates = evaluate(model_spec, cpu_offload=0.0, **common)
-    too_big_for_host: list[Candidate] = []  # offloaded configurations whose host share does not fit the host
-    stages = [[dict(cpu_offload=fraction) for fraction in OFFLOAD_FRACTIONS]]  # host memory, every share at once
-    if disk_dir is not None:  # then the disk tier: only when nothing fits with device and host memory
-        stages.append([dict(cpu_offload=1.0, disk_dir=disk_dir)])
-    for stage in stages if allow_offload else ():
-        if any(c.needed <= usable for c in candidates):
-            break
-        for tier in stage:
-            for c in evaluate(model_spec, **tier, **common):
-                fits_host = host_usable is None or c.host_bytes <= host_usable
-                (candidates if fits_host else too_big_for_host).append(c)
     fits = [c for c in candidates if c.needed <= usable]
     if not fits:
         raise _nothing_fits(
@@ -312,18 +313,6 @@ def choose_plan(
         )
     ranked = sorted(fits, key=lambda c: (c.time.total, c.needed))  # stable: ties keep the strategies' order
     best = ranked[0]
-    spec = best.estimate.inputs.model
-    baseline = None
-    if spec.shape is not None:
-        baseline = step_time(
-            model=spec,
-            strategy=Strategy.FULL_SHARD,
-            shard_size=world_size,
-            checkpointed_blocks=spec.shape.n_layers,
-            micro_batch=best.micro_batch,
-            grad_accum=best.grad_accum,
-            seq_len=seq_len,
-        )
     reasons = explain(
         best=best,
         candidates=candidates,
@@ -332,25 +321,16 @@ def choose_plan(
         safety_margin=safety_margin,
         global_tokens=sequences * world_size * seq_len,
         fixed_batch=len(splits) == 1,
-        baseline=baseline,
+        baseline=_baseline(best, world_size=world_size, seq_len=seq_len),
         host_rejected=too_big_for_host,
         host_usable=host_usable,
     )
-    return AutoChoice(
-        strategy=best.strategy,
-        recompute_every=best.recompute_every,
-        checkpointed_blocks=best.checkpointed_blocks,
-        cpu_offload=best.cpu_offload,
-        disk_dir=best.disk_dir,
-        micro_batch=best.micro_batch,
-        grad_accum=best.grad_accum,
+    return AutoChoice.of(
+        best,
+        runners_up=tuple(ranked[1 : RUNNERS_UP + 1]),
         seq_len=seq_len,
         world_size=world_size,
         device_memory=memory,
         usable_memory=usable,
-        predicted_bytes=best.needed,
-        step_time=best.time,
         reasons=reasons,
-        estimate=best.estimate,
-        runners_up=tuple(ranked[1 : RUNNERS_UP + 1]),
     )

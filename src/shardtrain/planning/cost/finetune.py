@@ -81,7 +81,7 @@ def _lora(spec: ModelSpec, rank: Any, targets: Any) -> ModelSpec:
         raise ValueError(f"lora_rank={rank} needs the model's shape to size the adapters; {spec.name} has none")
     shape = spec.shape
     per_block = adapter_params(shape, rank=rank, targets=targets)
-    # the blocks among the units: all of them, or all but the embedding and head (`model_spec._from_shape`)
+    # the blocks among the units: all of them, or all but the embedding and head (`model_spec.spec_from_shape`)
     first = len(spec.unit_params) - shape.n_layers
     block_units = range(first // 2, first // 2 + shape.n_layers) if first in (0, 2) else range(0)
     adapters = per_block * shape.n_layers

@@ -122,7 +122,7 @@ def _offload(best: Candidate, candidates: list[Candidate]) -> str:
         f"on-device configuration, {smallest.describe()}, needs {_gib(smallest.needed)}); it keeps "
         f"{_gib(best.estimate.host)} per process in host memory, and the host step and copies add "
         f"{best.time.offload / best.time.tokens:.2f} x the ideal step time "
-        f"({best.time.offload * best.time.token_s:.2f} s, planning/offload_time.py)"
+        f"({best.time.offload * best.time.token_s:.2f} s, planning/cost/offload_time.py)"
     )
 
 
@@ -179,7 +179,7 @@ def explain(
         _offload(best, candidates),
         *([_disk(best, list(host_rejected), usable, host_usable)] if best.disk_dir is not None else []),
         *_baseline(best, baseline),
-        f"cost model (planning/speed.py): compute ~ tokens x FLOPs per token / efficiency t/(t+256) per "
+        f"cost model (planning/cost/speed.py): compute ~ tokens x FLOPs per token / efficiency t/(t+256) per "
         f"micro-batch, recomputation = each checkpointed block's forward, full_shard's second all-gather "
         f"{GATHER_EXPOSED_FRACTION:.0%} of the compute of {REFERENCE_TOKENS:,} tokens per micro-batch",
     ]

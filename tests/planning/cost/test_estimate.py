@@ -11,9 +11,9 @@ from torch import nn
 import shardtrain as st
 from shardtrain.cli import estimate as cli_estimate
 from shardtrain.models.llama import Llama, llama_config
-from shardtrain.planning.compare import compare_strategies
-from shardtrain.planning.estimate import OVERHEAD_BYTES
-from shardtrain.planning.sizes import GiB, parse_bytes, parse_count
+from shardtrain.planning.cost.compare import compare_strategies
+from shardtrain.planning.cost.estimate import OVERHEAD_BYTES
+from shardtrain.planning.cost.sizes import GiB, parse_bytes, parse_count
 
 # 8b: dim 4096, 32 layers, 32 heads / 8 kv, ffn 14336, vocab 128256 (untied)
 P8 = 8_030_261_248

@@ -24,13 +24,13 @@ matrices.
 
 Activation checkpointing keeps only each checkpointed block's input (c * T * h) and recomputes one
 block's full activations at a time during backward, beside which that block's backward holds the
-gradients of its three ffn-wide tensors (3 * c * T * f): measured on the CPU (tests/planning), they are
+gradients of its three ffn-wide tensors (3 * c * T * f): measured on the CPU (tests/planning/cost), they are
 what a small model's checkpointed peak lacked without them. Checkpointing every k-th block checkpoints blocks
 0, k, 2k, ... (ceil(L / k) of them); the others save everything.
 
 The final norm keeps its input and output (the head's input): 2 * c * T * h.
 
-Tensor parallelism (planning/tensor_parallel.py) bills the TP-local shape; sequence parallelism over
+Tensor parallelism (planning/cost/tensor_parallel.py) bills the TP-local shape; sequence parallelism over
 `sequence_split` ranks then divides what the norms keep and the checkpointed residual by that count,
 while the projections' inputs, gathered along the sequence before them, stay whole.
 
@@ -61,7 +61,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..models.chunked_ce import default_chunk_rows
+from ...models.chunked_ce import default_chunk_rows
 from .model_spec import LlamaShape
 from .trained import FULL_TRAINING, TrainedParts
 

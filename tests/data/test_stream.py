@@ -132,3 +132,11 @@ def test_the_first_batch_comes_before_the_corpus_is_tokenized(tmp_path, tok):
     encoder(rows[:], list(range(count)))
     everything = time.perf_counter() - start
     assert first < everything / 5, (first, everything)
+
+
+def test_a_row_that_fails_in_the_reading_thread_fails_the_batch_in_one_line(tmp_path, tok):
+    rows = _rows(30)
+    rows[7] = {"prompt": "Q: what is the capital of Zorbia? " * 30, "completion": " Quelmar"}  # cut before it
+    path = _jsonl(tmp_path / "rows.jsonl", rows)
+    with pytest.raises(ValueError, match=r"^row 7 of test rows has no trained token after its cut to data.seq_len=64"):
+        _batches(path, tok, count=1)

@@ -13,6 +13,7 @@ any communication; the tokenizing runs once per node (local rank 0 first, the ot
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
@@ -273,7 +274,8 @@ def _streamed(cfg: Config, engine, plan: DataPlan, *, order: dict, progress: boo
     share = dict(tokenizer=tok, cache_dir=d.cache_dir, rank=order["rank"], world_size=order["world_size"])
     train = StreamBatches(
         lambda: stream_rows(spec, **share),
-        encoder=encoder_of(spec, fmt, tokenizer=tok),
+        # the reading thread encodes with its own copy: a fast tokenizer is not to be shared across threads
+        encoder=encoder_of(spec, fmt, tokenizer=copy.deepcopy(tok)),
         pad_id=pad_id(tok),
         packing=d.packing,
         buffer=d.stream_buffer,

@@ -100,16 +100,27 @@ class WindowBatches(WindowOrder):
         picked = self.windows_of(index)
         real = [b for b, w in enumerate(picked) if w is not None]  # the rest stay padding rows
         rows = self.windows[[picked[b] for b in real]]
-        shape = (self.per_rank, self.seq_len)
-        ids = np.full(shape, self.pad_id, dtype=np.int64)
-        labels = np.full(shape, IGNORE, dtype=np.int64)
-        positions = np.tile(np.arange(self.seq_len, dtype=np.int64), (self.per_rank, 1))
-        for b, i, lab, pos in zip(real, rows["input_ids"], rows["labels"], rows["position_ids"]):
-            n = len(i)
-            ids[b, :n], labels[b, :n], positions[b, :n] = i, lab, pos
-            positions[b, n:] -= n  # the padding: a run of its own, from 0
-        return {
-            "input_ids": torch.from_numpy(ids),
-            "labels": torch.from_numpy(labels),
-            "position_ids": torch.from_numpy(positions),
-        }
+        return dense_batch(
+            zip(real, rows["input_ids"], rows["labels"], rows["position_ids"]),
+            rows=self.per_rank,
+            seq_len=self.seq_len,
+            pad_id=self.pad_id,
+        )
+
+
+def dense_batch(windows, *, rows: int, seq_len: int, pad_id: int) -> dict[str, torch.Tensor]:
+    """The batch dict of `rows` rows from `windows`, (row, input_ids, labels, position_ids) tuples: each
+    window at the start of its row, the rest padding (a run of its own, from 0), every tensor dense."""
+    shape = (rows, seq_len)
+    ids = np.full(shape, pad_id, dtype=np.int64)
+    labels = np.full(shape, IGNORE, dtype=np.int64)
+    positions = np.tile(np.arange(seq_len, dtype=np.int64), (rows, 1))
+    for b, i, lab, pos in windows:
+        n = len(i)
+        ids[b, :n], labels[b, :n], positions[b, :n] = i, lab, pos
+        positions[b, n:] -= n
+    return {
+        "input_ids": torch.from_numpy(ids),
+        "labels": torch.from_numpy(labels),
+        "position_ids": torch.from_numpy(positions),
+    }

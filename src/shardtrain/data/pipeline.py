@@ -114,13 +114,7 @@ def prepare(
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the workers are the parallelism
     root = cache_root(cache_dir)
     (root / "tokenized").mkdir(parents=True, exist_ok=True)
-    encoder = Encoder(
-        tokenizer=tokenizer,
-        format=fmt,
-        train_on=TrainOn(spec.train_on),
-        seq_len=spec.seq_len,
-        overlong=Overlong(spec.overlong),
-    )
+    encoder = encoder_of(spec, fmt, tokenizer=tokenizer)
     tok_key = tokenizer_key(tokenizer)
     common = dict(root=root, workers=workers, tok_key=tok_key, spec=spec)
     docs = _encode(rows, encoder, **common)
@@ -149,12 +143,24 @@ def prepare(
     )
 
 
+def encoder_of(spec: DataSpec, fmt: Format, *, tokenizer) -> Encoder:
+    """The encoder of `spec`'s rows of format `fmt`."""
+    return Encoder(
+        tokenizer=tokenizer,
+        format=fmt,
+        train_on=TrainOn(spec.train_on),
+        seq_len=spec.seq_len,
+        overlong=Overlong(spec.overlong),
+    )
+
+
 def read_source(
-    spec: DataSpec, *, tokenizer, cache_dir: str | None = None, progress: bool = True
+    spec: DataSpec, *, tokenizer, cache_dir: str | None = None, progress: bool = True, streaming: bool = False
 ) -> tuple[Any, Format]:
     """The rows of data.path and their format, with data.eval_path checked alike: every mistake in what
     the files hold (a missing path, unknown columns, chat rows without a template) is found here,
-    cheaply enough for every rank to run it before any communication. `progress`: datasets' bars."""
+    cheaply enough for every rank to run it before any communication. `progress`: datasets' bars.
+    `streaming`: the rows as a `datasets.IterableDataset`, read as they are iterated (data/stream.py)."""
     datasets = require("datasets", why=f"data.path={spec.path!r}")
     (datasets.enable_progress_bars if progress else datasets.disable_progress_bars)()
     rows = load_rows(
@@ -164,10 +170,12 @@ def read_source(
         revision=spec.revision,
         pattern=spec.pattern,
         cache_dir=cache_dir,
+        streaming=streaming,
     )
     where = f"data.path={spec.path!r}"
     rows = _renamed(rows, spec, where=where)
-    fmt = detect_format(rows.column_names, forced=spec.format, where=where)
+    columns = rows.column_names if rows.column_names is not None else list(next(iter(rows), {}))
+    fmt = detect_format(columns, forced=spec.format, where=where)
     if fmt is Format.MESSAGES and not tokenizer.chat_template:
         raise ValueError(
             f"{where} holds chat messages but the tokenizer has no chat template; give it one "
@@ -243,15 +251,20 @@ def _check_trained(docs, *, where: str, seq_len: int) -> None:
     if len(empty):
         first = int(empty[0])
         row, truncated = int(table["row"][first]), bool(table["truncated"][first])
-        why = (
-            f"after its cut to data.seq_len={seq_len}"
-            if truncated
-            else "(nothing in it is a completion or an assistant turn)"
-        )
-        raise ValueError(
-            f"row {row} of {where} has no trained token {why}; {len(empty)} row(s) like it. Fix the row, raise "
-            "--data.seq_len, or train on every token with --data.train_on all"
-        )
+        raise untrained_row(row, truncated=truncated, where=where, seq_len=seq_len, like=f"{len(empty)} row(s)")
+
+
+def untrained_row(row: int, *, truncated: bool, where: str, seq_len: int, like: str) -> ValueError:
+    """The error for a kept document without one trained token (`like`: how many rows share it)."""
+    why = (
+        f"after its cut to data.seq_len={seq_len}"
+        if truncated
+        else "(nothing in it is a completion or an assistant turn)"
+    )
+    return ValueError(
+        f"row {row} of {where} has no trained token {why}; {like} like it. Fix the row, raise "
+        "--data.seq_len, or train on every token with --data.train_on all"
+    )
 
 
 def _pack(docs, name: str, *, root: Path, workers: int, spec: DataSpec):

@@ -54,9 +54,11 @@ def load_rows(
     key: str = "data.path",
     pattern: str = "**/*",
     cache_dir: str | None = None,
+    streaming: bool = False,
 ):
     """A `datasets.Dataset` of the rows of one source: `path` (a local path or a Hub dataset id) with its
-    `config`, `split` and `revision` (see the module docstring); ValueError with the fix."""
+    `config`, `split` and `revision` (see the module docstring); ValueError with the fix. `streaming`: a
+    `datasets.IterableDataset` instead, which reads the rows as they are iterated (nothing cached)."""
     datasets = require("datasets", why=f"{key}={path!r}")
     root = Path(path).expanduser()
     if not root.exists():
@@ -65,16 +67,21 @@ def load_rows(
                 f"{key}={path!r} does not exist; pass an existing file or folder, or a Hub dataset id (org/name)"
             )
         folder = hub_snapshot(path, kind="dataset", key=key, revision=revision, local="file or folder")
-        return _repo(datasets, folder, name=path, config=config, split=split, key=key, cache_dir=cache_dir)
+        return _repo(
+            datasets, folder, name=path, config=config, split=split, key=key, cache_dir=cache_dir, streaming=streaming
+        )
     if revision is not None:
         raise ValueError(
             f"data.revision={revision!r} picks a version of a Hub dataset, but {key}={path!r} is a local path; "
             "drop --data.revision"
         )
     if root.is_dir() and any((root / m).exists() for m in SAVED_MARKERS):
-        return _saved(datasets, root, key=key, split=split, config=config)
+        saved = _saved(datasets, root, key=key, split=split, config=config)
+        return saved.to_iterable_dataset() if streaming else saved
     if root.is_dir() and (_declares_configs(root) or config is not None or split != "train"):
-        return _repo(datasets, root, name=path, config=config, split=split, key=key, cache_dir=cache_dir)
+        return _repo(
+            datasets, root, name=path, config=config, split=split, key=key, cache_dir=cache_dir, streaming=streaming
+        )
     if config is not None or split != "train":
         raise ValueError(
             f"data.config / data.split pick a part of a Hub dataset, but {key}={path!r} is a single file, read "
@@ -99,6 +106,7 @@ def load_rows(
             data_files=[str(f) for f in files],
             split="train",
             cache_dir=None if cache_dir is None else str(Path(cache_dir) / "datasets"),
+            streaming=streaming,
             **extra,
         )
     except Exception as exc:
@@ -119,7 +127,17 @@ def _declares_configs(root: Path) -> bool:
         return False
 
 
-def _repo(datasets, root: Path, *, name: str, config: str | None, split: str, key: str, cache_dir: str | None):
+def _repo(
+    datasets,
+    root: Path,
+    *,
+    name: str,
+    config: str | None,
+    split: str,
+    key: str,
+    cache_dir: str | None,
+    streaming: bool = False,
+):
     """The rows of `config`'s `split` of a Hub dataset repo's folder, by the Hub's layout rules."""
     try:
         return datasets.load_dataset(
@@ -127,6 +145,7 @@ def _repo(datasets, root: Path, *, name: str, config: str | None, split: str, ke
             name=config,
             split=split,
             cache_dir=None if cache_dir is None else str(Path(cache_dir) / "datasets"),
+            streaming=streaming,
         )
     except Exception as exc:
         raise ValueError(

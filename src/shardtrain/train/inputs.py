@@ -13,6 +13,8 @@ any communication; the tokenizing runs once per node (local rank 0 first, the ot
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,7 @@ from torch import nn
 from ..data.batches import WindowBatches
 from ..data.mixing import MixedBatches
 from ..data.sources import is_structured
+from ..data.stream import StreamBatches
 from .data import ByteTokenizer, TokenBatches, build_cache, corpus_files
 from .sections import Config
 
@@ -40,7 +43,7 @@ class DataPlan:
 
 @dataclass(frozen=True, kw_only=True)
 class TrainData:
-    train: TokenBatches | WindowBatches
+    train: TokenBatches | WindowBatches | StreamBatches
     held_out: TokenBatches | WindowBatches | None  # None: nothing held out, nothing evaluated
     tokenizer: Any
     packed: bool  # windows hold several documents: the forward needs their position_ids
@@ -97,6 +100,11 @@ def plan_data(cfg: Config, module: nn.Module, *, progress: bool = False) -> Data
             "--model.pretrained DIR or --data.tokenizer FOLDER"
         )
     if path is None:
+        if data.streaming:
+            raise ValueError(
+                "data.streaming reads rows through a tokenizer; pass --data.tokenizer FOLDER (a Hugging Face "
+                "tokenizer) or --model.pretrained DIR, or train the byte corpus without --data.streaming"
+            )
         if data.sources:
             raise ValueError(
                 f"data.sources ({len(data.sources)} sources) are read through a tokenizer; pass --data.tokenizer "
@@ -132,7 +140,7 @@ def plan_data(cfg: Config, module: nn.Module, *, progress: bool = False) -> Data
     from ..data.pipeline import read_source
 
     for spec in data_specs(cfg):
-        read_source(spec, tokenizer=tokenizer, cache_dir=data.cache_dir, progress=progress)
+        read_source(spec, tokenizer=tokenizer, cache_dir=data.cache_dir, progress=progress, streaming=data.streaming)
     return DataPlan(tokenizer=tokenizer, corpus=None, notice=notice)
 
 
@@ -192,6 +200,8 @@ def build_data(cfg: Config, engine, plan: DataPlan, *, micro_batch: int) -> Trai
             tokenizer=None,
             packed=False,
         )
+    if cfg.data.streaming:
+        return _streamed(cfg, engine, plan, order=order, progress=progress)
     from ..data.pipeline import prepare
 
     d = cfg.data
@@ -208,8 +218,7 @@ def build_data(cfg: Config, engine, plan: DataPlan, *, micro_batch: int) -> Trai
             for spec in data_specs(cfg)
         ]
     tok = plan.tokenizer
-    pad = next(t for t in (tok.pad_token_id, tok.eos_token_id, 0) if t is not None)
-    windows = dict(seq_len=d.seq_len, pad_id=pad, **order)
+    windows = dict(seq_len=d.seq_len, pad_id=pad_id(tok), **order)
     held = [p.held_out for p in prepared if p.held_out is not None]
     if len(prepared) == 1:
         train, stats = WindowBatches(prepared[0].train, shuffle=True, **windows), prepared[0].stats
@@ -245,3 +254,43 @@ def _mixed(cfg: Config, prepared: list, windows: dict) -> tuple[Any, Any]:
         [p.train for p in prepared], names=names, shares=shares, epoch_samples=epoch_samples, **windows
     )
     return train, MixStats(names=names, stats=[p.stats for p in prepared], shares=shares)
+
+
+def pad_id(tokenizer) -> int:
+    """The id padding rows are filled with (masked by their labels and positions, never compared)."""
+    return next(t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if t is not None)
+
+
+def _streamed(cfg: Config, engine, plan: DataPlan, *, order: dict, progress: bool) -> TrainData:
+    """data.streaming: this rank's rows read, tokenized and packed as training goes (data/stream.py); the
+    held-out rows of data.eval_path tokenized once through the cache, as without streaming."""
+    from ..data.pipeline import encoder_of, prepare, read_source
+    from ..data.prompts import held_out_prompts
+    from ..data.stream import stream_rows
+
+    d, tok = cfg.data, plan.tokenizer
+    (spec,) = data_specs(cfg)
+    _, fmt = read_source(spec, tokenizer=tok, cache_dir=d.cache_dir, progress=False, streaming=True)
+    share = dict(tokenizer=tok, cache_dir=d.cache_dir, rank=order["rank"], world_size=order["world_size"])
+    train = StreamBatches(
+        lambda: stream_rows(spec, **share),
+        # the reading thread encodes with its own copy: a fast tokenizer is not to be shared across threads
+        encoder=encoder_of(spec, fmt, tokenizer=copy.deepcopy(tok)),
+        pad_id=pad_id(tok),
+        packing=d.packing,
+        buffer=d.stream_buffer,
+        where=f"data.path={spec.path!r}",
+        **order,
+    )
+    held_out, prompts = None, []
+    if spec.eval_path is not None:
+        held_spec = dataclasses.replace(
+            spec, path=spec.eval_path, eval_path=None, config=None, split="train", revision=None
+        )
+        with engine.rank_zero_first(local=True):
+            prepared = prepare(held_spec, tokenizer=tok, cache_dir=d.cache_dir, num_proc=d.num_proc, progress=progress)
+        held_out = WindowBatches(prepared.train, shuffle=False, seq_len=d.seq_len, pad_id=pad_id(tok), **order)
+        if cfg.eval.samples:
+            rows, _ = read_source(held_spec, tokenizer=tok, cache_dir=d.cache_dir, progress=False)
+            prompts = held_out_prompts(rows, fmt, tok, count=cfg.eval.samples)
+    return TrainData(train=train, held_out=held_out, tokenizer=tok, packed=d.packing, prompts=prompts)

@@ -14,7 +14,7 @@ from typing import Any
 
 from ..data.encode import Overlong, TrainOn
 from ..data.formats import FORMAT_NAMES
-from ..data.pipeline import DataSpec
+from ..data.pipeline import PACK_GROUP, DataSpec
 from .run_sections import EngineConfig, OptimConfig, RunConfig, TrainConfig
 from .section_fields import ConfigError
 from .section_fields import help_field as _help
@@ -180,6 +180,13 @@ class DataConfig:
         "a row longer than seq_len: 'truncate' (keep its start) or 'drop' (counted)", _SPEC_DEFAULTS["overlong"]
     )
     num_proc: int = _help("processes that tokenize and pack (0: one per 2,000 rows, up to the CPU count)", 0)
+    streaming: bool = _help(
+        "read, tokenize and pack the rows as training goes, nothing cached: the first step starts at once and "
+        "a corpus larger than the disk trains (one source; held-out rows only from data.eval_path; not with "
+        "train.epochs)",
+        False,
+    )
+    stream_buffer: int = _help("with data.streaming: documents packed together (best-fit within them)", PACK_GROUP)
     show: int = _help("print this many decoded training rows with the trained spans in [[ ]] before training", 0)
     cache_dir: str | None = _help("where the tokenized data is cached (default: ~/.cache/shardtrain)", None)
     chat_template: str | None = _help(
@@ -226,6 +233,19 @@ class DataConfig:
         ):
             _require(value in choices, key, value, f"use one of {', '.join(choices)}")
         _require(self.num_proc >= 0, "data.num_proc", self.num_proc, "use 0 (automatic) or more")
+        _require(self.stream_buffer >= 1, "data.stream_buffer", self.stream_buffer, "use 1 or more documents")
+        _require(
+            not (self.streaming and self.sources),
+            "data.streaming",
+            self.streaming,
+            "streaming reads one source: give it with --data.path, or mix data.sources without streaming",
+        )
+        _require(
+            not (self.streaming and self.val_fraction),
+            "data.val_fraction",
+            self.val_fraction,
+            "streamed rows are never counted, so none are held out by a fraction: use --data.eval_path FILE",
+        )
         _require(self.show >= 0, "data.show", self.show, "use 0 (off) or more")
 
 
@@ -253,3 +273,11 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     run: RunConfig = field(default_factory=RunConfig)
+
+    def __post_init__(self) -> None:
+        _require(
+            not (self.data.streaming and self.train.epochs),
+            "train.epochs",
+            self.train.epochs,
+            "streamed data is never counted, so passes over it cannot be: give --train.steps with --data.streaming",
+        )

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from ..data.pack import IGNORE
+from ..data.stream import StreamBatches
 from ..engine import Engine
 from .early_stop import EarlyStop
 from .ema import WeightEMA
@@ -184,6 +185,8 @@ class Job:
             state["grad_scaler"] = self.engine.grad_scaler
         if self.ema is not None:
             state["ema"] = self.ema
+        if isinstance(self.data.train, StreamBatches):
+            state["stream"] = self.data.train  # this rank's position in its stream (data/stream.py)
         return state
 
     def save(self, run_dir: Path, step: int) -> None:

@@ -66,12 +66,7 @@ class AdafactorWhole(torch.optim.Adafactor):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        step_whole_tensors(self, torch.optim.Adafactor.step)
-        return loss
+        return _closure_then_whole_step(self, torch.optim.Adafactor.step, closure)
 
 
 class MuonWhole(torch.optim.Muon):
@@ -79,12 +74,17 @@ class MuonWhole(torch.optim.Muon):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        step_whole_tensors(self, torch.optim.Muon.step)
-        return loss
+        return _closure_then_whole_step(self, torch.optim.Muon.step, closure)
+
+
+def _closure_then_whole_step(optimizer: torch.optim.Optimizer, step: Any, closure: Any) -> Any:
+    """torch's `step(closure)` contract: the closure's loss (with gradients on), then `step` on whole tensors."""
+    loss = None
+    if closure is not None:
+        with torch.enable_grad():
+            loss = closure()
+    step_whole_tensors(optimizer, step)
+    return loss
 
 
 def _factors_as_lists(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU smoke suite: what CI (CPU only) cannot run, on one GPU in one invocation of about 4 minutes.
+# The GPU smoke suite: what CI (CPU only) cannot run, on one GPU in one invocation of a few minutes.
 # Run it whenever a change touches code the GPU executes, and commit its log under
 # benchmarks/results/<date>-<gpu>/gpu_smoke.log.
 #

@@ -6,8 +6,8 @@ import argparse
 
 import pytest
 
-from shardtrain.bench.runner import BenchOptions
 from shardtrain.bench.sizes import BenchSize, parse_size
+from tests.bench.test_runner import options
 
 
 def test_a_token_sets_layers_batch_and_checkpointing():
@@ -23,29 +23,9 @@ def test_bad_tokens_name_the_part(token):
         parse_size(token)
 
 
-def _options(**overrides) -> BenchOptions:
-    base = dict(
-        sizes=("1.5b", "8b:layers=8:batch=1:ac"),
-        engines=("shardtrain", "fsdp2"),
-        batch=2,
-        seq=None,
-        ac=False,
-        steps=2,
-        warmup=1,
-        repeats=1,
-        nproc=1,
-        device="cuda",
-        precision="bf16",
-        peak_tflops=None,
-        compile=True,
-        float8=True,
-    )
-    return BenchOptions(**{**base, **overrides})
-
-
 def test_each_size_runs_with_its_own_settings():
-    options = _options()
-    small, eight = (options.spec(size=s, engine="fsdp2") for s in options.sizes)
+    plan = options(sizes=("1.5b", "8b:layers=8:batch=1:ac"), compile=True, float8=True)
+    small, eight = (plan.spec(size=s, engine="fsdp2") for s in plan.sizes)
     assert (small.batch, small.ac, small.seq, small.float8) == (2, False, 4096, True)
     assert (eight.batch, eight.ac, eight.seq, eight.model_config().n_layers) == (1, True, 4096, 8)
 
@@ -54,12 +34,12 @@ def test_float8_needs_compile_and_the_cli_implies_it():
     from shardtrain.cli.bench import options_from_args, register
 
     with pytest.raises(ValueError, match="float8=True needs compile=True"):
-        _options(compile=False).spec(size="1.5b", engine="shardtrain")
+        options(sizes=("1.5b",), float8=True).spec(size="1.5b", engine="shardtrain")
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())
     args = parser.parse_args(["bench", "--device", "cpu", "--sizes", "1.5b", "--float8"])
-    options = options_from_args(args)
-    assert options.float8 and options.compile
+    resolved = options_from_args(args)
+    assert resolved.float8 and resolved.compile
 
 
 def test_every_engine_starts_from_the_same_float8_model():

@@ -3,6 +3,8 @@ with Linears large enough to convert, trained a step with float8 and without, sa
 
 from __future__ import annotations
 
+import contextlib
+import io
 from pathlib import Path
 
 import torch
@@ -69,3 +71,19 @@ def round_trip(root: str) -> dict:
 
 def _same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def through_the_engine() -> dict:
+    """Engine(float8=True, compile=True).setup on a meta-built model with its optimizer built before: the
+    Linears converted before sharding, the optimizer rebound (the blocks compile at their first forward,
+    which this does not run)."""
+    engine = st.Engine(accelerator="cpu", float8=True, compile=True)
+    engine.launch()
+    with engine.init_module(empty_init=True):
+        model = Llama(CONFIG)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        model, optimizer = engine.setup(model, optimizer)
+    float8 = [n for n, m in model.named_modules() if "Float8" in type(m).__name__]
+    return {"float8": float8, "printed": printed.getvalue(), "rebound": len(optimizer.param_groups[0]["params"])}

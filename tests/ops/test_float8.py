@@ -146,3 +146,12 @@ def test_float8_checkpoint_holds_plain_weights_and_resumes_both_ways(pools, tmp_
         assert not any(d.startswith("F8") for d in r["dtypes"]) and "F32" in r["dtypes"], r["dtypes"]
         assert math.isfinite(r["loss_after"])
     assert results[0]["loss_after"] == results[1]["loss_after"]
+
+
+def test_engine_setup_converts_before_sharding(pools):
+    from tests.ops.float8_ranks import through_the_engine
+
+    results = pools(2).run(through_the_engine)
+    assert [r["float8"] for r in results] == [["layers.0.ffn.w1", "layers.0.ffn.w3"]] * 2
+    assert results[0]["printed"] == "float8: 2 Linears train in float8 (ops/float8.py's rule)\n"
+    assert results[1]["printed"] == "" and results[0]["rebound"] == 12  # every parameter of the model

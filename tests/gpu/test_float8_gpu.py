@@ -44,6 +44,7 @@ def _losses(run_dir) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records(run_dir, "train")}
 
 
+@pytest.mark.timeout(900)  # three runs, two of them compiled
 def test_float8_trains_like_bf16_and_its_checkpoint_resumes_in_bf16(tmp_path):
     pytest.importorskip("torchao.float8")
     compiled = [*RUN, "--train.compile", "true"]

@@ -55,6 +55,8 @@ def test_spec_survives_the_worker_command_line():
         shard_world=2,
         profile_steps=2,
         trace_path="/t/x.gz",
+        compile=True,
+        float8=True,
     )
     parser = argparse.ArgumentParser()
     add_spec_arguments(parser)

@@ -77,7 +77,7 @@ def checkpoint_blocks(model: Llama) -> None:
 
 
 def build_shardtrain(spec: RunSpec, device: torch.device, *, strategy: str) -> Prepared:
-    named = build_meta_model(spec.model_config())
+    named = build_meta_model(spec.model_config(), float8=spec.float8)
     model = _shard(named, spec, device, strategy=strategy, activation_checkpointing={Block} if spec.ac else None)
     return Prepared(model=model, optimizer=make_optimizer(model.parameters()))
 
@@ -89,7 +89,7 @@ def build_shardtrain_auto(spec: RunSpec, device: torch.device) -> Prepared:
     from ..planning.cost.report import checkpointing_label
     from ..planning.cost.shard_auto import resolve_auto
 
-    named = build_meta_model(spec.model_config())
+    named = build_meta_model(spec.model_config(), float8=spec.float8)
     precision = "bf16" if compute_dtype(spec) else "fp32"
     memory, _ = local_device_memory(
         accelerator=device.type, processes=1 if device.type == "cuda" else dist.get_world_size()
@@ -134,7 +134,7 @@ def build_fsdp2(
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    named = build_meta_model(spec.model_config())
+    named = build_meta_model(spec.model_config(), float8=spec.float8)
     model = named.model
     if spec.ac:
         checkpoint_blocks(model)
@@ -160,7 +160,7 @@ def build_fsdp1(spec: RunSpec, device: torch.device) -> Prepared:
     from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-    named = build_meta_model(spec.model_config())
+    named = build_meta_model(spec.model_config(), float8=spec.float8)
     dtype = compute_dtype(spec)
     model = FullyShardedDataParallel(
         named.model,
@@ -186,7 +186,7 @@ def build_ddp(spec: RunSpec, device: torch.device) -> Prepared:
     """DDP: every rank holds the whole fp32 model; bf16 compute through autocast."""
     from torch.nn.parallel import DistributedDataParallel
 
-    named = build_meta_model(spec.model_config())
+    named = build_meta_model(spec.model_config(), float8=spec.float8)
     model = named.model
     model.to_empty(device=device)
     named.init_all_(seed=spec.seed, device=device)

@@ -42,7 +42,7 @@ class ShardStep:
 
 
 def build_ideal(spec: RunSpec, device: torch.device) -> Prepared:
-    named = build_meta_model(spec.model_config())
+    named = build_meta_model(spec.model_config(), float8=spec.float8)
     model = named.model.to(dtype=compute_dtype(spec) or torch.float32)  # on meta: only the dtype changes
     model.to_empty(device=device)
     named.init_all_(seed=spec.seed, device=device)

@@ -27,9 +27,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..models.llama import llama_config
 from .registry import IDEAL, resolve_engine
 from .results import OK, Row, RunRecord, aggregate
+from .sizes import parse_size
 from .spec import RunSpec
 from .worker import OUT_OF_MEMORY, failure_path
 
@@ -62,29 +62,33 @@ class BenchOptions:
     deadline_s: float | None = None  # launch no run after this many seconds (the rest: "skipped")
     seed: int = 0
     compile: bool = False
+    float8: bool = False
 
     def __post_init__(self) -> None:
         for engine in self.engines:
             if resolve_engine(engine).single_process:
                 raise ValueError(f"{engine!r} is not an engine to compare; ask for it with --ideal")
         for size in self.sizes:
-            llama_config(size)
+            parse_size(size)
         if self.repeats < 1 or self.nproc < 1:
             raise ValueError(f"repeats={self.repeats} and nproc={self.nproc} must be at least 1")
 
     def spec(self, *, size: str, engine: str) -> RunSpec:
+        """The run of `engine` on `size` (a size token, sizes.py: its own batch and checkpointing win)."""
+        parsed = parse_size(size)
         return RunSpec(
             engine=engine,
             size=size,
-            batch=self.batch,
-            seq=self.seq or llama_config(size).max_seq_len,
-            ac=self.ac,
+            batch=parsed.batch or self.batch,
+            seq=self.seq or parsed.model_config().max_seq_len,
+            ac=parsed.ac or self.ac,
             steps=self.steps,
             warmup=self.warmup,
             device=self.device,
             precision=self.precision,
             seed=self.seed,
             compile=self.compile,
+            float8=self.float8,
             shard_world=self.nproc,
         )
 

@@ -49,10 +49,15 @@ class NamedModel:
         return init
 
 
-def build_meta_model(cfg: LlamaConfig) -> NamedModel:
-    """A Llama on the meta device (no memory, no initialisation yet)."""
+def build_meta_model(cfg: LlamaConfig, *, float8: bool = False) -> NamedModel:
+    """A Llama on the meta device (no memory, no initialisation yet); with `float8`, its large Linears
+    already torchao's float8 ones (`ops.float8`), so every engine wraps the same converted modules."""
     with torch.device("meta"):
         model = Llama(cfg)
+    if float8:
+        from ..ops.float8 import convert_to_float8
+
+        convert_to_float8(model)
     return NamedModel(model=model, named_modules=tuple(model.named_modules()))
 
 

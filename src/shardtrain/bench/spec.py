@@ -9,7 +9,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import MISSING, dataclass, fields
 
-from ..models.llama import LlamaConfig, llama_config
+from ..models.llama import LlamaConfig
+from .sizes import parse_size
 
 PRECISIONS = ("bf16", "fp32")
 DEVICES = ("cpu", "cuda")
@@ -30,6 +31,7 @@ class RunSpec:
     precision: str
     seed: int = 0
     compile: bool = False  # each Block's forward through torch.compile (`Block.compile()`), every engine alike
+    float8: bool = False  # torchao float8 Linears (`ops.float8`'s choice) in every engine's model; needs compile
     shard_world: int = 1  # the N of "1/N of the optimizer" in the ideal step; the world size elsewhere
     profile_steps: int = 0  # steps traced by torch.profiler after the timed ones (0: none)
     trace_path: str = ""  # where rank 0 writes the gzipped profiler trace ("" : do not keep it)
@@ -45,11 +47,13 @@ class RunSpec:
         for name in ("warmup", "profile_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must not be negative")
+        if self.float8 and not self.compile:
+            raise ValueError("float8=True needs compile=True: eager float8 casts are slower than bf16")
         self.model_config()  # an unknown size fails here, in the runner, not in every rank
 
     def model_config(self) -> LlamaConfig:
-        """The Llama configuration of `size`, with rotary tables long enough for `seq`."""
-        return llama_config(self.size, max_seq_len=self.seq)
+        """The Llama configuration of `size` (a size token: sizes.py), with rotary tables long enough for `seq`."""
+        return parse_size(self.size).model_config(seq=self.seq)
 
     @property
     def tokens_per_rank_step(self) -> int:
@@ -78,6 +82,7 @@ def add_spec_arguments(parser: argparse.ArgumentParser) -> None:
 def spec_from_args(args: argparse.Namespace) -> RunSpec:
     values = {f.name: getattr(args, f.name) for f in fields(RunSpec)}
     values = {k: v for k, v in values.items() if v is not None}
-    values["ac"] = bool(values["ac"])
-    values["compile"] = bool(values.get("compile", 0))
+    for f in fields(RunSpec):
+        if f.type == "bool" and f.name in values:
+            values[f.name] = bool(values[f.name])
     return RunSpec(**values)

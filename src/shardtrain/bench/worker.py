@@ -61,7 +61,7 @@ def measure(spec: RunSpec, device: torch.device) -> dict:
     label = prepared.label or engine.label
     if spec.compile:
         compile_blocks(prepared.model)
-        label += " compiled"
+        label += " float8 compiled" if spec.float8 else " compiled"
     if device.type == "cuda":
         torch.cuda.empty_cache()  # initialisation transients must not count as reserved training memory
     batches = token_batches(

@@ -27,7 +27,11 @@ def register(subparsers) -> None:
         epilog=EXAMPLE,
     )
     add = parser.add_argument
-    add("--sizes", help="comma-separated built-in Llama sizes (default: 1.5b,8b on CUDA, 2m on the CPU)")
+    add(
+        "--sizes",
+        help="comma-separated built-in Llama sizes, each optionally with settings of its own: "
+        "NAME[:layers=N][:batch=N][:ac], e.g. 1.5b,8b:layers=8:batch=1:ac (default: 1.5b,8b on CUDA, 2m on the CPU)",
+    )
     add(
         "--engines",
         default=",".join(DEFAULT_ENGINES),
@@ -43,6 +47,12 @@ def register(subparsers) -> None:
         "--compile",
         action="store_true",
         help="compile every engine's blocks (Block.compile() per block, as torchtitan does) and the ideal step's",
+    )
+    add(
+        "--float8",
+        action="store_true",
+        help="every engine's model with torchao's float8 Linears (the Linears shardtrain's float8 option converts), "
+        "blocks compiled (implies --compile); the 'float8' extra",
     )
     add("--steps", type=int, default=10, help="timed steps per run (default: %(default)s)")
     add("--warmup", type=int, default=3, help="untimed steps before them (default: %(default)s)")
@@ -107,7 +117,8 @@ def options_from_args(args: argparse.Namespace):
         timeout_s=args.timeout,
         deadline_s=args.deadline,
         seed=args.seed,
-        compile=args.compile,
+        compile=args.compile or args.float8,
+        float8=args.float8,
     )
 
 

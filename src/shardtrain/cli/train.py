@@ -102,6 +102,7 @@ def engine_options(cfg: Config) -> dict[str, Any]:
         timeout=timedelta(seconds=cfg.engine.timeout),
         compile=cfg.train.compile,
         tp=cfg.engine.tp,
+        float8=cfg.train.float8,
     )
 
 

@@ -25,6 +25,7 @@ from torch import nn
 
 from ..core.rebind_optimizers import rebind
 from ..core.shard_module import runtime_of
+from ..ops.float8 import check_float8, convert_to_float8
 from ..options import ShardOptions, is_auto, precision_name, resolve_options
 from ..policy import AutoPolicy, MixedPrecision
 from ..sharding import shard_with
@@ -63,6 +64,8 @@ class Engine(RankCollectives):
             `world_size // tp` data-parallel ranks (a ("dp", "tp") mesh); 1: none.
         tp_plan: with tp > 1, the plan `st.shard` applies (default: `st.tp.plan_for(model)`, the built-in
             Llama's or the transformers model's own).
+        float8: at setup, before sharding, swap the large Linears (not the output head) for torchao's float8
+            Linears (`ops.float8`); needs compile=True, and tp=1.
     """
 
     def __init__(
@@ -81,9 +84,12 @@ class Engine(RankCollectives):
         compile: bool = False,
         tp: int = 1,
         tp_plan: Any = None,
+        float8: bool = False,
     ) -> None:
         if not isinstance(compile, bool):
             raise TypeError(f"Engine(compile={compile!r}): use True or False")
+        check_float8(float8, compile=compile, tp=tp)
+        self._float8 = float8
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ValueError(f"Engine(tp={tp!r}): give the number of ranks each layer is split over (1: none)")
         self._tp = tp
@@ -236,6 +242,8 @@ class Engine(RankCollectives):
             )
         options = resolve_options(**{**self._shard_kwargs, **overrides}) if overrides else self._options
         options = dataclasses.replace(options, device=self.device)
+        if self._float8:
+            self.print(f"float8: {len(convert_to_float8(model))} Linears train in float8 (ops/float8.py's rule)")
         before = dict(model.named_parameters()) if self._tp > 1 else {}
         if self._tp > 1:
             options = self._with_tensor_parallel(model, options)

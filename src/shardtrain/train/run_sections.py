@@ -103,6 +103,12 @@ class TrainConfig:
         "compilation",
         False,
     )
+    float8: bool = _help(
+        "train the large Linears in float8 (torchao's Float8Linear; the output head and Linears with a dimension "
+        "below 1024 or not a multiple of 16 stay in bf16; checkpoints hold the usual weights): needs "
+        "train.compile true and a GPU with float8 matmuls (H100, sm89+), and the 'float8' extra",
+        False,
+    )
     on_nonfinite: str = _help(
         "a non-finite loss or gradient norm: 'stop' (exit with an error naming the step, before "
         "any checkpoint of it) or 'skip' (skip that optimizer step on every rank and count it; "
@@ -128,6 +134,13 @@ class TrainConfig:
         )
         _require(
             self.early_stop_min_delta >= 0, "train.early_stop_min_delta", self.early_stop_min_delta, "use 0 or more"
+        )
+        _require(
+            not self.float8 or self.compile,
+            "train.float8",
+            self.float8,
+            "float8 casts are fast only compiled (eager they are kernels of their own, slower than bf16): also "
+            "give --train.compile true",
         )
         _require(self.on_nonfinite in ("stop", "skip"), "train.on_nonfinite", self.on_nonfinite, "use stop or skip")
         _require(

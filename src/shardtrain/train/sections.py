@@ -281,3 +281,10 @@ class Config:
             self.train.epochs,
             "streamed data is never counted, so passes over it cannot be: give --train.steps with --data.streaming",
         )
+        _require(
+            not (self.train.float8 and self.engine.tp > 1),
+            "train.float8",
+            self.train.float8,
+            f"float8 Linears split over engine.tp={self.engine.tp} ranks need torchao's float8 parallel styles, "
+            "which the engine's plans do not use: give --engine.tp 1 or --train.float8 false",
+        )

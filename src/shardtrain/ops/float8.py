@@ -1,0 +1,104 @@
+"""float8 training (`Engine(float8=True)`, `--train.float8`): torchao's `Float8Linear` in place of the
+Linears that gain from it, swapped in before the model is sharded.
+
+Which Linears convert (`converts`): an `nn.Linear` that is not the model's output head (the logits'
+precision sets the loss's; the built-in Llama's `OutputHead`, a transformers model's output embeddings),
+whose in and out features are multiples of 16 (float8 matmul's requirement), neither below
+`MIN_FEATURES` (LoRA adapters, small models: the casts cost more than the float8 matmul saves), and not
+in_features <= 4096 with out_features <= 1024 (torchao's threshold for tensorwise scaling, from its H100
+table: the key/value projections of grouped-query attention at 1.5B and 8B shapes).
+
+Compile is required: eager, each cast to float8 and each scale is a kernel of its own and the step is
+slower than bf16; compiled, they fuse into the neighbouring ops. The engine refuses float8 without
+compile rather than turning it on, so that what runs is what was asked for.
+
+Checkpoints need nothing: a `Float8Linear` keeps the Linear's own high-precision weight Parameter under
+the same name (the casts happen inside its matmul), so a float8 run's sharded parameters, checkpoints and
+exports are a bf16 run's, and a checkpoint resumes with or without float8. The weights are gathered in
+the unit's compute dtype and cast inside each matmul (torchao's float8 all-gather is not used:
+docs/design.md says why).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from torch import nn
+
+from ..models.llama import OutputHead
+
+__all__ = ["MIN_FEATURES", "check_float8", "convert_to_float8", "converts", "float8_linear_names"]
+
+MIN_FEATURES = 1024
+_ALIGN = 16
+_TENSORWISE_SMALL = (4096, 1024)  # (in_features, out_features) at or below both: left in bf16
+INSTALL = "pip install 'shardtrain[float8]' (torchao)"
+
+
+def check_float8(float8: bool, *, compile: bool, tp: int) -> None:
+    """The engine's float8 setting against its others: TypeError/ValueError naming the fix."""
+    if not isinstance(float8, bool):
+        raise TypeError(f"Engine(float8={float8!r}): use True or False")
+    if float8 and not compile:
+        raise ValueError(
+            "Engine(float8=True) needs compile=True: eager, torchao's float8 casts run as kernels of their own "
+            "and the step is slower than bf16; pass compile=True (or float8=False)"
+        )
+    if float8 and tp > 1:
+        raise ValueError(
+            f"Engine(float8=True) with tp={tp}: float8 Linears split over tp ranks need torchao's float8 "
+            "parallel styles, which the engine's plans do not use; pass tp=1 or float8=False"
+        )
+
+
+def converts(module: nn.Module, *, head: nn.Module | None) -> bool:
+    """Whether `module` becomes a float8 Linear (the module docstring's rule); `head` is the output head."""
+    if not isinstance(module, nn.Linear) or module is head or isinstance(module, OutputHead):
+        return False
+    if _is_float8(module):
+        return False
+    n_in, n_out = module.in_features, module.out_features
+    if n_in % _ALIGN or n_out % _ALIGN or min(n_in, n_out) < MIN_FEATURES:
+        return False
+    return not (n_in <= _TENSORWISE_SMALL[0] and n_out <= _TENSORWISE_SMALL[1])
+
+
+def float8_linear_names(model: nn.Module) -> list[str]:
+    """The qualified names of the Linears of `model` that `convert_to_float8` converts."""
+    head = _output_head(model)
+    return [name for name, module in model.named_modules() if converts(module, head=head)]
+
+
+def convert_to_float8(model: nn.Module) -> list[str]:
+    """Swap the Linears that qualify for torchao's `Float8Linear` in place (before `st.shard`; on the
+    meta device too); return their names. ValueError when none qualifies, naming the rule."""
+    names = float8_linear_names(model)
+    if not names:
+        raise ValueError(
+            f"float8: no Linear of {type(model).__name__} qualifies (in and out features multiples of "
+            f"{_ALIGN}, both at least {MIN_FEATURES}, not the output head): float8 pays on large matmuls "
+            "only; train this model without float8"
+        )
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError as exc:
+        raise ImportError(f"float8 training needs torchao: {INSTALL}") from exc
+    chosen = set(names)
+    # the weights are gathered in the compute dtype and cast per matmul (module docstring)
+    config = Float8LinearConfig(enable_fsdp_float8_all_gather=False)
+    convert_to_float8_training(model, module_filter_fn=lambda _, fqn: fqn in chosen, config=config)
+    return names
+
+
+def _output_head(model: nn.Module) -> nn.Module | None:
+    """A transformers model's output embeddings (a peft model's inner model's too), else None (the
+    built-in Llama's head is recognised by its class)."""
+    from ..pretrained.keys import hf_model
+
+    hf = hf_model(model)
+    return None if hf is None else hf.get_output_embeddings()
+
+
+def _is_float8(module: nn.Module) -> bool:
+    float8 = sys.modules.get("torchao.float8.float8_linear")
+    return float8 is not None and isinstance(module, float8.Float8Linear)

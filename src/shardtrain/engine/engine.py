@@ -16,18 +16,20 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from ..core.rebind_optimizers import rebind
 from ..core.shard_module import runtime_of
 from ..options import ShardOptions, is_auto, precision_name, resolve_options
-from ..policy import AutoPolicy, MixedPrecision
+from ..policy import AutoPolicy, CPUOffload, MixedPrecision, WrapPolicy
 from ..sharding import shard_with
+from ..strategy import Strategy
 from ..tp.mesh import check_tp_divides
 from . import launch as _launch
 from .devices import (
@@ -43,6 +45,9 @@ from .fp16_step import step_through_scaler
 from .lifeline import die_with_launcher
 from .rank_collectives import RankCollectives
 from .tp_setup import check_tensor_parallel, dp_tp_mesh, rebind_replaced, with_tensor_parallel
+
+if TYPE_CHECKING:
+    from ..ops.grad_scaler import GradScaler
 
 
 class Engine(RankCollectives):
@@ -70,30 +75,30 @@ class Engine(RankCollectives):
         *,
         devices: int | str = "auto",
         accelerator: str = "auto",
-        strategy: Any = "full_shard",
-        precision: Any = "auto",
-        wrap: Any = None,
-        activation_checkpointing: Any = None,
-        cpu_offload: Any = False,
+        strategy: Strategy | str | AutoPolicy = "full_shard",
+        precision: MixedPrecision | str | None = "auto",
+        wrap: WrapPolicy | None = None,
+        activation_checkpointing: WrapPolicy | None = None,
+        cpu_offload: CPUOffload | bool | float = False,
         param_init_fn: Callable[[nn.Module], None] | None = None,
         sync_module_states: bool = False,
         timeout: timedelta | None = None,
         compile: bool = False,
         tp: int = 1,
-        tp_plan: Any = None,
+        tp_plan: Mapping[str, Any] | None = None,
     ) -> None:
         if not isinstance(compile, bool):
             raise TypeError(f"Engine(compile={compile!r}): use True or False")
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ValueError(f"Engine(tp={tp!r}): give the number of ranks each layer is split over (1: none)")
         self._tp = tp
-        self._mesh: Any = None
+        self._mesh: DeviceMesh | None = None
         self._compile = compile
         self._devices = devices
         self._topology: Topology = resolve_topology(accelerator=accelerator, devices=devices)
         self.precision = precision_name(precision, accelerator=self._topology.accelerator)
         # fp16 needs dynamic loss scaling; the scaler is made once the device is known (setup).
-        self.grad_scaler = None
+        self.grad_scaler: GradScaler | None = None
         # st.AutoPolicy is planned at setup, when the model is known (st.shard_auto); the other
         # options are read once, here.
         self._auto = strategy if isinstance(strategy, AutoPolicy) else None
@@ -102,7 +107,7 @@ class Engine(RankCollectives):
                 f"Engine(strategy={strategy!r}) needs the batch it will be fed to plan: pass "
                 "strategy=st.AutoPolicy(micro_batch=..., seq_len=...)"
             )
-        self._shard_kwargs = dict(
+        self._shard_kwargs: dict[str, Any] = dict(
             strategy="full_shard" if self._auto else strategy,
             wrap=wrap,
             mixed_precision=self.precision,
@@ -117,7 +122,7 @@ class Engine(RankCollectives):
             check_tensor_parallel(tp=tp, options=self._options, auto=self._auto, cpu_offload=cpu_offload)
             if not launched_externally():
                 check_tp_divides(tp=tp, world_size=self._topology.num_processes, spelled=f"Engine(tp={tp})")
-        self._strategy: Any = self._auto or self._options.strategy
+        self._strategy: Strategy | AutoPolicy = self._auto or self._options.strategy
         self._timeout = timeout
         self._info: RankInfo | None = None
         self._device: torch.device | None = None
@@ -198,10 +203,11 @@ class Engine(RankCollectives):
     @property
     def device(self) -> torch.device:
         self._require_launch()
+        assert self._device is not None  # joined with the process group, as _info
         return self._device
 
     @property
-    def strategy(self):
+    def strategy(self) -> Strategy | AutoPolicy:
         """The sharding strategy (an `st.AutoPolicy` until setup has planned it)."""
         return self._strategy
 

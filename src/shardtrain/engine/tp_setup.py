@@ -10,16 +10,19 @@ parallelism does not support: each as one line naming the setting and the fix.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from ..core.rebind_optimizers import record
 from ..options import ShardOptions
+from ..policy import AutoPolicy, CPUOffload
 
 
-def check_tensor_parallel(*, tp: int, options: ShardOptions, auto: Any, cpu_offload: Any) -> None:
+def check_tensor_parallel(
+    *, tp: int, options: ShardOptions, auto: AutoPolicy | None, cpu_offload: CPUOffload | bool | float
+) -> None:
     """What tp > 1 refuses, before any process starts (`auto`: the engine's st.AutoPolicy, or None)."""
     if auto is not None:
         raise ValueError(
@@ -39,7 +42,7 @@ def check_tensor_parallel(*, tp: int, options: ShardOptions, auto: Any, cpu_offl
         )
 
 
-def dp_tp_mesh(device: torch.device, *, data_parallel: int, tp: int) -> Any:
+def dp_tp_mesh(device: torch.device, *, data_parallel: int, tp: int) -> DeviceMesh:
     """The ("dp", "tp") DeviceMesh of `data_parallel` x `tp` ranks."""
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -48,7 +51,7 @@ def dp_tp_mesh(device: torch.device, *, data_parallel: int, tp: int) -> Any:
     return init_device_mesh(device.type, (data_parallel, tp), mesh_dim_names=FLAT_NAMES)
 
 
-def with_tensor_parallel(model: nn.Module, options: ShardOptions, *, mesh: Any) -> ShardOptions:
+def with_tensor_parallel(model: nn.Module, options: ShardOptions, *, mesh: DeviceMesh) -> ShardOptions:
     """`options` on `mesh` with the model's plan (a model built on the meta device stays there: st.shard
     materialises it unit by unit)."""
     from ..tp import plan_for

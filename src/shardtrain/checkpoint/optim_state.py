@@ -141,7 +141,7 @@ def restore_optimizer(
     state = {}
     for i, (ref, fqn) in enumerate(zip(refs, saved)):
         entry = record["state"].get(fqn) if fqn in group_of else None
-        if entry is None:
+        if entry is None or fqn is None:
             continue
         local, box = ref.local, ref.box
         values = decode(entry["scalars"])

@@ -8,7 +8,7 @@ saving/loading sharded checkpoints. With `tp=N` it also splits each layer over N
 parallelism on a ("dp", "tp") mesh); the data-parallel ranks are then `world_size // N`.
 
 Beside it: the collectives its ranks share (rank_collectives.py, a base of `Engine`), what `tp=N`
-checks and builds (tp_setup.py), and fp16's optimizer step through the loss scaler (fp16_step.py).
+checks and builds (tp/engine_setup.py), and fp16's optimizer step through the loss scaler (fp16_step.py).
 """
 
 from __future__ import annotations
@@ -24,12 +24,13 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..core.rebind_optimizers import rebind
+from ..core.rebind_optimizers import rebind, rebind_replaced
 from ..core.shard_module import runtime_of
 from ..options import ShardOptions, is_auto, precision_name, resolve_options
 from ..policy import AutoPolicy, CPUOffload, MixedPrecision, WrapPolicy
 from ..sharding import shard_with
 from ..strategy import Strategy
+from ..tp.engine_setup import check_tensor_parallel, dp_tp_mesh, with_tensor_parallel
 from ..tp.mesh import check_tp_divides
 from . import launch as _launch
 from .devices import (
@@ -44,7 +45,6 @@ from .devices import (
 from .fp16_step import step_through_scaler
 from .lifeline import die_with_launcher
 from .rank_collectives import RankCollectives
-from .tp_setup import check_tensor_parallel, dp_tp_mesh, rebind_replaced, with_tensor_parallel
 
 if TYPE_CHECKING:
     from ..ops.grad_scaler import GradScaler
@@ -283,7 +283,7 @@ class Engine(RankCollectives):
         return model, optimizer
 
     def _with_tensor_parallel(self, model: nn.Module, options: ShardOptions) -> ShardOptions:
-        """`options` on the ("dp", "tp") mesh (built once) with the model's plan (engine/tp_setup.py)."""
+        """`options` on the ("dp", "tp") mesh (built once) with the model's plan (tp/engine_setup.py)."""
         if self._mesh is None:
             self._mesh = dp_tp_mesh(self.device, data_parallel=self.data_parallel_size, tp=self._tp)
         return with_tensor_parallel(model, options, mesh=self._mesh)

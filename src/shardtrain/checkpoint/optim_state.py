@@ -17,7 +17,7 @@ import torch
 
 from ..core.param_layout import ParamShard
 from ..core.sharded_param import local_of
-from ..tp import Box
+from ..tp.boxes import Box
 from .entries import ShardedOptimizer
 from .format import dtype_code, short_list
 from .values import decode, encode

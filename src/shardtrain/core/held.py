@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..tp import Box, held_box
+from ..tp.boxes import Box, held_box
 from ..tp.tensor_parallel import TensorParallel
 from .param_layout import ParamShard
 from .runtime import Runtime

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..strategy import Strategy
-from ..tp import MeshDims, is_tensor_parallel_mesh, mesh_dims
+from ..tp.mesh import MeshDims, is_tensor_parallel_mesh, mesh_dims
 
 
 def resolve_device(device: torch.device | str | int | None) -> torch.device:

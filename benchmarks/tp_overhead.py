@@ -3,7 +3,7 @@
 One process, world 1: the same built-in Llama sharded twice, once as always (`st.shard(model, ...)`,
 a 1-D mesh) and once through the tensor-parallel path on a (1, 1) mesh named ("dp", "tp") with
 `tp_plan=st.tp.llama_plan()` (tp 1 splits nothing: the optimizer's DTensors live on the 2-D mesh,
-the views and the norm go through core/tensor_parallel.py). bf16 compute, fp32 master weights, fused
+the views and the norm go through tp/tensor_parallel.py). bf16 compute, fp32 master weights, fused
 AdamW with clipping; 1.5B at batch 2 x 4096, 8B at batch 1 x 4096 with every block checkpointed.
 Each configuration is built, warmed up, then timed over two windows of steps (device synchronised
 at both ends); the table gives tokens/s (the better window), the peak memory, and 2-D / 1-D. With

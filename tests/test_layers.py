@@ -1,7 +1,9 @@
 """The packages form layers that import one way: each imports only from its own layer or those below.
 
     descriptions   policy, strategy, compat, options,    what users choose, read into one ShardOptions, the
-                   models, tp                            built-in model, TP plans
+                   models, tp                            built-in model; tensor parallelism whole: plans, the
+                                                         mesh's roles, the split model core shards, what
+                                                         Engine(tp=N) checks and builds
     engine         core, offload                         st.shard's machinery: units, runtime, comm; CPU offload
                                                          (the host step, the disk tier) on top of core
     entry          sharding                              the public st.shard: options read once, then core
@@ -165,9 +167,9 @@ def test_outside_core_only_the_names_core_exports():
     assert wrong == [], "\n".join(wrong)
 
 
-def _planning_modules_imported(path: Path) -> set[str]:
-    """Modules under `planning` that `path` imports anywhere in it (module level, TYPE_CHECKING,
-    functions), as paths relative to planning/ without `.py` (`cost/estimate`)."""
+def _modules_imported(path: Path, package: str) -> set[str]:
+    """Modules under `package` that `path` imports anywhere in it (module level, TYPE_CHECKING,
+    functions), as paths relative to the package without `.py` (`cost/estimate` in planning)."""
     here = path.relative_to(SRC).with_suffix("").parts
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
@@ -175,21 +177,60 @@ def _planning_modules_imported(path: Path) -> set[str]:
             base = list(here[: len(here) - node.level])
             parts = base + (node.module.split(".") if node.module else [])
             found |= {"/".join(parts + [alias.name]) for alias in node.names} | {"/".join(parts)}
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("shardtrain.planning"):
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(f"shardtrain.{package}"):
             parts = node.module.split(".")[1:]
             found |= {"/".join(parts + [alias.name]) for alias in node.names} | {"/".join(parts)}
     return {
-        name.removeprefix("planning/")
+        name.removeprefix(f"{package}/")
         for name in found
-        if name.startswith("planning/") and (SRC / f"{name}.py").exists() and SRC / f"{name}.py" != path
+        if name.startswith(f"{package}/") and (SRC / f"{name}.py").exists() and SRC / f"{name}.py" != path
     }
+
+
+def _import_graph(package: str) -> dict[str, set[str]]:
+    modules = {p.relative_to(SRC / package).with_suffix("").as_posix(): p for p in (SRC / package).rglob("*.py")}
+    return {name: _modules_imported(path, package) for name, path in modules.items()}
+
+
+def _circles(graph: dict[str, set[str]]) -> list[str]:
+    """The modules of `graph` that reach themselves."""
+
+    def reaches(start: str, goal: str, seen: set[str]) -> bool:
+        return any(
+            nxt == goal or (nxt not in seen and not seen.add(nxt) and reaches(nxt, goal, seen)) for nxt in graph[start]
+        )
+
+    return sorted(name for name in graph if reaches(name, name, set()))
+
+
+@pytest.mark.parametrize("package", ["core", "offload", "tp"])
+def test_no_import_circle_inside_the_engine_packages(package):
+    """core, offload and tp: no module reaches itself through imports, counting TYPE_CHECKING and
+    function-level ones (a deferred import must not close a circle)."""
+    graph = _import_graph(package)
+    assert any(graph.values()), graph  # the walk sees the package's own imports
+    assert _circles(graph) == []
+
+
+def test_tensor_parallelism_lives_in_tp():
+    """A reader finds tensor parallelism from the file list: outside tp/ only the planner prices it
+    (planning/cost/tensor_parallel.py); "tp with offload" is refused in one module (tp/refusals.py)."""
+    named = sorted(
+        p.relative_to(SRC).as_posix()
+        for p in SRC.rglob("*.py")
+        if ("tensor_parallel" in p.name or p.name.startswith("tp_")) and _package(p) != "tp"
+    )
+    assert named == ["planning/cost/tensor_parallel.py"]
+    refusing = sorted(
+        p.relative_to(SRC).as_posix() for p in SRC.rglob("*.py") if "offload is not supported" in p.read_text()
+    )
+    assert refusing == ["tp/refusals.py"]
 
 
 def test_planning_parts_import_neither_each_other_nor_in_a_circle():
     """planning/dry_run and planning/cost do not import each other; no circle among planning's modules,
     counting imports inside functions too (a function-level import must not close one)."""
-    modules = {p.relative_to(SRC / "planning").with_suffix("").as_posix(): p for p in (SRC / "planning").rglob("*.py")}
-    graph = {name: _planning_modules_imported(path) for name, path in modules.items()}
+    graph = _import_graph("planning")
     assert "cost/model_spec" in graph["cost/module_spec"]  # the reader sees the imports
     crossing = [
         f"{name} imports {other}"
@@ -198,11 +239,4 @@ def test_planning_parts_import_neither_each_other_nor_in_a_circle():
         if name.split("/")[0] != other.split("/")[0]
     ]
     assert crossing == [], "\n".join(crossing)
-
-    def reaches(start: str, goal: str, seen: set[str]) -> bool:
-        return any(
-            nxt == goal or (nxt not in seen and not seen.add(nxt) and reaches(nxt, goal, seen)) for nxt in graph[start]
-        )
-
-    circles = sorted(name for name in graph if reaches(name, name, set()))
-    assert circles == [], circles
+    assert _circles(graph) == []

@@ -19,8 +19,8 @@ import torch.distributed as dist
 import shardtrain as st
 from shardtrain.checkpoint import commit, tensorfile
 from shardtrain.checkpoint.optim_state import OptimizerSnapshot
-from tests.checkpoint.ranks import assert_same
 from tests.checkpoint.shapes import build, step
+from tests.checkpoint.train_save_ranks import assert_same
 
 # A tensor each step of the save writes, by format: the prefix of its name.
 _TENSORS = {

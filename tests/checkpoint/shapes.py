@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 import shardtrain as st
-from tests.checkpoint.ranks import assert_same, gathered_optimizer_state
+from tests.checkpoint.train_save_ranks import assert_same, gathered_optimizer_state
 
 
 class Block(nn.Module):

@@ -9,7 +9,7 @@ import time
 import torch
 import torch.multiprocessing as mp
 
-from tests.checkpoint.ranks import crash_during_save, resume_after_crash
+from tests.checkpoint.train_save_ranks import crash_during_save, resume_after_crash
 
 
 def _free_port() -> int:

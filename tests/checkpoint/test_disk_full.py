@@ -11,7 +11,7 @@ import torch.distributed as dist
 import shardtrain as st
 from shardtrain.checkpoint import save as save_module
 from shardtrain.checkpoint import tensorfile
-from tests.checkpoint.ranks import build, state
+from tests.checkpoint.train_save_ranks import build, state
 
 
 def _no_space(*args, **kwargs):

@@ -5,7 +5,7 @@ import re
 import pytest
 
 import shardtrain as st
-from tests.checkpoint.ranks import bad_inputs
+from tests.checkpoint.train_save_ranks import bad_inputs
 
 
 def test_bad_inputs_are_reported(pools, tmp_path):

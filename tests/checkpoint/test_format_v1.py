@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 import shardtrain as st
 from shardtrain.models.llama import Block, Llama, llama_config
-from tests.checkpoint.ranks import gathered_optimizer_state
+from tests.checkpoint.train_save_ranks import gathered_optimizer_state
 
 DATA = Path(__file__).parent / "data"
 

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from shardtrain.cli import main
-from tests.checkpoint.ranks import save_full_and_forward
+from tests.checkpoint.train_save_ranks import save_full_and_forward
 from tests.models import tiny_llama
 
 TOKENS = torch.arange(32).remainder(256).view(2, 16)
@@ -61,7 +61,7 @@ def test_convert_reports_bad_input(pools, tmp_path, capsys):
 
 def test_convert_hf_model_to_a_from_pretrained_folder(pools, tmp_path):
     transformers = pytest.importorskip("transformers")
-    from tests.checkpoint.ranks import save_hf_model
+    from tests.checkpoint.train_save_ranks import save_hf_model
 
     full = pools(2).run(save_hf_model, str(tmp_path / "ckpt"))[0]
     assert main(["convert", str(tmp_path / "ckpt"), str(tmp_path / "hf")]) == 0  # config recorded at save

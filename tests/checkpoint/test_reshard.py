@@ -3,7 +3,7 @@ continues with the losses of an unsharded reference started from the same state.
 
 import pytest
 
-from tests.checkpoint.ranks import load_resharded, save_trained
+from tests.checkpoint.train_save_ranks import load_resharded, save_trained
 
 CASES = [
     # (save world, save strategy, format, load world); hybrid_shard: 2 replicas x 2 shards

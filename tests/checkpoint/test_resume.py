@@ -3,7 +3,7 @@
 
 import pytest
 
-from tests.checkpoint.ranks import resume_exactly
+from tests.checkpoint.train_save_ranks import resume_exactly
 
 
 @pytest.mark.parametrize("strategy", ["full_shard", "shard_grad_op", "no_shard"])

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from shardtrain.data.batches import WindowBatches
 from shardtrain.train.data import TokenBatches
 from shardtrain.train.step import Job
-from tests.gpu.cli import records, train
+from tests.gpu.scripts import records, train
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 ORDER = dict(global_batch=4, rank=0, world_size=1, seed=0)

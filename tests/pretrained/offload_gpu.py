@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import shardtrain as st
 from shardtrain.core.shard_module import runtime_of
-from tests.pretrained import ranks
+from tests.pretrained import load_export_ranks
 
 
 def main(folder: str) -> None:
@@ -27,18 +27,18 @@ def main(folder: str) -> None:
     torch.cuda.set_device(0)
     dist.init_process_group("nccl")
     device = torch.device("cuda", 0)
-    reference = ranks.reference(folder).to(device)
+    reference = load_export_ranks.reference(folder).to(device)
     with torch.no_grad():
-        expected = reference(ranks.INPUT.to(device)).logits
+        expected = reference(load_export_ranks.INPUT.to(device)).logits
     for offload in (True, 0.5):
-        model = ranks.meta_model(folder)
-        st.shard(model, wrap=ranks.blocks(model), cpu_offload=offload, device=device)
+        model = load_export_ranks.meta_model(folder)
+        st.shard(model, wrap=load_export_ranks.blocks(model), cpu_offload=offload, device=device)
         st.load_pretrained(model, folder)
         units = runtime_of(model).units
         hosts = [u.held(0).device.type == "cpu" and u.held(0).is_pinned() for u in units]
         assert any(hosts) and (all(hosts) if offload is True else not all(hosts)), hosts
         with torch.no_grad():
-            diff = (model.eval()(ranks.INPUT.to(device)).logits - expected).abs().max().item()
+            diff = (model.eval()(load_export_ranks.INPUT.to(device)).logits - expected).abs().max().item()
         assert diff <= 1e-5, (offload, diff)
     print("offload loads: ok", flush=True)
     dist.destroy_process_group()

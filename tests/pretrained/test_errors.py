@@ -7,13 +7,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.pretrained import ranks
+from tests.pretrained import load_export_ranks
 
 pytest.importorskip("transformers")
 
 
 def _messages(pools, path, folder, strict=True) -> str:
-    messages = pools(2).run(ranks.load_message, str(path), str(folder), strict)
+    messages = pools(2).run(load_export_ranks.load_message, str(path), str(folder), strict)
     assert messages[0] == messages[1]  # every rank reports the same mistake, none hangs
     assert messages[0] is None or "\n" not in messages[0]
     return messages[0]

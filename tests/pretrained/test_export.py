@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from tests.pretrained import ranks
+from tests.pretrained import load_export_ranks
 
 pytest.importorskip("transformers")
 
@@ -22,7 +22,9 @@ def _opened(folder):
 )
 def test_export_round_trip_equals_full_state_dict(pools, hf_folders, tmp_path, kind, world, max_shard_size):
     out = str(tmp_path / "hf")
-    result = pools(world).run(ranks.export_after_training, str(hf_folders[kind]), out, "full_shard", max_shard_size)[0]
+    result = pools(world).run(
+        load_export_ranks.export_after_training, str(hf_folders[kind]), out, "full_shard", max_shard_size
+    )[0]
     state = result["state"]
     for folder in (out, out + "-method"):
         opened = _opened(folder).state_dict()

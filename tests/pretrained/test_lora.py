@@ -6,14 +6,14 @@ import json
 import pytest
 import torch
 
-from tests.pretrained import ranks
+from tests.pretrained import load_export_ranks
 
 pytest.importorskip("peft")
 
 
 @pytest.mark.parametrize("strategy", ["full_shard", "no_shard"])
 def test_adapters_start_as_peft_initialises_them_and_only_they_train(pools, hf_folders, strategy):
-    for r in pools(2).run(ranks.lora_initial, str(hf_folders["llama_tied"]), strategy):
+    for r in pools(2).run(load_export_ranks.lora_initial, str(hf_folders["llama_tied"]), strategy):
         assert r["a_count"] == 4 and r["b_zero"] and r["a_within"]  # A Kaiming-uniform, B zeros
         assert r["diff"] <= 1e-6  # so the adapted model starts equal to its base
         assert r["optimizer"] == r["trainable"] == 8 and r["frozen_with_grad"] == []
@@ -31,7 +31,9 @@ def test_adapters_start_as_peft_initialises_them_and_only_they_train(pools, hf_f
 )
 def test_adapter_only_checkpoint_resumes_bit_for_bit_on_every_rank(pools, hf_folders, tmp_path, world, strategy):
     checkpoint = tmp_path / "step_3"
-    results = pools(world).run(ranks.lora_resume, str(hf_folders["llama_untied"]), str(checkpoint), strategy)
+    results = pools(world).run(
+        load_export_ranks.lora_resume, str(hf_folders["llama_untied"]), str(checkpoint), strategy
+    )
     for rank, r in enumerate(results):
         assert r["exact"], rank
         assert r["resumed"] == r["straight"], rank
@@ -64,7 +66,9 @@ def test_merged_export_equals_merge_and_unload_and_adapter_export_loads_in_peft(
 
     folder = hf_folders[kind]
     merged, adapter = tmp_path / "merged", tmp_path / "adapter"
-    state = pools(2).run(ranks.lora_export, str(folder), str(merged), str(adapter), "full_shard", targets)[0]
+    state = pools(2).run(load_export_ranks.lora_export, str(folder), str(merged), str(adapter), "full_shard", targets)[
+        0
+    ]
     assert sorted(p.name for p in adapter.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
     peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(folder), adapter)
     trained = {k: v for k, v in state.items() if ".lora_" in k}

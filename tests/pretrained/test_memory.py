@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from tests.pretrained import ranks
+from tests.pretrained import load_export_ranks
 
 pytest.importorskip("transformers")
 
@@ -40,7 +40,7 @@ def test_peak_host_memory_per_rank_while_loading(pools, tmp_path):
     del model
     gc.collect()
     assert 300e6 < total < 330e6
-    for r in pools(2).run(ranks.peak_load_memory, str(tmp_path)):
+    for r in pools(2).run(load_export_ranks.peak_load_memory, str(tmp_path)):
         assert r["shard"] < 0.55 * total and r["largest"] == 32000 * 1024 * 4
         assert r["load_peak"] < 1.25 * (r["shard"] + r["largest"]), r
         assert r["shard_peak"] < 1.25 * (r["shard"] + 2 * r["largest"]), r

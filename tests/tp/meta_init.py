@@ -13,7 +13,7 @@ import shardtrain as st
 from shardtrain.core import DefaultInit
 from shardtrain.models.llama import Block
 
-from .ranks import uneven_llama
+from .parity_ranks import uneven_llama
 
 
 def meta_init_matches_one_d(mesh_shape: tuple[int, int]) -> int:

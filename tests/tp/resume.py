@@ -15,7 +15,7 @@ import shardtrain as st
 from shardtrain.models.llama import Block, Llama, llama_config
 
 ROWS = 4
-ADAMW = dict(lr=1e-3, weight_decay=0.1, eps=1e-5)  # eps: tests/tp/ranks.py says why
+ADAMW = dict(lr=1e-3, weight_decay=0.1, eps=1e-5)  # eps: tests/tp/parity_ranks.py says why
 
 
 def _model(seed: int) -> Llama:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tests.tp.ranks import fused_counts
+from tests.tp.parity_ranks import fused_counts
 
 
 def test_fused_counts_are_replicated_dtensors_and_change_nothing(pools, tmp_path):

@@ -1,4 +1,4 @@
-"""FSDP x tensor parallelism on a ("dp", "tp") mesh against one process (tests/tp/ranks.py).
+"""FSDP x tensor parallelism on a ("dp", "tp") mesh against one process (tests/tp/parity_ranks.py).
 
 The default tier runs each kind on two ranks; the slow tier the (2, 2), (1, 4) and (4, 1) meshes,
 bf16 with activation checkpointing, and hybrid sharding on ("replicate", "shard", "tp").
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.tp.ranks import Case, agrees_with_fsdp2, exports_hf, forward_collectives, refusals, run_parity
+from tests.tp.parity_ranks import Case, agrees_with_fsdp2, exports_hf, forward_collectives, refusals, run_parity
 
 DEFAULT = [
     Case(mesh=(1, 2)),

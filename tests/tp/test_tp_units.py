@@ -9,7 +9,9 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import shardtrain as st
-from shardtrain.tp import Box, held_box, mesh_placements, stores
+from shardtrain.tp.boxes import Box, held_box, stores
+from shardtrain.tp.placements import mesh_placements
+from shardtrain.tp.plans import resolve_plan, translate_hf_plan
 
 
 def test_placements_are_fsdp2s():
@@ -66,11 +68,11 @@ def test_transformers_plan_strings():
     assert isinstance(plan["model.layers.*.self_attn.q_proj"], ColwiseParallel)
     assert isinstance(plan["model.layers.*.mlp.down_proj"], RowwiseParallel)
     assert plan["lm_head"].output_layouts == (Replicate(),)
-    assert isinstance(st.tp.resolve_plan({"a": "colwise", "b": RowwiseParallel()})["a"], ColwiseParallel)
+    assert isinstance(resolve_plan({"a": "colwise", "b": RowwiseParallel()})["a"], ColwiseParallel)
     with pytest.raises(ValueError, match="'packed_colwise' is not supported"):
-        st.tp.translate_hf_plan({"layers.*.mlp.gate_up_proj": "packed_colwise"})
+        translate_hf_plan({"layers.*.mlp.gate_up_proj": "packed_colwise"})
     with pytest.raises(TypeError, match="tp_plan"):
-        st.tp.resolve_plan(["colwise"])
+        resolve_plan(["colwise"])
 
 
 def test_plan_from_the_config_alone_takes_the_base_model_prefix():

@@ -181,8 +181,8 @@ def point(final: Path, name: str) -> None:
 
 def _rotate(final: Path, keep_last: int) -> None:
     """Keep the `keep_last` newest checkpoints of `final`'s parent (by commit time), `final` included."""
-    stamps = {d: created_ns(d) for d in final.parent.iterdir() if d.is_dir() and d != final}
-    older = sorted((d for d, t in stamps.items() if t is not None), key=stamps.__getitem__, reverse=True)
+    stamps = {d: t for d in final.parent.iterdir() if d.is_dir() and d != final and (t := created_ns(d)) is not None}
+    older = sorted(stamps, key=stamps.__getitem__, reverse=True)
     for old in older[keep_last - 1 :]:
         remove(old)
 
@@ -215,7 +215,7 @@ def _committed(directory: Path) -> Path | None:
         for child in directory.parent.iterdir()
         if (m := _ASIDE.match(child.name)) and m["name"] == directory.name and created_ns(child) is not None
     ]
-    return max(asides, key=created_ns, default=None)
+    return max(asides, key=lambda child: created_ns(child) or 0, default=None)
 
 
 def _pointed(path: Path, pointer: Path) -> Path:

@@ -20,7 +20,7 @@ import torch
 
 from ..core.held import held_params
 from ..core.runtime import Runtime
-from ..tp import SPLITS
+from ..tp.boxes import SPLITS
 
 FORMAT_NAME = "shardtrain-checkpoint"
 FORMAT_VERSION = 2

@@ -118,6 +118,7 @@ def _state_rows(
     """This rank's rows of state `key` of `shard`, checked to be shaped like the parameter's rows (`like`)
     before they enter a gather."""
     piece = snap.piece(shard.fqn, key)
+    assert piece is not None  # the caller asked snap.has first
     if piece.shape != like.shape or piece.dtype != dtype:
         raise RuntimeError(
             f"optimizer state {key!r} of {shard.fqn}: this rank holds {tuple(piece.shape)} {piece.dtype}, "

@@ -17,7 +17,7 @@ import torch
 
 from ..core.param_layout import ParamShard
 from ..core.sharded_param import local_of
-from ..tp import Box
+from ..tp.boxes import Box
 from .entries import ShardedOptimizer
 from .format import dtype_code, short_list
 from .values import decode, encode
@@ -141,7 +141,7 @@ def restore_optimizer(
     state = {}
     for i, (ref, fqn) in enumerate(zip(refs, saved)):
         entry = record["state"].get(fqn) if fqn in group_of else None
-        if entry is None:
+        if entry is None or fqn is None:
             continue
         local, box = ref.local, ref.box
         values = decode(entry["scalars"])

@@ -18,7 +18,7 @@ def capture_rng() -> dict[str, Any]:
     state = {
         "python": random.getstate(),
         "numpy": {
-            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
             "pos": int(pos),
             "has_gauss": int(has_gauss),
             "cached_gaussian": float(cached),

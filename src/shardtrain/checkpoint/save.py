@@ -165,6 +165,7 @@ def _module_record(module: nn.Module, *, params: str) -> dict[str, Any]:
     if tp_world > 1:
         record["tp_world"] = tp_world  # shard files are (shard, tp rank) pairs: docs/checkpoint-format.md
     config = getattr(module, "config", None)
-    if callable(getattr(config, "to_json_string", None)) and hasattr(config, "model_type"):
-        record["hf_config"] = json.loads(config.to_json_string())  # a transformers model: `convert` writes config.json
+    to_json = getattr(config, "to_json_string", None)
+    if callable(to_json) and hasattr(config, "model_type"):
+        record["hf_config"] = json.loads(to_json())  # a transformers model: `convert` writes config.json
     return record

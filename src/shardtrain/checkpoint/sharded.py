@@ -22,7 +22,7 @@ import torch
 
 from ..core.held import held_params, tp_coordinates
 from ..core.shard_module import runtime_of
-from ..tp import Box, held_box, stores
+from ..tp.boxes import Box, held_box, stores
 from .entries import Entries
 from .format import (
     buffer_tensor,

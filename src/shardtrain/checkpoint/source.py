@@ -19,7 +19,7 @@ from torch import nn
 from ..core.held import held_params
 from ..core.param_layout import ParamShard
 from ..core.shard_module import runtime_of
-from ..tp import Box
+from ..tp.boxes import Box
 from .format import dtype_of, saved_params_kind, saves, short_list
 from .this_rank import persistent_buffers
 

@@ -136,7 +136,7 @@ class SafetensorsWriter:
                 # Note: `contiguous()` keeps a one-element view of any stride (a gathered one-row
                 # parameter), which cannot be viewed as bytes; a copy has stride 1.
                 flat = flat.clone(memory_format=torch.contiguous_format)
-            self._emit(memoryview(flat.view(torch.uint8).numpy()))
+            self._emit(memoryview(flat.view(torch.uint8).numpy()))  # type: ignore[arg-type]  # numpy's stubs
 
     def close(self) -> FileRecord:
         """Flush to disk (fsync) and return the file's record."""

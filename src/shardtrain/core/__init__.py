@@ -14,7 +14,7 @@ The face the rest of shardtrain may use (`__all__`); everything else in `core` i
 - for the packages that work on whole units: `ShardUnit` (gathering a unit's parameters, `ops/`,
   `checkpoint/`), `GatheredUnit` (the units `ops/compile.py` compiles), `tensor_parallel_of` /
   `tp_coordinates` (the tensor parallelism a runtime runs under, this rank's place in it).
-- for the Engine's tensor-parallel setup: `record` (a parameter replaced before sharding, for `rebind`);
+- for the Engine's tensor-parallel setup: `rebind_replaced` (parameters replaced before sharding, for `rebind`);
   `DefaultInit` (what `st.shard` initialises a meta module with; LoRA falls back to it).
 """
 
@@ -25,7 +25,7 @@ from .materialize import DefaultInit
 from .param_layout import ParamShard, layout_of_unit
 from .partition import clean_name, matching_paths, partition, repeated_blocks
 from .process_groups import require_process_group, resolve_device
-from .rebind_optimizers import rebind, record
+from .rebind_optimizers import rebind, rebind_replaced
 from .runtime import Runtime
 from .shard_module import RUNTIME_ATTR, runtime_of, shard_module
 from .sharded_param import local_of
@@ -47,7 +47,7 @@ __all__ = [
     "matching_paths",
     "partition",
     "rebind",
-    "record",
+    "rebind_replaced",
     "repeated_blocks",
     "require_process_group",
     "resolve_device",

@@ -4,7 +4,7 @@
 of walking the runtime's units and layouts, so a change inside `core` (a field of `ParamShard`, how
 a unit stores its buffers) stays inside `core`. The tensor parallelism a runtime or unit runs under
 (`tensor_parallel_of`, `tp_coordinates`, each parameter's global shape, split and held box) is read
-here too, so core/tensor_parallel.py, which the units build on, knows no runtime or unit.
+here too, so tp/tensor_parallel.py, which the units build on, knows no runtime or unit.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..tp import Box, held_box
+from ..tp.boxes import Box, held_box
+from ..tp.tensor_parallel import TensorParallel
 from .param_layout import ParamShard
 from .runtime import Runtime
 from .shard_module import runtime_of
-from .tensor_parallel import TensorParallel
 from .unit import ShardUnit
 
 

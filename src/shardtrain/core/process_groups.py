@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..strategy import Strategy
-from ..tp import is_tensor_parallel_mesh, mesh_dims
+from ..tp.mesh import MeshDims, is_tensor_parallel_mesh, mesh_dims
 
 
 def resolve_device(device: torch.device | str | int | None) -> torch.device:
@@ -69,7 +69,7 @@ def default_group(process_group: dist.ProcessGroup | None = None) -> dist.Proces
 
 def resolve_groups(strategy: Strategy, *, process_group, mesh, device: torch.device) -> DataParallelGroups:
     world_group = default_group(process_group)
-    if is_tensor_parallel_mesh(mesh):  # FSDP x TP: shard over the data-parallel dimension (core/tensor_parallel.py)
+    if is_tensor_parallel_mesh(mesh):  # FSDP x TP: shard over the data-parallel dimension (tp/tensor_parallel.py)
         dims = mesh_dims(mesh, hybrid=strategy.is_hybrid)
         replicate = mesh.get_group(dims.replicate) if dims.hybrid else None
         return DataParallelGroups(shard=mesh.get_group(dims.shard), replicate=replicate, mesh=mesh)
@@ -181,3 +181,20 @@ def group_timeout(group: dist.ProcessGroup) -> timedelta | None:
         except (RuntimeError, AttributeError, ValueError, TypeError):  # no backend for this device type
             continue
     return None
+
+
+def tp_norm_group(dims: MeshDims) -> dist.ProcessGroup:
+    """The ranks that together hold every element once under tensor parallelism: the shard and tp
+    dimensions (one group per replica under hybrid sharding; replicas hold identical shards)."""
+    grid = dims.mesh.mesh
+    rows = [tuple(r.flatten().tolist()) for r in grid] if dims.hybrid else [tuple(grid.flatten().tolist())]
+    world = default_group()
+    if rows == [tuple(range(dist.get_world_size()))]:
+        return world
+    me = dist.get_rank()
+
+    def make() -> dist.ProcessGroup:
+        groups = [subgroup(list(r), parent=world) for r in rows]  # every rank makes every group, in order
+        return next(g for g, r in zip(groups, rows) if me in r)
+
+    return derived(world, ("tp-norm", tuple(rows)), make)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import weakref
 
 import torch
+from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -56,3 +57,11 @@ def rebind(optimizer: torch.optim.Optimizer) -> None:
                 )
             rebound.append(new)
         group["params"] = rebound
+
+
+def rebind_replaced(before: dict[str, nn.Parameter], model: nn.Module) -> None:
+    """Something replaced the parameters before st.shard saw them (tensor parallelism, tp/engine_setup.py): an optimizer built on the
+    originals (`before`, by name) is rebound from them."""
+    for name, new in model.named_parameters():
+        if name in before and before[name] is not new:
+            record(before[name], new, name)

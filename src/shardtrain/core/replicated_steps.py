@@ -3,10 +3,9 @@
 A fused optimizer (`AdamW(fused=True)`, ...) keeps each parameter's step count as a 0-dim tensor on
 the parameter's device and passes the counts to its fused kernel with the parameters. The sharded
 parameters are DTensors, so the call goes through DTensor's dispatch, which takes each plain count
-for a replicated tensor and builds a new spec for it, on every call: one per parameter per step,
-on one CPU thread for a 16-block Llama 2 ms of a 5.2 ms optimizer step, and 0.35 ms more on the
-("dp", "tp") mesh than on the 1-D one, whose specs have one placement less
-(benchmarks/tp_host_time.py). After each step, a global post-hook makes each such count of a
+for a replicated tensor and builds a new spec for it, on every call: one per parameter per step
+(the host time it cost: BENCHMARKS.md, 'FSDP × tensor parallel: the 2-D code path against the 1-D
+one'). After each step, a global post-hook makes each such count of a
 sharded parameter the DTensor that dispatch would have built (replicated on the parameter's mesh,
 over the same storage, one spec per mesh and dtype), so later steps hand dispatch prepared specs.
 

@@ -10,6 +10,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..options import ShardOptions
+from ..tp.refusals import refuse_offload
+from ..tp.tensor_parallel import local_tensors, prepare_tensor_parallel
 from . import rebind_optimizers
 from .comm import UnitComm
 from .flat_buffers import FlatBuffers
@@ -18,11 +20,10 @@ from .lookup import LookupUnit, runs_sharded_lookup
 from .materialize import Materializer, current_tensors, cut_shards
 from .param_layout import layout_of_unit
 from .partition import Occurrence, Partition, UnitSpec, matching_paths, partition
-from .process_groups import control_group, order_group, resolve_device, resolve_groups
+from .process_groups import control_group, order_group, resolve_device, resolve_groups, tp_norm_group
 from .recompute import apply_activation_checkpointing
 from .runtime import Runtime
 from .sharded_param import ParamFactory
-from .tensor_parallel import local_tensors, prepare_tensor_parallel
 from .unit import HostBuffers, ShardUnit, UnitBehaviour
 
 RUNTIME_ATTR = "_shardtrain_runtime"
@@ -34,7 +35,7 @@ def shard_module(model: nn.Module, options: ShardOptions, *, host_buffers: Calla
     its buffers and the parameters the optimizer sees, install the runtime's hooks. A mesh with a "tp"
     dimension first splits the model over it (`options.tp_plan`, or a model already through
     `parallelize_module`), then shards each TP-local tensor over the data-parallel dimension
-    (core/tensor_parallel.py).
+    (tp/tensor_parallel.py).
 
     With `options.offload` on a GPU, the offloaded units' shards and gradients live in host memory
     from `host_buffers()`, called once if any unit is offloaded (the offload package, offload/attach.py,
@@ -45,15 +46,17 @@ def shard_module(model: nn.Module, options: ShardOptions, *, host_buffers: Calla
     # Note: on a CPU device everything already lives in host memory.
     offload = options.offload if device.type == "cuda" else None
     tp = prepare_tensor_parallel(
-        model, mesh=options.mesh, plan=options.tp_plan, strategy=strategy, process_group=process_group
+        model,
+        mesh=options.mesh,
+        plan=options.tp_plan,
+        strategy=strategy,
+        process_group=process_group,
+        norm_group=tp_norm_group,
     )
     if tp is not None and options.sync_module_states:
         raise ValueError("sync_module_states with a tensor-parallel mesh: build the model identically on every rank")
-    if tp is not None and offload is not None:
-        raise ValueError(
-            f"cpu_offload={offload} with a tensor-parallel mesh is not supported: drop cpu_offload, or shard "
-            "without a 'tp' mesh dimension"
-        )
+    if tp is not None:
+        refuse_offload(offload, spelled="st.shard with a tensor-parallel mesh", given=offload)
     groups = resolve_groups(strategy, process_group=process_group, mesh=options.mesh, device=device)
     comm = UnitComm(shard=groups.shard, replicate=groups.replicate, device=device, gather=options.gather)
     factory = ParamFactory(mesh=groups.mesh, tp=tp)
@@ -89,8 +92,8 @@ def shard_module(model: nn.Module, options: ShardOptions, *, host_buffers: Calla
             precision=precision,
         )
         behaviour = UnitBehaviour(
-            # Note: the root too: re-gathering it at the start of backward cost nothing measurable,
-            # and holding it would add its whole size to the activation peak.
+            # Note: the root too: holding it would add its whole size to the activation peak, and
+            # re-gathering it in backward is cheap (BENCHMARKS.md, 'The root unit re-gathered in backward').
             reshard_after_forward=(
                 offload.reshards_after_forward(strategy_reshards=strategy.reshard_after_forward)
                 if offload and offloaded[index]

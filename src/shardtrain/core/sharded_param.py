@@ -25,9 +25,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
+from ..tp.tensor_parallel import TensorParallel
 from . import replicated_steps
 from .param_layout import ParamShard
-from .tensor_parallel import TensorParallel
 
 
 class ParamFactory:

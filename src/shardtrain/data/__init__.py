@@ -25,13 +25,10 @@ from typing import Any
 
 _EXPORTS = {
     "DataSpec": "pipeline",
-    "DataStats": "pipeline",
     "Prepared": "pipeline",
     "prepare": "pipeline",
     "load_rows": "sources",
-    "is_structured": "sources",
     "load_tokenizer": "tokenizer",
-    "check_vocab": "tokenizer",
     "Format": "formats",
     "detect_format": "formats",
     "Encoder": "encode",

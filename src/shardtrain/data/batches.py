@@ -56,7 +56,7 @@ class WindowOrder:
         self.seed = seed
         self.shuffle = shuffle
         self._epoch = -1
-        self._perm: np.ndarray | None = None
+        self._perm: np.ndarray = np.arange(0)  # the epoch's order, drawn at its first window
 
     def window(self, sample: int) -> int:
         epoch, pos = divmod(sample, self.num_windows)

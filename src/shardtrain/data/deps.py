@@ -23,7 +23,7 @@ def require(name: str, *, why: str) -> ModuleType:
 def first_line(exc: BaseException) -> str:
     """The innermost cause of a library's error, on one line: its type and the first line of its message
     (datasets wraps pyarrow's errors, transformers its file readers')."""
-    while exc.__cause__ is not None or exc.__context__ is not None:
-        exc = exc.__cause__ or exc.__context__
+    while (inner := exc.__cause__ or exc.__context__) is not None:
+        exc = inner
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"

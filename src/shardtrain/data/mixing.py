@@ -38,7 +38,7 @@ def shares_of(
     then as many samples as all the sources hold windows. Otherwise (epochs, unset: 1) a source's share of
     the windows is epochs x windows over the total, and an epoch of the mix reads each source its epochs times."""
     if all(w is not None for w in weights):
-        draws = [w * n / max(1, t) for w, n, t in zip(weights, windows, trained)]
+        draws = [w * n / max(1, t) for w, n, t in zip(weights, windows, trained)]  # type: ignore[operator]
         return [d / sum(draws) for d in draws], sum(windows)
     passes = [e if e is not None else 1.0 for e in epochs]
     reads = [e * n for e, n in zip(passes, windows)]
@@ -145,7 +145,7 @@ class MixStats:
         total = None if trained_tokens is None else max(1, int(np.sum(trained_tokens)))
         lines = []
         for s, (name, stats) in enumerate(zip(self.names, self.stats)):
-            run = "" if total is None else f", {trained_tokens[s] / total:.1%} this run"
+            run = "" if total is None else f", {trained_tokens[s] / total:.1%} this run"  # type: ignore[index]
             lines.append(
                 f"{name}: {expected[s] / sum(expected):.1%} of the trained tokens ({self.shares[s]:.1%} of the "
                 f"windows){run}; {stats.describe()}"

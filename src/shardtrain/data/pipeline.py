@@ -116,7 +116,7 @@ def prepare(
     (root / "tokenized").mkdir(parents=True, exist_ok=True)
     encoder = encoder_of(spec, fmt, tokenizer=tokenizer)
     tok_key = tokenizer_key(tokenizer)
-    common = dict(root=root, workers=workers, tok_key=tok_key, spec=spec)
+    common: dict[str, Any] = dict(root=root, workers=workers, tok_key=tok_key, spec=spec)
     docs = _encode(rows, encoder, **common)
     if spec.eval_path is not None:
         eval_rows = _renamed(

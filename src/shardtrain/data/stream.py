@@ -183,7 +183,7 @@ class StreamBatches:
         self.pad_id = pad_id
         self.next_index = 0
         self.position = StreamPosition()
-        self._windows = dict(
+        self._windows: dict[str, Any] = dict(
             open_rows=open_rows, encoder=encoder, buffer=buffer, packing=packing, seed=seed, shuffle=True, where=where
         )
         self._read_ahead = read_ahead
@@ -207,7 +207,7 @@ class StreamBatches:
         return dense_batch(rows, rows=self.per_rank, seq_len=self.seq_len, pad_id=self.pad_id)
 
     def _take(self) -> tuple[Window, StreamPosition]:
-        item = self._queue.get()
+        item = self._queue.get()  # type: ignore[union-attr]  # batch() started it
         if isinstance(item, _Failed):
             raise item.error
         return item

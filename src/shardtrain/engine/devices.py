@@ -13,6 +13,7 @@ import os
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -109,7 +110,7 @@ def join_process_group(topology: Topology, info: RankInfo, *, timeout: timedelta
     configure_threads(topology, info.local_world_size)
     if dist.is_initialized():
         return device
-    kwargs = {"timeout": timeout, "device_id": device if device.type == "cuda" else None}
+    kwargs: dict[str, Any] = {"timeout": timeout, "device_id": device if device.type == "cuda" else None}
     if info.world_size == 1 and not launched_externally():
         dist.init_process_group(topology.backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
     else:

@@ -8,7 +8,7 @@ saving/loading sharded checkpoints. With `tp=N` it also splits each layer over N
 parallelism on a ("dp", "tp") mesh); the data-parallel ranks are then `world_size // N`.
 
 Beside it: the collectives its ranks share (rank_collectives.py, a base of `Engine`), what `tp=N`
-checks and builds (tp_setup.py), and fp16's optimizer step through the loss scaler (fp16_step.py).
+checks and builds (tp/engine_setup.py), and fp16's optimizer step through the loss scaler (fp16_step.py).
 """
 
 from __future__ import annotations
@@ -16,19 +16,22 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
-from ..core.rebind_optimizers import rebind
+from ..core.rebind_optimizers import rebind, rebind_replaced
 from ..core.shard_module import runtime_of
 from ..ops.float8 import check_float8, convert_to_float8
 from ..options import ShardOptions, is_auto, precision_name, resolve_options
-from ..policy import AutoPolicy, MixedPrecision
+from ..policy import AutoPolicy, CPUOffload, MixedPrecision, WrapPolicy
 from ..sharding import shard_with
+from ..strategy import Strategy
+from ..tp.engine_setup import check_tensor_parallel, dp_tp_mesh, with_tensor_parallel
 from ..tp.mesh import check_tp_divides
 from . import launch as _launch
 from .devices import (
@@ -43,7 +46,9 @@ from .devices import (
 from .fp16_step import step_through_scaler
 from .lifeline import die_with_launcher
 from .rank_collectives import RankCollectives
-from .tp_setup import check_tensor_parallel, dp_tp_mesh, rebind_replaced, with_tensor_parallel
+
+if TYPE_CHECKING:
+    from ..ops.grad_scaler import GradScaler
 
 
 class Engine(RankCollectives):
@@ -73,17 +78,17 @@ class Engine(RankCollectives):
         *,
         devices: int | str = "auto",
         accelerator: str = "auto",
-        strategy: Any = "full_shard",
-        precision: Any = "auto",
-        wrap: Any = None,
-        activation_checkpointing: Any = None,
-        cpu_offload: Any = False,
+        strategy: Strategy | str | AutoPolicy = "full_shard",
+        precision: MixedPrecision | str | None = "auto",
+        wrap: WrapPolicy | None = None,
+        activation_checkpointing: WrapPolicy | None = None,
+        cpu_offload: CPUOffload | bool | float = False,
         param_init_fn: Callable[[nn.Module], None] | None = None,
         sync_module_states: bool = False,
         timeout: timedelta | None = None,
         compile: bool = False,
         tp: int = 1,
-        tp_plan: Any = None,
+        tp_plan: Mapping[str, Any] | None = None,
         float8: bool = False,
     ) -> None:
         if not isinstance(compile, bool):
@@ -93,13 +98,13 @@ class Engine(RankCollectives):
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ValueError(f"Engine(tp={tp!r}): give the number of ranks each layer is split over (1: none)")
         self._tp = tp
-        self._mesh: Any = None
+        self._mesh: DeviceMesh | None = None
         self._compile = compile
         self._devices = devices
         self._topology: Topology = resolve_topology(accelerator=accelerator, devices=devices)
         self.precision = precision_name(precision, accelerator=self._topology.accelerator)
         # fp16 needs dynamic loss scaling; the scaler is made once the device is known (setup).
-        self.grad_scaler = None
+        self.grad_scaler: GradScaler | None = None
         # st.AutoPolicy is planned at setup, when the model is known (st.shard_auto); the other
         # options are read once, here.
         self._auto = strategy if isinstance(strategy, AutoPolicy) else None
@@ -108,7 +113,7 @@ class Engine(RankCollectives):
                 f"Engine(strategy={strategy!r}) needs the batch it will be fed to plan: pass "
                 "strategy=st.AutoPolicy(micro_batch=..., seq_len=...)"
             )
-        self._shard_kwargs = dict(
+        self._shard_kwargs: dict[str, Any] = dict(
             strategy="full_shard" if self._auto else strategy,
             wrap=wrap,
             mixed_precision=self.precision,
@@ -123,7 +128,7 @@ class Engine(RankCollectives):
             check_tensor_parallel(tp=tp, options=self._options, auto=self._auto, cpu_offload=cpu_offload)
             if not launched_externally():
                 check_tp_divides(tp=tp, world_size=self._topology.num_processes, spelled=f"Engine(tp={tp})")
-        self._strategy: Any = self._auto or self._options.strategy
+        self._strategy: Strategy | AutoPolicy = self._auto or self._options.strategy
         self._timeout = timeout
         self._info: RankInfo | None = None
         self._device: torch.device | None = None
@@ -204,10 +209,11 @@ class Engine(RankCollectives):
     @property
     def device(self) -> torch.device:
         self._require_launch()
+        assert self._device is not None  # joined with the process group, as _info
         return self._device
 
     @property
-    def strategy(self):
+    def strategy(self) -> Strategy | AutoPolicy:
         """The sharding strategy (an `st.AutoPolicy` until setup has planned it)."""
         return self._strategy
 
@@ -285,7 +291,7 @@ class Engine(RankCollectives):
         return model, optimizer
 
     def _with_tensor_parallel(self, model: nn.Module, options: ShardOptions) -> ShardOptions:
-        """`options` on the ("dp", "tp") mesh (built once) with the model's plan (engine/tp_setup.py)."""
+        """`options` on the ("dp", "tp") mesh (built once) with the model's plan (tp/engine_setup.py)."""
         if self._mesh is None:
             self._mesh = dp_tp_mesh(self.device, data_parallel=self.data_parallel_size, tp=self._tp)
         return with_tensor_parallel(model, options, mesh=self._mesh)

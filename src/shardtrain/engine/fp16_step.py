@@ -35,4 +35,4 @@ def step_through_scaler(optimizer: torch.optim.Optimizer, scaler) -> None:
             inside = False
         return result
 
-    optimizer.step = types.MethodType(step, optimizer)
+    optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import random
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -20,10 +20,16 @@ import torch.distributed as dist
 class RankCollectives:
     """The collectives of a launched engine (a base of `Engine`, which provides its ranks and device)."""
 
-    rank: int
-    local_rank: int
-    world_size: int
-    device: torch.device
+    if TYPE_CHECKING:  # read-only properties of Engine
+
+        @property
+        def rank(self) -> int: ...
+        @property
+        def local_rank(self) -> int: ...
+        @property
+        def world_size(self) -> int: ...
+        @property
+        def device(self) -> torch.device: ...
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         if self.rank == 0:

@@ -191,7 +191,7 @@ def head_returns_loss(head: torch.nn.Linear, labels: torch.Tensor) -> Iterator[l
         returned.append(chunked_cross_entropy(hidden, head.weight, labels, bias=head.bias))
         return returned[-1]
 
-    head.forward = loss  # type: ignore[method-assign]
+    head.forward = loss  # type: ignore[method-assign,assignment]
     try:
         yield returned
     finally:

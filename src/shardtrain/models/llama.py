@@ -221,6 +221,8 @@ class Llama(nn.Module):
     """
 
     packed_attention: PackedAttention | None = None
+    rope_cos: torch.Tensor  # buffers (reset_parameters)
+    rope_sin: torch.Tensor
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()

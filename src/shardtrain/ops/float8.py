@@ -96,7 +96,10 @@ def _output_head(model: nn.Module) -> nn.Module | None:
     from ..pretrained.keys import hf_model
 
     hf = hf_model(model)
-    return None if hf is None else hf.get_output_embeddings()
+    if hf is None:
+        return None
+    head = hf.get_output_embeddings()
+    return head if isinstance(head, nn.Module) else None
 
 
 def _is_float8(module: nn.Module) -> bool:

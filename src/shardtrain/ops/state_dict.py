@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -39,8 +41,9 @@ def gather_params(unit: ShardUnit, local: list[torch.Tensor] | None = None) -> l
         for i, m, start in zip(buf.group.members, members, buf.group.shard_offsets):
             whole = by_rank[:, start : start + m.local_numel].reshape(m.padded_rows, *m.shape[1:])
             out[i] = whole[: m.rows]
+    gathered = cast("list[torch.Tensor]", out)  # every group's members cover every parameter
     tp = unit.factory.tp
-    return out if tp is None else tp.full_tensors(out, unit.layout.params)
+    return gathered if tp is None else tp.full_tensors(gathered, unit.layout.params)
 
 
 def named_tensors(unit: ShardUnit, tensors: list[torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -28,7 +28,7 @@ from ..checkpoint.format import short_list
 from ..checkpoint.this_rank import persistent_buffers
 from ..core.held import held_params
 from ..core.shard_module import runtime_of
-from ..tp import Box
+from ..tp.boxes import Box
 from .export import install_save_pretrained
 from .files import TensorEntry, WeightFiles, resolve_weights
 from .keys import KeyMatch, match_keys

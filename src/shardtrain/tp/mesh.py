@@ -31,7 +31,7 @@ class MeshDims:
 
     @property
     def tp_size(self) -> int:
-        return self.mesh.size(self.mesh.mesh_dim_names.index(TP))
+        return self.mesh.size(tuple(self.mesh.mesh_dim_names or ()).index(TP))
 
     @property
     def hybrid(self) -> bool:

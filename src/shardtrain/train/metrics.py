@@ -107,7 +107,7 @@ class Summary:
     memory_per_rank: list[int]
     memory_label: str
     skipped_steps: int = 0  # optimizer steps skipped for a non-finite loss or gradient norm
-    data: str | None = None  # the rows' statistics (shardtrain.data.DataStats.describe), for tokenized data
+    data: str | None = None  # the rows' statistics (DataStats.describe, data/pipeline.py), for tokenized data
     stopped: str | None = None  # why the run ended before train.steps (train.early_stop_patience)
     best: str | None = None  # the best checkpoint (run.keep_best) and its score
 

@@ -11,7 +11,7 @@ from shardtrain.planning.cost.auto import choose_plan
 from shardtrain.planning.cost.estimate import OVERHEAD_BYTES
 from shardtrain.planning.cost.sizes import GiB
 from shardtrain.planning.cost.trained import lora_parts
-from tests.planning.cost import ranks
+from tests.planning.cost import peak_ranks
 
 # Llama-3-8B as a Hugging Face config
 HF_8B = SimpleNamespace(
@@ -97,12 +97,12 @@ def test_block_activations_per_trained_part():
 
 def test_a_live_peft_model_matches_its_description():
     pytest.importorskip("peft")
-    model = ranks.meta_model(lora=True)
-    live = st.estimate_memory(model, world_size=2, wrap=ranks.blocks(), seq_len=512, micro_batch=2)
+    model = peak_ranks.meta_model(lora=True)
+    live = st.estimate_memory(model, world_size=2, wrap=peak_ranks.blocks(), seq_len=512, micro_batch=2)
     described = st.estimate_memory(
-        ranks.hf_config(), world_size=2, seq_len=512, micro_batch=2, lora_rank=8, lora_targets=("q_proj", "v_proj")
+        peak_ranks.hf_config(), world_size=2, seq_len=512, micro_batch=2, lora_rank=8, lora_targets=("q_proj", "v_proj")
     )
-    adapters = ranks.LAYERS * 8 * ((ranks.DIM + ranks.DIM) + (ranks.DIM + ranks.DIM // 2))
+    adapters = peak_ranks.LAYERS * 8 * ((peak_ranks.DIM + peak_ranks.DIM) + (peak_ranks.DIM + peak_ranks.DIM // 2))
     assert live.inputs.model.trainable_params == described.inputs.model.trainable_params == adapters
     assert live.inputs.model.trained == described.inputs.model.trained
     assert live.total == described.total
@@ -110,12 +110,12 @@ def test_a_live_peft_model_matches_its_description():
 
 def test_plan_of_a_peft_model_shows_frozen_units_without_gradients_or_optimizer_state():
     pytest.importorskip("peft")
-    model = ranks.meta_model(lora=True)
-    plan = st.plan(model, wrap=ranks.blocks(), world_size=2, mixed_precision="bf16")
+    model = peak_ranks.meta_model(lora=True)
+    plan = st.plan(model, wrap=peak_ranks.blocks(), world_size=2, mixed_precision="bf16")
     root, *layers = plan.units
     assert root.frozen and root.grad_bytes == 0 and root.optimizer_bytes == 0
     assert root.sharded_bytes == root.padded * 2 // 2  # bf16 as built, no fp32 master
-    per_block = 8 * ((ranks.DIM + ranks.DIM) + (ranks.DIM + ranks.DIM // 2))
+    per_block = 8 * ((peak_ranks.DIM + peak_ranks.DIM) + (peak_ranks.DIM + peak_ranks.DIM // 2))
     for row in layers:
         assert row.trainable == per_block and row.grad_bytes == per_block * 4 // 2
         assert row.optimizer_bytes == 2 * row.grad_bytes
@@ -159,9 +159,13 @@ def test_fine_tune_inputs_are_checked():
 def _measured_against_estimated(pools, *, checkpointing: bool) -> tuple[int, int]:
     pytest.importorskip("peft")
     kwargs = dict(micro_batch=2, seq_len=256)
-    (measured,) = pools(1).run(ranks.measured_peak, lora=True, checkpointing=checkpointing, **kwargs)
+    (measured,) = pools(1).run(peak_ranks.measured_peak, lora=True, checkpointing=checkpointing, **kwargs)
     e = st.estimate_memory(
-        ranks.meta_model(lora=True), world_size=1, wrap=ranks.blocks(), activation_checkpointing=checkpointing, **kwargs
+        peak_ranks.meta_model(lora=True),
+        world_size=1,
+        wrap=peak_ranks.blocks(),
+        activation_checkpointing=checkpointing,
+        **kwargs,
     )
     return measured, e.total - OVERHEAD_BYTES  # the overhead item stands for CUDA's work buffers
 

@@ -60,6 +60,7 @@ a frozen head (LoRA), and from about h / 2 tokens per micro-batch with a trained
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from ...models.chunked_ce import default_chunk_rows
 from .model_spec import LlamaShape
@@ -90,7 +91,13 @@ def loss_bytes(*, tokens: int, dim: int, vocab: int, compute_bytes: int, head_tr
 
 def chunked_loss_wins(*, tokens: int, dim: int, vocab: int, compute_bytes: int, head_trains: bool) -> bool:
     """Whether the chunked loss peaks lower than the full logits' for this micro-batch."""
-    sizes = {"tokens": tokens, "dim": dim, "vocab": vocab, "compute_bytes": compute_bytes, "head_trains": head_trains}
+    sizes: dict[str, Any] = {
+        "tokens": tokens,
+        "dim": dim,
+        "vocab": vocab,
+        "compute_bytes": compute_bytes,
+        "head_trains": head_trains,
+    }
     return loss_bytes(**sizes, chunked=True) < loss_bytes(**sizes, chunked=False)
 
 
@@ -179,7 +186,7 @@ def activation_bill(
     extra = block + 3 * compute_bytes * tokens * shape.ffn_dim if n_ckpt else 0
     if compute_bytes >= FP32:
         extra += 2 * tokens * attention_matrix_bytes(shape, seq_len=seq_len)
-    sizes = {
+    sizes: dict[str, Any] = {
         "tokens": tokens,
         "dim": shape.dim,
         "vocab": -(-shape.vocab_size // vocab_split),

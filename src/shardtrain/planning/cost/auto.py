@@ -191,7 +191,7 @@ def _weigh(
     disk tier (`disk_dir`) only when nothing fits with device and host memory either."""
     candidates = evaluate(model_spec, cpu_offload=0.0, **common)
     too_big_for_host: list[Candidate] = []
-    stages = [[dict(cpu_offload=fraction) for fraction in OFFLOAD_FRACTIONS]]
+    stages: list[list[dict[str, Any]]] = [[dict(cpu_offload=fraction) for fraction in OFFLOAD_FRACTIONS]]
     if disk_dir is not None:
         stages.append([dict(cpu_offload=1.0, disk_dir=disk_dir)])
     for stage in stages if allow_offload else ():

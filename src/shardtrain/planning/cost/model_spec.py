@@ -201,6 +201,7 @@ def spec_from_shape(name: str, shape: LlamaShape, *, params: int | None = None, 
         )
     block_units = (blocks // shape.n_layers,) * shape.n_layers
     table = shape.vocab_size * shape.dim
+    lookups: tuple[int, ...]
     if shape.tie_embeddings or not splits_embedding(table_params=table, block_params=block_units[0]):
         root, units, lookups = shape.root_params, block_units, ()
     else:

@@ -50,8 +50,9 @@ def _hf_config(module: nn.Module) -> Any:
 def _default_wrap(module: nn.Module):
     """The model's own `default_units()` (the built-in Llama has one). Otherwise: the element classes of
     the largest nn.ModuleList."""
-    if callable(getattr(module, "default_units", None)):
-        return module.default_units()
+    own = getattr(module, "default_units", None)
+    if callable(own):
+        return own()
     lists = [m for m in module.modules() if isinstance(m, nn.ModuleList) and len(m)]
     if not lists:
         return None
@@ -99,8 +100,9 @@ def spec_of_module(module: nn.Module, wrap, hints: dict[str, Any]) -> ModelSpec:
     total = sum(p.numel() for p in params)
     notes = list(parts.notes)
     shape = None
-    if _llama_config(module) is not None:
-        shape = apply_hints(shape_from_llama(_llama_config(module)), hints)
+    config = _llama_config(module)
+    if config is not None:
+        shape = apply_hints(shape_from_llama(config), hints)
     elif hints.get("dim"):
         embeddings = [m for m in module.modules() if isinstance(m, nn.Embedding)]
         vocab = max((e.num_embeddings for e in embeddings), default=None)

@@ -19,7 +19,7 @@ from ...core.process_groups import require_process_group
 from ...options import ShardOptions, resolve_options
 from ...policy import AutoPolicy
 from ...sharding import shard_with
-from ...tp import is_tensor_parallel_mesh
+from ...tp.mesh import is_tensor_parallel_mesh
 from .auto import SAFETY_MARGIN, choose_plan
 from .choice import AutoChoice
 

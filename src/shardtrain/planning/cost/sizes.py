@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 
 GiB = 1 << 30
 
@@ -38,7 +39,7 @@ def _split(text: str) -> tuple[float, str] | None:
 
 
 def _parse_quantity(
-    value: str | int | float, *, table: dict[str, float], what: str, noun: str, forms: str, minimum: float
+    value: str | int | float, *, table: Mapping[str, float], what: str, noun: str, forms: str, minimum: float
 ) -> float:
     """`value` (a number, or a number with a suffix of `table`) scaled by its suffix."""
     example = forms.split(",")[0].split(" or ")[0].strip()

@@ -27,9 +27,8 @@ launches and loss; the curve is deliberately mild (an assumption, not a measurem
 
 All-gathers: gathering the parameters moves 2 bytes (bf16) per parameter while compute spends 6 FLOPs
 per parameter per token, so a gather's time relative to the compute of a micro-batch depends on its
-tokens and the hardware, not on the model size. On an H200 pair (790 TFLOP/s, ~360 GB/s over NVLink)
-one gather of all parameters takes about 14% of the compute of 4,096 tokens, and prefetching hides
-most of it. Assumed: 3% of the compute of 4,096 tokens stays exposed for each gather that
+tokens and the hardware, not on the model size, and prefetching hides most of it (the share on
+2 × H200: BENCHMARKS.md, 'Step-time model of the automatic plan'). Assumed: 3% of the compute of 4,096 tokens stays exposed for each gather that
 shard_grad_op does not do. full_shard and hybrid_shard gather every unit a second time in backward:
 one exposed gather per micro-batch; shard_grad_op, optimizer_only and no_shard: none. Nothing is
 gathered within a shard group of one.

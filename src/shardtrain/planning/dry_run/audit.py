@@ -100,7 +100,7 @@ class PrecisionAudit:
         if s is Strategy.NO_SHARD:
             return f"all-reduce of gradients in {reduce}; no all-gather"
         trained = [u for u in self.units if u.reduce is not None]
-        if trained and trained[0].compute.itemsize < trained[0].reduce.itemsize:  # Groups.narrow_wire
+        if trained and trained[0].compute.itemsize < trained[0].reduce.itemsize:  # type: ignore[union-attr]  # Groups.narrow_wire
             reduction = (
                 f"gradients exchanged in {gather} (all-to-all) and summed in {reduce} on arrival "
                 f"(a reduce-scatter in {reduce} when accumulated under no_sync)"
@@ -221,9 +221,12 @@ def audit_precision(
     parts = partition(model, wrap)
     on_host = offload_policy.select(spec.numel for spec in parts.units) if offload_policy else []
     buffers = _buffers_by_unit(model, {spec.name for spec in parts.units}, precision.buffer_dtype)
-    units, offloaded = [], []
+    units: list[UnitPrecision] = []
+    offloaded: list[str] = []
     for spec, on in zip(parts.units, on_host or [False] * len(parts.units)):
-        named = [(occ[0].fqn, (), p) for p, occ in zip(spec.params, spec.occurrences)]
+        named: list[tuple[str, tuple[str, ...], torch.Tensor]] = [
+            (occ[0].fqn, (), p) for p, occ in zip(spec.params, spec.occurrences)
+        ]
         layout = layout_of_unit(named, world=1, precision=precision)
         groups = layout.groups or ()
         for k, group in enumerate(groups or [None]):
@@ -237,7 +240,7 @@ def audit_precision(
                     params=sum(m.numel for m in members),
                     stored=stored,
                     compute=group.compute_dtype if group else stored,
-                    grad=group.compute_dtype if trains else None,
+                    grad=group.compute_dtype if group and trains else None,
                     reduce=(precision.reduce_dtype or stored) if trains else None,
                     sharded_grad=stored if trains else None,
                     optimizer_state=stored if trains else None,
@@ -246,14 +249,13 @@ def audit_precision(
             )
         if on:
             offloaded.append(spec.name or "<root>")
-    units = tuple(units)
     return PrecisionAudit(
         model=type(model).__name__,
         strategy=strategy,
         precision=precision,
         cpu_offload=offload_policy is not None,
-        units=units,
-        notes=tuple(_notes(units, precision)) + parts.notes,
+        units=tuple(units),
+        notes=tuple(_notes(tuple(units), precision)) + parts.notes,
         offloaded_units=tuple(offloaded),
         unit_count=len(parts.units),
     )

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from ...core.param_layout import layout_of_unit
@@ -97,7 +98,9 @@ def plan(
     looks_up = shard_world > 1 and not strategy.keeps_params_resident
     rows, notes = [], list(parts.notes)
     for spec in parts.units:
-        named = [(occ[0].fqn, (), p) for p, occ in zip(spec.params, spec.occurrences)]
+        named: list[tuple[str, tuple[str, ...], torch.Tensor]] = [
+            (occ[0].fqn, (), p) for p, occ in zip(spec.params, spec.occurrences)
+        ]
         layout = layout_of_unit(named, world=shard_world, precision=precision)
         gathers = not (looks_up and spec.can_look_up)
         if not gathers:

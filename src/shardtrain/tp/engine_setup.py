@@ -4,22 +4,27 @@
 The engine builds the mesh itself (data-parallel ranks = world // tp, each tp group's ranks next to
 each other, as `init_device_mesh` places them), so it refuses what needs another mesh (the hybrid
 strategies), what the automatic plan does not plan (tensor parallelism), and offload, which tensor
-parallelism does not support: each as one line naming the setting and the fix.
+parallelism does not support (tp/refusals.py): each as one line naming the setting and the fix.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
-from ..core.rebind_optimizers import record
 from ..options import ShardOptions
+from ..policy import AutoPolicy, CPUOffload
+from .mesh import FLAT_NAMES
+from .plans import plan_for
+from .refusals import refuse_offload
 
 
-def check_tensor_parallel(*, tp: int, options: ShardOptions, auto: Any, cpu_offload: Any) -> None:
+def check_tensor_parallel(
+    *, tp: int, options: ShardOptions, auto: AutoPolicy | None, cpu_offload: CPUOffload | bool | float
+) -> None:
     """What tp > 1 refuses, before any process starts (`auto`: the engine's st.AutoPolicy, or None)."""
     if auto is not None:
         raise ValueError(
@@ -32,33 +37,17 @@ def check_tensor_parallel(*, tp: int, options: ShardOptions, auto: Any, cpu_offl
             "mesh; use 'full_shard' or 'shard_grad_op', or call st.shard(model, mesh=<('replicate', "
             "'shard', 'tp') DeviceMesh>) yourself"
         )
-    if options.offload is not None:
-        raise ValueError(
-            f"Engine(tp={tp}) with cpu_offload={cpu_offload!r}: offload is not supported with tensor "
-            "parallelism; drop cpu_offload or tp"
-        )
+    refuse_offload(options.offload, spelled=f"Engine(tp={tp})", given=cpu_offload)
 
 
-def dp_tp_mesh(device: torch.device, *, data_parallel: int, tp: int) -> Any:
+def dp_tp_mesh(device: torch.device, *, data_parallel: int, tp: int) -> DeviceMesh:
     """The ("dp", "tp") DeviceMesh of `data_parallel` x `tp` ranks."""
     from torch.distributed.device_mesh import init_device_mesh
-
-    from ..tp import FLAT_NAMES
 
     return init_device_mesh(device.type, (data_parallel, tp), mesh_dim_names=FLAT_NAMES)
 
 
-def with_tensor_parallel(model: nn.Module, options: ShardOptions, *, mesh: Any) -> ShardOptions:
+def with_tensor_parallel(model: nn.Module, options: ShardOptions, *, mesh: DeviceMesh) -> ShardOptions:
     """`options` on `mesh` with the model's plan (a model built on the meta device stays there: st.shard
     materialises it unit by unit)."""
-    from ..tp import plan_for
-
     return dataclasses.replace(options, mesh=mesh, tp_plan=options.tp_plan or plan_for(model))
-
-
-def rebind_replaced(before: dict[str, nn.Parameter], model: nn.Module) -> None:
-    """Tensor parallelism replaced the parameters before st.shard saw them: an optimizer built on the
-    originals (`before`, by name) is rebound from them."""
-    for name, new in model.named_parameters():
-        if name in before and before[name] is not new:
-            record(before[name], new, name)

@@ -1,4 +1,5 @@
-"""Tensor parallelism inside the engine: what a unit shards, what the optimizer sees, what forward uses.
+"""Tensor parallelism inside the engine (core/shard_module.py builds it): what a unit shards, what the
+optimizer sees, what forward uses.
 
 After `parallelize_module(model, mesh["tp"], plan)` a split parameter is a DTensor on the "tp" mesh.
 The engine shards its TP-local tensor exactly as it shards a plain parameter (dim 0, over the
@@ -20,8 +21,9 @@ on the mesh.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -32,17 +34,19 @@ from torch.distributed.tensor.parallel import parallelize_module
 from torch.distributed.tensor.placement_types import Placement
 
 from ..strategy import Strategy
-from ..tp import (
-    MeshDims,
-    is_tensor_parallel_mesh,
-    mesh_dims,
-    mesh_placements,
-    replicated_on_tp,
-    resolve_plan,
-    split_of,
-)
-from .param_layout import ParamShard
-from .process_groups import default_group, derived, subgroup
+from .boxes import split_of
+from .mesh import MeshDims, is_tensor_parallel_mesh, mesh_dims
+from .placements import mesh_placements, replicated_on_tp
+from .plans import resolve_plan
+
+
+class ParamShard(Protocol):
+    """What this module reads of a parameter's cut (core/param_layout.py's `ParamShard`)."""
+
+    @property
+    def fqn(self) -> str: ...
+    @property
+    def shape(self) -> tuple[int, ...]: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,13 +61,13 @@ class TpParam:
 class TensorParallel:
     """The split parameters of one model (by every name they are registered under) and its mesh."""
 
-    def __init__(self, *, dims: MeshDims, params: dict[str, TpParam]) -> None:
+    def __init__(self, *, dims: MeshDims, params: dict[str, TpParam], norm_group: dist.ProcessGroup) -> None:
         self.dims = dims
         self.tp_mesh = dims.tp_mesh
         self.tp_size = dims.tp_size
         self.tp_rank = self.tp_mesh.get_local_rank()
         self.params = params
-        self.norm_group = _norm_group(dims)
+        self.norm_group = norm_group  # the ranks that together hold every element once
         self._specs: dict[tuple[str, torch.dtype], DTensorSpec] = {}
 
     def splits_any(self, shards: tuple[ParamShard, ...]) -> bool:
@@ -144,10 +148,17 @@ def local_tensors(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def prepare_tensor_parallel(
-    model: nn.Module, *, mesh: Any, plan: Any, strategy: Strategy, process_group: dist.ProcessGroup | None
+    model: nn.Module,
+    *,
+    mesh: Any,
+    plan: Any,
+    strategy: Strategy,
+    process_group: dist.ProcessGroup | None,
+    norm_group: Callable[[MeshDims], dist.ProcessGroup],
 ) -> TensorParallel | None:
     """Apply `plan` to `model` over the mesh's "tp" dimension (unless it is of size 1: nothing to split)
-    and collect the split parameters; None when `mesh` has no "tp" dimension."""
+    and collect the split parameters; None when `mesh` has no "tp" dimension. `norm_group(dims)` makes
+    the process group a norm sums over (core/process_groups.py)."""
     split = {n: p for n, p in model.named_parameters(remove_duplicate=False) if isinstance(p, DTensor)}
     if not is_tensor_parallel_mesh(mesh):
         if plan is not None:
@@ -191,7 +202,7 @@ def prepare_tensor_parallel(
                 "mesh's 'tp' dimension only (parallelize_module(model, mesh['tp'], plan))"
             )
         params[name] = TpParam(placement=p.placements[0], shape=p.shape, stride=p.stride())
-    return TensorParallel(dims=dims, params=params)
+    return TensorParallel(dims=dims, params=params, norm_group=norm_group(dims))
 
 
 def _check_splittable(model: nn.Module) -> None:
@@ -212,20 +223,3 @@ def _check_splittable(model: nn.Module) -> None:
                 "untie them (e.g. tie_embeddings=False) to use tp_plan"
             )
         seen[id(p)] = name
-
-
-def _norm_group(dims: MeshDims) -> dist.ProcessGroup:
-    """The ranks that together hold every element once: the shard and tp dimensions (one group per
-    replica under hybrid sharding; replicas hold identical shards)."""
-    grid = dims.mesh.mesh
-    rows = [tuple(r.flatten().tolist()) for r in grid] if dims.hybrid else [tuple(grid.flatten().tolist())]
-    world = default_group()
-    if rows == [tuple(range(dist.get_world_size()))]:
-        return world
-    me = dist.get_rank()
-
-    def make() -> dist.ProcessGroup:
-        groups = [subgroup(list(r), parent=world) for r in rows]  # every rank makes every group, in order
-        return next(g for g, r in zip(groups, rows) if me in r)
-
-    return derived(world, ("tp-norm", tuple(rows)), make)

@@ -93,12 +93,11 @@ def convert_to_float8(model: nn.Module) -> list[str]:
 def _output_head(model: nn.Module) -> nn.Module | None:
     """A transformers model's output embeddings (a peft model's inner model's too), else None (the
     built-in Llama's head is recognised by its class)."""
-    from ..pretrained.keys import hf_model
-
-    hf = hf_model(model)
-    if hf is None:
+    transformers = sys.modules.get("transformers")  # a model of transformers implies it is imported
+    if transformers is None:
         return None
-    head = hf.get_output_embeddings()
+    hf = next((m for m in model.modules() if isinstance(m, transformers.PreTrainedModel)), None)
+    head = None if hf is None else hf.get_output_embeddings()
     return head if isinstance(head, nn.Module) else None
 
 

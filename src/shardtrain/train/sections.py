@@ -182,8 +182,8 @@ class DataConfig:
     num_proc: int = _help("processes that tokenize and pack (0: one per 2,000 rows, up to the CPU count)", 0)
     streaming: bool = _help(
         "read, tokenize and pack the rows as training goes, nothing cached: the first step starts at once and "
-        "a corpus larger than the disk trains (one source; held-out rows only from data.eval_path; not with "
-        "train.epochs)",
+        "a corpus larger than the disk trains (several sources mix by weight; held-out rows only from eval_path "
+        "files; not with train.epochs)",
         False,
     )
     stream_buffer: int = _help("with data.streaming: documents packed together (best-fit within them)", PACK_GROUP)
@@ -212,7 +212,7 @@ class DataConfig:
         )
 
     def __post_init__(self) -> None:
-        check_sources(self.sources, path=self.path, require=_require)
+        check_sources(self.sources, path=self.path, streaming=self.streaming, require=_require)
         _require(
             not (self.sources and self.eval_path is not None),
             "data.eval_path",
@@ -234,12 +234,6 @@ class DataConfig:
             _require(value in choices, key, value, f"use one of {', '.join(choices)}")
         _require(self.num_proc >= 0, "data.num_proc", self.num_proc, "use 0 (automatic) or more")
         _require(self.stream_buffer >= 1, "data.stream_buffer", self.stream_buffer, "use 1 or more documents")
-        _require(
-            not (self.streaming and self.sources),
-            "data.streaming",
-            self.streaming,
-            "streaming reads one source: give it with --data.path, or mix data.sources without streaming",
-        )
         _require(
             not (self.streaming and self.val_fraction),
             "data.val_fraction",

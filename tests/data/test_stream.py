@@ -104,6 +104,7 @@ def _stream_batches(sources, *, buffer, seed, state, weights=None):
     batches = StreamBatches(
         sources, weights=weights, pad_id=0, global_batch=4, rank=0, world_size=1, packing=True, buffer=buffer, seed=seed
     )
+    batches.start()  # reading from the start, as a run's batches do while its model is built
     if state is not None:
         batches.load_state_dict(state)
     return batches

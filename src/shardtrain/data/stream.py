@@ -243,8 +243,7 @@ class StreamBatches:
                 f"streamed data is read in order: batch {index} was asked for, the stream is at batch "
                 f"{self.next_index}; resume from a checkpoint to go back, or train without --data.streaming"
             )
-        if not self._queues:
-            self._start()
+        self.start()
         picked = []
         for _ in range(self.per_rank):
             s = neediest(self.weights, self.trained)
@@ -257,7 +256,11 @@ class StreamBatches:
         rows = ((b, *window) for b, window in enumerate(picked))
         return dense_batch(rows, rows=self.per_rank, seq_len=self.seq_len, pad_id=self.pad_id)
 
-    def _start(self) -> None:
+    def start(self) -> None:
+        """Start reading ahead (once; the first batch does it otherwise), so that the first buffers are
+        tokenized while the model is built. A position loaded afterwards starts the reading again."""
+        if self._queues:
+            return
         for s, position in zip(self.sources, self.positions):
             out: queue.Queue = queue.Queue(maxsize=self._read_ahead * self.per_rank)
             items = stream_windows(s.open_rows, encoder=s.encoder, where=s.where, start=position, **self._windows)
@@ -292,8 +295,11 @@ class StreamBatches:
                 f"the checkpoint streamed the sources {state['sources']}, this run streams {names}; resume with "
                 "the checkpoint's data.sources"
             )
-        if self._queues:
+        if self.next_index:
             raise RuntimeError("load a stream position before reading the first batch")
+        if self._queues:  # read ahead from the start: those threads end, new ones read from the position
+            self._stop.set()
+            self._stop, self._queues = threading.Event(), []
         self.next_index = int(state["next_index"])
         self.positions = [StreamPosition(**p) for p in state["positions"]]
         self.trained = [int(t) for t in state["trained"]]

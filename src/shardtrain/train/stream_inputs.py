@@ -37,7 +37,7 @@ def streamed_train(cfg: Config, specs: list, names: list[str], *, tokenizer, ord
             )
         )
     weights = [s.weight for s in d.source_list()]
-    return StreamBatches(
+    batches = StreamBatches(
         sources,
         weights=weights if None not in weights else None,
         pad_id=pad_id(tokenizer),
@@ -45,6 +45,8 @@ def streamed_train(cfg: Config, specs: list, names: list[str], *, tokenizer, ord
         buffer=d.stream_buffer,
         **order,
     )
+    batches.start()  # the first buffers are read while the model is built
+    return batches
 
 
 def streamed_held_out(cfg: Config, engine, specs: list, *, tokenizer, order: dict, progress: bool) -> list:

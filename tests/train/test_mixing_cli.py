@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from shardtrain import cli
 from tests.train.data_runs import records, replayed, tiny_args
 from tests.train.facts import prompt_completion_rows, write_jsonl
 from tests.train.test_cli import _train_on
@@ -38,3 +39,20 @@ def test_two_weighted_sources_report_their_shares_and_resume_on_the_same_batches
     _train_on(pools(2), [*common, "--run.name", "resumed", "--resume", str(tmp_path / "whole/checkpoints/step_000003")])
     replay, original = replayed(whole, records(tmp_path / "resumed"), cut=3)
     assert replay == original and len(original) == 5
+
+
+def test_the_whole_mix_holds_rows_out_through_data_eval_path(pools, tmp_path, capsys):
+    task = write_jsonl(prompt_completion_rows()[:120], tmp_path / "task.jsonl")
+    held = write_jsonl(prompt_completion_rows()[120:], tmp_path / "held.jsonl")
+    chat = write_jsonl([{"text": f"note {i}: {GENERAL}"} for i in range(150)], tmp_path / "general.jsonl")
+    args = [
+        *tiny_args(tmp_path, steps=2, every=2, extra_texts=(GENERAL,)),
+        "--data.sources", f"[{{path: {task}, weight: 0.5}}, {{path: {chat}, weight: 0.5, train_on: all}}]",
+        "--data.eval_path", str(held), "--run.name", "mix",
+    ]  # fmt: skip
+    _train_on(pools(2), args)
+    evals = [r for r in records(tmp_path / "mix") if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [0, 2] and all("loss" not in r for r in evals)  # one loss: the mix's
+    assert cli.main(["train", *args, "--data.sources.0.val_fraction", "0.1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "or per source (their eval_path, val_fraction), not both" in err

@@ -28,7 +28,7 @@ from ..data.stream import StreamBatches
 from .data import ByteTokenizer, TokenBatches, build_cache, corpus_files
 from .sections import Config
 from .source_section import source_labels
-from .stream_inputs import pad_id, streamed_held_out, streamed_train
+from .stream_inputs import held_out_files, pad_id, streamed_train, whole_mix_held_out
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
@@ -148,7 +148,8 @@ def plan_data(cfg: Config, module: nn.Module, *, progress: bool = False) -> Data
             f"a tokenizer ({key}={path!r}) trains on your data: pass --data.path (a .jsonl, .parquet, ... "
             "file, a folder of them, or plain text)"
         )
-    if cfg.eval.samples and not any(spec.eval_path or spec.val_fraction for spec in data_specs(cfg)):
+    held_specs = [*data_specs(cfg), whole_mix_held_out(cfg)]
+    if cfg.eval.samples and not any(spec and (spec.eval_path or spec.val_fraction) for spec in held_specs):
         raise ValueError(
             f"eval.samples={cfg.eval.samples} decodes held-out prompts, but every row trains "
             "(data.val_fraction 0, no data.eval_path); hold rows out with --data.val_fraction 0.02 or "
@@ -240,15 +241,21 @@ def build_data(cfg: Config, engine, plan: DataPlan, *, micro_batch: int) -> Trai
         train, stats = WindowBatches(prepared[0].train, shuffle=True, **windows), prepared[0].stats
     else:
         train, stats = _mixed(cfg, prepared, windows)
-    held = [(name, p.held_out) for name, p in zip(source_labels(d.source_list()), prepared) if p.held_out is not None]
-    return _with_held_out(
-        cfg,
-        train=train,
-        held=[(name, WindowBatches(part, shuffle=False, **windows)) for name, part in held],
-        tokenizer=tok,
-        stats=stats,
-        prompts=[p.prompts for p in prepared],
-    )
+    mix = whole_mix_held_out(cfg)
+    if mix is not None:  # data.eval_path beside data.sources: one held-out set for the mix
+        ((mix_windows, mix_prompts),) = held_out_files(
+            cfg, engine, [mix], tokenizer=tok, order=order, progress=progress
+        )
+        held, prompts = [("", mix_windows)], [mix_prompts]
+    else:
+        names = source_labels(d.source_list())
+        held = [
+            (n, WindowBatches(p.held_out, shuffle=False, **windows))
+            for n, p in zip(names, prepared)
+            if p.held_out is not None
+        ]
+        prompts = [p.prompts for p in prepared]
+    return _with_held_out(cfg, train=train, held=held, tokenizer=tok, stats=stats, prompts=prompts)
 
 
 def _with_held_out(cfg: Config, *, train, held: list, tokenizer, stats, prompts: list[list[dict]]) -> TrainData:
@@ -288,6 +295,8 @@ def _streamed(cfg: Config, engine, plan: DataPlan, *, order: dict, progress: boo
     """data.streaming: every source's rows read, tokenized and packed as training goes (stream_inputs.py)."""
     specs, tok, names = data_specs(cfg), plan.tokenizer, source_labels(cfg.data.source_list())
     train = streamed_train(cfg, specs, names, tokenizer=tok, order=order)
-    parts = streamed_held_out(cfg, engine, specs, tokenizer=tok, order=order, progress=progress)
+    mix = whole_mix_held_out(cfg)
+    held_specs, names = ([mix], [""]) if mix is not None else (specs, names)
+    parts = held_out_files(cfg, engine, held_specs, tokenizer=tok, order=order, progress=progress)
     held = [(name, windows) for name, (windows, _) in zip(names, parts) if windows is not None]
     return _with_held_out(cfg, train=train, held=held, tokenizer=tok, stats=None, prompts=[p for _, p in parts])

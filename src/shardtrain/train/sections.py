@@ -157,7 +157,11 @@ class DataConfig:
         f"{BYTE_VAL_FRACTION} for the built-in model's byte corpus",
         None,
     )
-    eval_path: str | None = _help("held-out data in the same layout as data.path (instead of data.val_fraction)", None)
+    eval_path: str | None = _help(
+        "held-out data in the same layout as data.path (instead of data.val_fraction); with data.sources, the "
+        "whole mix's held-out rows (read with data.format and data.train_on)",
+        None,
+    )
     tokenizer: str | None = _help(
         "a Hugging Face tokenizer folder (default: model.pretrained's own; the byte tokenizer for the built-in model)",
         None,
@@ -214,10 +218,10 @@ class DataConfig:
     def __post_init__(self) -> None:
         check_sources(self.sources, path=self.path, streaming=self.streaming, require=_require)
         _require(
-            not (self.sources and self.eval_path is not None),
+            not (self.eval_path is not None and any(s.eval_path or s.val_fraction for s in self.sources)),
             "data.eval_path",
             self.eval_path,
-            "with data.sources, give each source its own eval_path (or val_fraction)",
+            "hold rows out for the whole mix (data.eval_path) or per source (their eval_path, val_fraction), not both",
         )
         _require(self.seq_len >= 2, "data.seq_len", self.seq_len, "use at least 2 tokens")
         _require(

@@ -49,9 +49,9 @@ def streamed_train(cfg: Config, specs: list, names: list[str], *, tokenizer, ord
     return batches
 
 
-def streamed_held_out(cfg: Config, engine, specs: list, *, tokenizer, order: dict, progress: bool) -> list:
-    """Each source's held-out windows (WindowBatches of its eval_path; None without one), and its held-out
-    prompts for eval.samples."""
+def held_out_files(cfg: Config, engine, specs: list, *, tokenizer, order: dict, progress: bool) -> list:
+    """(held-out windows, held-out prompts for eval.samples) of each of `specs`: WindowBatches of its
+    eval_path tokenized once through the cache (None without one)."""
     from ..data.pipeline import prepare, read_source
     from ..data.prompts import held_out_prompts
 
@@ -71,6 +71,27 @@ def streamed_held_out(cfg: Config, engine, specs: list, *, tokenizer, order: dic
         windows = WindowBatches(prepared.train, shuffle=False, seq_len=d.seq_len, pad_id=pad_id(tokenizer), **order)
         parts.append((windows, prompts))
     return parts
+
+
+def whole_mix_held_out(cfg: Config):
+    """data.eval_path beside data.sources as a DataSpec (the mix's held-out rows, as the data section reads
+    them); None without it."""
+    from ..data.pipeline import DataSpec
+
+    d = cfg.data
+    if not (d.sources and d.eval_path):
+        return None
+    return DataSpec(
+        path=d.eval_path,
+        eval_path=d.eval_path,
+        format=d.format,
+        train_on=d.train_on,
+        seq_len=d.seq_len,
+        packing=d.packing,
+        overlong=d.overlong,
+        pattern=d.pattern,
+        seed=cfg.train.seed,
+    )
 
 
 def pad_id(tokenizer) -> int:

@@ -48,7 +48,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--create", default="", help="pretrained_load.py shape arguments (default: Llama-3-8B's)")
     parser.add_argument("--corpus-mb", type=int, default=1100, help="size of the streamed corpus")
-    parser.add_argument("--cached-mb", type=int, default=64, help="the corpus's prefix the cached path tokenizes")
+    parser.add_argument("--cached-mb", type=int, default=16, help="the corpus's prefix the cached path tokenizes")
     parser.add_argument("--pool", type=int, default=24_000, help="distinct chats the corpus repeats")
     parser.add_argument("--vocab", type=int, default=8_000, help="tokenizer vocabulary (at most the model's)")
     parser.add_argument("--seq", type=int, default=4096)

@@ -1,5 +1,6 @@
 """Streamed windows: the cached path's in the same order mode, disjoint rank shares, exact resume, early first batch."""
 
+import functools
 import itertools
 import json
 import time
@@ -10,7 +11,7 @@ from shardtrain.data import DataSpec, prepare
 from shardtrain.data.encode import Encoder, Overlong, TrainOn
 from shardtrain.data.formats import Format
 from shardtrain.data.pipeline import PACK_GROUP
-from shardtrain.data.stream import StreamBatches, stream_rows, stream_windows
+from shardtrain.data.stream import StreamBatches, StreamSource, neediest, stream_rows, stream_windows
 from tests.data.tokenizers_fixture import train_tokenizer
 from tests.train.facts import prompt_completion_rows, questions, write_jsonl
 
@@ -88,22 +89,25 @@ def test_a_resumed_stream_serves_the_windows_the_uninterrupted_one_did(tmp_path,
 
 def _batches(path, tok, *, state=None, count):
     spec = DataSpec(path=str(path), seq_len=64)
-    batches = StreamBatches(
-        lambda: stream_rows(spec, tokenizer=tok, cache_dir=None, rank=0, world_size=1),
+    source = StreamSource(
+        open_rows=lambda: stream_rows(spec, tokenizer=tok, cache_dir=None, rank=0, world_size=1),
         encoder=_encoder(tok),
-        pad_id=0,
-        global_batch=4,
-        rank=0,
-        world_size=1,
-        packing=True,
-        buffer=50,
-        seed=1,
         where="test rows",
     )
-    if state is not None:
-        batches.load_state_dict(state)
+    batches = _stream_batches([source], buffer=50, seed=1, state=state)
     got = [batches.batch(batches.next_index) for _ in range(count)]
     return got, batches
+
+
+def _stream_batches(sources, *, buffer, seed, state, weights=None):
+    """One rank's StreamBatches of `sources` in micro-batches of 4, from `state` (None: the start)."""
+    batches = StreamBatches(
+        sources, weights=weights, pad_id=0, global_batch=4, rank=0, world_size=1, packing=True, buffer=buffer, seed=seed
+    )
+    batches.start()  # reading from the start, as a run's batches do while its model is built
+    if state is not None:
+        batches.load_state_dict(state)
+    return batches
 
 
 def test_stream_batches_resume_from_their_state_dict_and_refuse_going_back(tmp_path, tok):
@@ -140,3 +144,76 @@ def test_a_row_that_fails_in_the_reading_thread_fails_the_batch_in_one_line(tmp_
     path = _jsonl(tmp_path / "rows.jsonl", rows)
     with pytest.raises(ValueError, match=r"^row 7 of test rows has no trained token after its cut to data.seq_len=64"):
         _batches(path, tok, count=1)
+
+
+def _mixed(paths, tok, *, weights=(0.7, 0.3), seed=1, state=None):
+    """StreamBatches of two sources: prompt/completion rows (completions trained) and text (all trained)."""
+    specs = [DataSpec(path=str(paths[0]), seq_len=64), DataSpec(path=str(paths[1]), seq_len=64, train_on="all")]
+    fmts = (Format.PROMPT_COMPLETION, Format.TEXT)
+    sources = [
+        StreamSource(
+            open_rows=functools.partial(stream_rows, spec, tokenizer=tok, cache_dir=None, rank=0, world_size=1),
+            encoder=Encoder(
+                tokenizer=tok, format=fmt, train_on=TrainOn(spec.train_on), seq_len=64, overlong=Overlong.TRUNCATE
+            ),
+            where=spec.path,
+            name=f"s{s}",
+        )
+        for s, (spec, fmt) in enumerate(zip(specs, fmts))
+    ]
+    return _stream_batches(sources, weights=list(weights), buffer=40, seed=seed, state=state)
+
+
+def _two_sources(tmp_path):
+    text = [{"text": f"note {i}: " + "the tea is warm " * (1 + i % 4)} for i in range(150)]
+    return _jsonl(tmp_path / "task.jsonl", _rows(200)), _jsonl(tmp_path / "text.jsonl", text)
+
+
+def test_two_streamed_sources_train_on_their_weights_shares_of_the_trained_tokens(tmp_path, tok):
+    paths = _two_sources(tmp_path)
+    mixed = _mixed(paths, tok)
+    trained = [0, 0]
+    for index in range(200):
+        batch = mixed.batch(index)
+        for row in range(4):  # a window holds rows of one source: its first token says which
+            source = 0 if tok.decode(batch["input_ids"][row, :4], skip_special_tokens=True).startswith("Q") else 1
+            trained[source] += int((batch["labels"][row] != -100).sum())
+    share = trained[0] / sum(trained)
+    assert abs(share - 0.7) <= 0.03, trained
+    assert trained == mixed.served[:, 3].tolist()  # the summary's counts are these
+    # the task's windows train fewer tokens each: more than 70% of the windows come from it
+    assert mixed.served[0, 0] / mixed.served[:, 0].sum() > 0.75
+
+
+def test_two_streamed_sources_give_the_same_batches_by_seed_and_after_a_resume(tmp_path, tok):
+    paths = _two_sources(tmp_path)
+    first = _mixed(paths, tok)
+    whole = [first.batch(i) for i in range(40)]
+    again = _mixed(paths, tok)
+    assert all(again.batch(i)["input_ids"].equal(whole[i]["input_ids"]) for i in range(40))
+    other = _mixed(paths, tok, seed=2)
+    assert any(not other.batch(i)["input_ids"].equal(whole[i]["input_ids"]) for i in range(40))
+    for cut in (7, 23):  # inside the sources' buffers, then past their first pass
+        head = _mixed(paths, tok)
+        for i in range(cut):
+            head.batch(i)
+        state = json.loads(json.dumps(head.state_dict()))  # plain values, as the checkpoint keeps them
+        resumed = _mixed(paths, tok, state=state)
+        for i in range(cut, 40):
+            batch = resumed.batch(i)
+            assert all(batch[k].equal(whole[i][k]) for k in ("input_ids", "labels", "position_ids")), (cut, i)
+    with pytest.raises(ValueError, match=r"streamed the sources \['s0', 's1'\], this run streams \['s1', 's0'\]"):
+        swapped = _mixed(paths[::-1], tok)
+        swapped.sources = swapped.sources[::-1]
+        swapped.load_state_dict(state)
+
+
+def test_neediest_keeps_each_share_of_the_trained_tokens_within_a_window():
+    weights, trained = [0.5, 0.3, 0.2], [0, 0, 0]
+    sizes = [7, 3, 11]  # trained tokens per window of each source
+    for _ in range(300):
+        s = neediest(weights, trained)
+        trained[s] += sizes[s]
+        total = sum(trained)
+        assert all(abs(t - w * total) <= 2 * max(sizes) for t, w in zip(trained, weights))
+    assert neediest([0.3, 0.7], [0, 0]) == 1

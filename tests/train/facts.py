@@ -68,12 +68,16 @@ def write_jsonl(rows: list[dict], path: Path) -> Path:
     return path
 
 
-def llama_folder(path: Path, *, hidden: int = 64, layers: int = 2, init_range: float = 0.02) -> Path:
-    """A randomly initialised LlamaForCausalLM + its tokenizer (with chat template), as save_pretrained writes."""
+def llama_folder(
+    path: Path, *, hidden: int = 64, layers: int = 2, init_range: float = 0.02, extra_texts: tuple[str, ...] = ()
+) -> Path:
+    """A randomly initialised LlamaForCausalLM + its tokenizer (with chat template, learned from the facts'
+    rows and `extra_texts`), as save_pretrained writes."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     texts = [q + " " + a for q, a in questions()] + [r["prompt"] + r["completion"] for r in prompt_completion_rows()]
+    texts += extra_texts
     tokenizer = train_tokenizer(texts, vocab_size=512, template=MARKED)
     torch.manual_seed(0)
     config = LlamaConfig(

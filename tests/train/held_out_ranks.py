@@ -25,7 +25,7 @@ def held_out_loss(folder: str, data: str, held: str, cache: str, *extra: str) ->
         return batch(index)
 
     job.data.held_out.batch = recording
-    return {"loss": job.held_out_loss(), "read": read}
+    return {"loss": job.held_out_loss()[0], "read": read}
 
 
 def train_without_held_out(folder: str, data: str, cache: str, out_dir: str) -> dict:

@@ -50,6 +50,8 @@ def test_scalars_name_each_number_by_kind_and_rank():
         "train/memory_bytes/rank0": 1000.0,
         "train/memory_bytes/rank1": 1200.0,
     }
+    each = {"kind": "eval", "step": 4, "eval_loss": 2.5, "loss": {"task": 2.0, "general": 3.0}}
+    assert scalars(each) == {"eval/eval_loss": 2.5, "eval/loss/task": 2.0, "eval/loss/general": 3.0}
 
 
 def test_wandb_offline_run_holds_metrics_config_plan_samples_and_summary(tmp_path, monkeypatch):

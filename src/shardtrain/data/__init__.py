@@ -9,8 +9,9 @@ The pieces `shardtrain train` uses, for a loop of one's own (docs/data.md):
                                   -> Prepared: packed train and held-out windows (cached), stats, prompts
     WindowBatches(prepared.train, ...)
                                   this rank's batches {"input_ids", "labels", "position_ids"}
-    StreamBatches(lambda: stream_rows(spec, ...), ...)
-                                  the same, read, tokenized and packed as they are served (no cache)
+    StreamBatches([StreamSource(open_rows=lambda: stream_rows(spec, ...), ...)], ...)
+                                  the same, read, tokenized and packed as they are served (no cache),
+                                  several sources mixed by weight
     Encoder / chat_tokens         one row -> tokens and trained flags
     show(windows, tokenizer, count=N)
                                   decoded documents with the trained spans marked
@@ -37,6 +38,7 @@ _EXPORTS = {
     "chat_tokens": "encode",
     "WindowBatches": "batches",
     "StreamBatches": "stream",
+    "StreamSource": "stream",
     "stream_rows": "stream",
     "IGNORE": "pack",
     "show": "display",

@@ -1,28 +1,32 @@
 """Streamed training data (`--data.streaming true`): rows read, tokenized and packed as training goes.
 
-    this rank's share of the rows (a `datasets.IterableDataset`, split_dataset_by_node)
+    per source: this rank's share of its rows (a `datasets.IterableDataset`, split_dataset_by_node)
         -> Encoder, row by row -> a buffer of at least data.stream_buffer documents (whole rows)
         -> windows by best-fit within the buffer (pack.windows), in a seeded order per buffer
-        -> a bounded queue, filled by a background thread -> batch(index), consecutive indices only
+        -> a bounded queue, filled by a background thread
+    -> batch(index), consecutive indices only: each window from the source furthest below its share
+       of the trained tokens (`neediest`)
 
 Nothing is written to disk, so a corpus larger than the disk trains, and the first step waits for one
-buffer, not for the corpus. At the end of the rows the stream starts the next pass from the start.
+buffer per source, not for the corpus. At the end of a source's rows its stream starts the next pass
+from the start.
 
-Where the stream stands (a StreamPosition: the row stream's `state_dict()` at the start of the buffer
-being served, the pass, buffer and row numbers there, and the windows of that buffer served) is saved in
-each rank's checkpoint file: resuming reads that buffer again, packs it the same way and skips what was
-served, so a resumed run reads exactly the batches of the uninterrupted one. With one rank, no shuffling
-and a buffer of pipeline.PACK_GROUP documents, the windows are the cached path's, which packs its
-documents in groups of that many.
+Where a source's stream stands (a StreamPosition: the row stream's `state_dict()` at the start of the
+buffer being served, the pass, buffer and row numbers there, and the windows of that buffer served) is
+saved in each rank's checkpoint file with every source's trained tokens: resuming reads that buffer
+again, packs it the same way and skips what was served, so a resumed run reads exactly the batches of
+the uninterrupted one. With one rank, no shuffling and a buffer of pipeline.PACK_GROUP documents, the
+windows are the cached path's, which packs its documents in groups of that many.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import queue
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -30,7 +34,7 @@ import torch
 
 from .batches import dense_batch
 from .encode import Encoder
-from .pack import windows
+from .pack import IGNORE, windows
 from .pipeline import DataSpec, read_source, untrained_row
 
 Window = tuple[list[int], list[int], list[int]]  # input_ids, labels, position_ids
@@ -125,6 +129,36 @@ def _packed(
         yield (out["input_ids"][w], out["labels"][w], out["position_ids"][w]), replace(position, served=k + 1)
 
 
+@dataclass(frozen=True, kw_only=True)
+class StreamSource:
+    """One source of a stream: this rank's rows (`open_rows()` gives a fresh IterableDataset of them),
+    how they are encoded, how errors call them (`where`) and reports and metrics (`name`)."""
+
+    open_rows: Callable[[], Any]
+    encoder: Encoder
+    where: str
+    name: str = ""
+
+
+def neediest(weights: list[float], trained: list[int]) -> int:
+    """The source furthest below its share (`weights`, summing to 1) of the `trained` tokens so far; the
+    first of the heaviest at the start. Drawing each window from it keeps every source's share of the
+    trained tokens within one window of its weight, whatever the lengths of its rows."""
+    total = sum(trained)
+    return max(range(len(weights)), key=lambda s: (weights[s] * total - trained[s], weights[s], -s))
+
+
+def describe_served(names: list[str], *, weights: list[float], served: np.ndarray) -> str:
+    """One line per source of what its stream served this run (`served`: StreamBatches.served summed over
+    the ranks): its weight and share of the trained tokens, its rows (documents), tokens and windows."""
+    total = max(1, int(served[:, 3].sum()))
+    return "\n".join(
+        f"{name}: {weight:.1%} of the trained tokens aimed, {trained / total:.1%} this run; {docs:,} rows "
+        f"streamed, {trained:,} of {tokens:,} tokens trained, {windows:,} windows"
+        for name, weight, (windows, docs, tokens, trained) in zip(names, weights, served.tolist())
+    )
+
+
 @dataclass(frozen=True)
 class _Failed:
     error: BaseException
@@ -147,21 +181,25 @@ def _read_ahead(items: Iterator, out: queue.Queue, stop: threading.Event) -> Non
 
 
 class StreamBatches:
-    """Training batches of one rank from its stream of windows (the batch dict of data/batches.py).
+    """Training batches of one rank from the streams of windows of one or several sources (the batch dict
+    of data/batches.py).
 
-    `batch(index)` serves consecutive indices from 0 (or from the resumed position); a background thread
-    packs ahead into a queue of `read_ahead` micro-batches, so the step does not wait for tokenizing.
-    `state_dict()` / `load_state_dict()` save and restore the position (plain values: the checkpoint
-    stores them in this rank's file)."""
+    Each window of a batch comes from the source `neediest` names (with one source: that one), so each
+    source's share of the trained tokens follows its weight (a share of the trained tokens, as
+    data/mixing.py's). `batch(index)` serves consecutive indices from 0 (or from the resumed position);
+    a background thread per source packs ahead into a queue of `read_ahead` micro-batches, so the step
+    does not wait for tokenizing. `state_dict()` / `load_state_dict()` save and restore every source's
+    position and trained tokens (plain values: the checkpoint stores them in this rank's file).
+    `served[s]` counts source s's windows, documents, tokens and trained tokens read in this run."""
 
     all_trained = False  # labels hold -100s: the step counts its trained tokens
     num_windows = None  # unknown until the stream ends: train.epochs cannot count passes
 
     def __init__(
         self,
-        open_rows: Callable[[], Any],
+        sources: list[StreamSource],
         *,
-        encoder: Encoder,
+        weights: list[float] | None = None,
         pad_id: int,
         global_batch: int,
         rank: int,
@@ -169,7 +207,6 @@ class StreamBatches:
         packing: bool,
         buffer: int,
         seed: int,
-        where: str,
         read_ahead: int = 8,
     ) -> None:
         if global_batch % world_size:
@@ -177,18 +214,28 @@ class StreamBatches:
                 f"a global micro-batch of {global_batch} sequences does not split over {world_size} "
                 "ranks; use a batch size that is a multiple of the world size"
             )
+        weights = weights or [1.0] * len(sources)
+        self.weights = [w / sum(weights) for w in weights]
+        self.sources = sources
         self.per_rank = global_batch // world_size
         self.rank, self.world_size = rank, world_size
-        self.seq_len = encoder.seq_len
+        self.seq_len = sources[0].encoder.seq_len
         self.pad_id = pad_id
         self.next_index = 0
-        self.position = StreamPosition()
-        self._windows: dict[str, Any] = dict(
-            open_rows=open_rows, encoder=encoder, buffer=buffer, packing=packing, seed=seed, shuffle=True, where=where
-        )
+        self.positions = [StreamPosition() for _ in sources]
+        self.trained = [0] * len(sources)  # since the run's start, resumes included: what neediest weighs
+        self.served = np.zeros((len(sources), 4), dtype=np.int64)  # windows, documents, tokens, trained tokens
+        self._windows: dict[str, Any] = dict(buffer=buffer, packing=packing, seed=seed, shuffle=True)
         self._read_ahead = read_ahead
-        self._queue: queue.Queue | None = None
+        self._queues: list[queue.Queue] = []
         self._stop = threading.Event()
+
+    def first_windows(self, source: int, count: int) -> list[dict[str, list[int]]]:
+        """The first `count` windows of `source`'s stream in file order (for `--data.show`; a fresh read)."""
+        s = self.sources[source]
+        items = stream_windows(s.open_rows, encoder=s.encoder, where=s.where, **{**self._windows, "shuffle": False})
+        firsts = [window for (window, _) in itertools.islice(items, count)]
+        return [dict(zip(("input_ids", "labels", "position_ids"), window)) for window in firsts]
 
     def batch(self, index: int) -> dict[str, torch.Tensor]:
         if index != self.next_index:
@@ -196,18 +243,32 @@ class StreamBatches:
                 f"streamed data is read in order: batch {index} was asked for, the stream is at batch "
                 f"{self.next_index}; resume from a checkpoint to go back, or train without --data.streaming"
             )
-        if self._queue is None:
-            self._queue = queue.Queue(maxsize=self._read_ahead * self.per_rank)
-            items = stream_windows(**self._windows, start=self.position)
-            threading.Thread(target=_read_ahead, args=(items, self._queue, self._stop), daemon=True).start()
-        picked = [self._take() for _ in range(self.per_rank)]
-        self.position = picked[-1][1]
+        self.start()
+        picked = []
+        for _ in range(self.per_rank):
+            s = neediest(self.weights, self.trained)
+            window, self.positions[s] = self._take(s)
+            trained = sum(label != IGNORE for label in window[1])
+            self.trained[s] += trained
+            self.served[s] += (1, window[2].count(0), len(window[0]), trained)
+            picked.append(window)
         self.next_index += 1
-        rows = ((b, *window) for b, (window, _) in enumerate(picked))
+        rows = ((b, *window) for b, window in enumerate(picked))
         return dense_batch(rows, rows=self.per_rank, seq_len=self.seq_len, pad_id=self.pad_id)
 
-    def _take(self) -> tuple[Window, StreamPosition]:
-        item = self._queue.get()  # type: ignore[union-attr]  # batch() started it
+    def start(self) -> None:
+        """Start reading ahead (once; the first batch does it otherwise), so that the first buffers are
+        tokenized while the model is built. A position loaded afterwards starts the reading again."""
+        if self._queues:
+            return
+        for s, position in zip(self.sources, self.positions):
+            out: queue.Queue = queue.Queue(maxsize=self._read_ahead * self.per_rank)
+            items = stream_windows(s.open_rows, encoder=s.encoder, where=s.where, start=position, **self._windows)
+            threading.Thread(target=_read_ahead, args=(items, out, self._stop), daemon=True).start()
+            self._queues.append(out)
+
+    def _take(self, source: int) -> tuple[Window, StreamPosition]:
+        item = self._queues[source].get()
         if isinstance(item, _Failed):
             raise item.error
         return item
@@ -217,7 +278,9 @@ class StreamBatches:
             "next_index": self.next_index,
             "rank": self.rank,
             "world_size": self.world_size,
-            **asdict(self.position),
+            "sources": [s.name for s in self.sources],
+            "positions": [asdict(p) for p in self.positions],
+            "trained": [int(t) for t in self.trained],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -226,10 +289,20 @@ class StreamBatches:
                 f"the checkpoint's stream position is rank {state['rank']} of {state['world_size']}, this is rank "
                 f"{self.rank} of {self.world_size}; resume streamed data on {state['world_size']} data-parallel ranks"
             )
-        if self._queue is not None:
+        names = [s.name for s in self.sources]
+        if state["sources"] != names:
+            raise ValueError(
+                f"the checkpoint streamed the sources {state['sources']}, this run streams {names}; resume with "
+                "the checkpoint's data.sources"
+            )
+        if self.next_index:
             raise RuntimeError("load a stream position before reading the first batch")
+        if self._queues:  # read ahead from the start: those threads end, new ones read from the position
+            self._stop.set()
+            self._stop, self._queues = threading.Event(), []
         self.next_index = int(state["next_index"])
-        self.position = StreamPosition(**{f.name: state[f.name] for f in fields(StreamPosition)})
+        self.positions = [StreamPosition(**p) for p in state["positions"]]
+        self.trained = [int(t) for t in state["trained"]]
 
     def __del__(self) -> None:
-        self._stop.set()  # the reading thread holds no reference to self: it ends at its next put
+        self._stop.set()  # the reading threads hold no reference to self: they end at their next put

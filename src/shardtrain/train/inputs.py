@@ -13,8 +13,7 @@ any communication; the tokenizing runs once per node (local rank 0 first, the ot
 
 from __future__ import annotations
 
-import copy
-import dataclasses
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,8 @@ from ..data.sources import is_structured
 from ..data.stream import StreamBatches
 from .data import ByteTokenizer, TokenBatches, build_cache, corpus_files
 from .sections import Config
+from .source_section import source_labels
+from .stream_inputs import held_out_files, pad_id, streamed_train, whole_mix_held_out
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
@@ -49,19 +50,35 @@ class TrainData:
     packed: bool  # windows hold several documents: the forward needs their position_ids
     stats: Any = None  # shardtrain.data's DataStats of the rows' path, or MixStats of several sources
     prompts: list[dict] | None = None
+    # with several sources: (label, held-out windows) of each source holding rows out, evaluated one by one
+    held_out_sources: tuple[tuple[str, WindowBatches], ...] = ()
 
     def show(self, count: int) -> str:
         """`--data.show`: the first `count` documents of each source, the trained spans marked."""
         from ..data.display import show
 
-        if not isinstance(self.train, MixedBatches):
+        if isinstance(self.train, StreamBatches):
+            names = [s.where for s in self.train.sources]
+            parts = [self.train.first_windows(s, count) for s in range(len(names))]
+        elif isinstance(self.train, MixedBatches):
+            names, parts = self.train.names, self.train.parts
+        else:
             return show(self.train.windows, self.tokenizer, count=count)
-        parts = zip(self.train.names, self.train.parts)
-        return "\n".join(f"=== source {name} ===\n{show(part, self.tokenizer, count=count)}" for name, part in parts)
+        if len(parts) == 1:
+            return show(parts[0], self.tokenizer, count=count)
+        return "\n".join(
+            f"=== source {n} ===\n{show(part, self.tokenizer, count=count)}" for n, part in zip(names, parts)
+        )
 
     def describe(self, engine) -> str | None:
-        """The data's statistics for the run summary; with several sources, each one's share of the tokens
-        trained this run (an all-reduce of the ranks' counts: every rank calls this)."""
+        """The data's statistics for the run summary; with several sources or streaming, each one's share of
+        the tokens trained this run (an all-reduce of the ranks' counts: every rank calls this)."""
+        if isinstance(self.train, StreamBatches):
+            from ..data.stream import describe_served
+
+            served = engine.all_reduce(torch.from_numpy(self.train.served), op="sum").cpu().numpy()
+            names = [s.where for s in self.train.sources]
+            return describe_served(names, weights=self.train.weights, served=served)
         if not isinstance(self.train, MixedBatches):
             return None if self.stats is None else self.stats.describe()
         trained = engine.all_reduce(torch.from_numpy(self.train.trained_tokens), op="sum")
@@ -131,7 +148,8 @@ def plan_data(cfg: Config, module: nn.Module, *, progress: bool = False) -> Data
             f"a tokenizer ({key}={path!r}) trains on your data: pass --data.path (a .jsonl, .parquet, ... "
             "file, a folder of them, or plain text)"
         )
-    if cfg.eval.samples and not any(spec.eval_path or spec.val_fraction for spec in data_specs(cfg)):
+    held_specs = [*data_specs(cfg), whole_mix_held_out(cfg)]
+    if cfg.eval.samples and not any(spec and (spec.eval_path or spec.val_fraction) for spec in held_specs):
         raise ValueError(
             f"eval.samples={cfg.eval.samples} decodes held-out prompts, but every row trains "
             "(data.val_fraction 0, no data.eval_path); hold rows out with --data.val_fraction 0.02 or "
@@ -219,22 +237,39 @@ def build_data(cfg: Config, engine, plan: DataPlan, *, micro_batch: int) -> Trai
         ]
     tok = plan.tokenizer
     windows = dict(seq_len=d.seq_len, pad_id=pad_id(tok), **order)
-    held = [p.held_out for p in prepared if p.held_out is not None]
     if len(prepared) == 1:
         train, stats = WindowBatches(prepared[0].train, shuffle=True, **windows), prepared[0].stats
     else:
         train, stats = _mixed(cfg, prepared, windows)
-    if len(held) > 1:
-        from datasets import concatenate_datasets
+    mix = whole_mix_held_out(cfg)
+    if mix is not None:  # data.eval_path beside data.sources: one held-out set for the mix
+        ((mix_windows, mix_prompts),) = held_out_files(
+            cfg, engine, [mix], tokenizer=tok, order=order, progress=progress
+        )
+        held, prompts = [("", mix_windows)], [mix_prompts]
+    else:
+        names = source_labels(d.source_list())
+        held = [
+            (n, WindowBatches(p.held_out, shuffle=False, **windows))
+            for n, p in zip(names, prepared)
+            if p.held_out is not None
+        ]
+        prompts = [p.prompts for p in prepared]
+    return _with_held_out(cfg, train=train, held=held, tokenizer=tok, stats=stats, prompts=prompts)
 
-        held = [concatenate_datasets(held)]
+
+def _with_held_out(cfg: Config, *, train, held: list, tokenizer, stats, prompts: list[list[dict]]) -> TrainData:
+    """The run's TrainData with `held`, each source's (label, held-out windows): the first one alone,
+    or with several, each one evaluated on its own (held_out then stands for all of them); eval.samples
+    prompts taken from the sources in turn."""
     return TrainData(
         train=train,
-        held_out=WindowBatches(held[0], shuffle=False, **windows) if held else None,
-        tokenizer=tok,
-        packed=d.packing,
+        held_out=held[0][1] if held else None,
+        held_out_sources=tuple(held) if len(held) > 1 else (),
+        tokenizer=tokenizer,
+        packed=cfg.data.packing,
         stats=stats,
-        prompts=[row for rows in zip(*(p.prompts for p in prepared)) for row in rows][: cfg.eval.samples],
+        prompts=[row for rows in itertools.zip_longest(*prompts) for row in rows if row][: cfg.eval.samples],
     )
 
 
@@ -256,41 +291,12 @@ def _mixed(cfg: Config, prepared: list, windows: dict) -> tuple[Any, Any]:
     return train, MixStats(names=names, stats=[p.stats for p in prepared], shares=shares)
 
 
-def pad_id(tokenizer) -> int:
-    """The id padding rows are filled with (masked by their labels and positions, never compared)."""
-    return next(t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if t is not None)
-
-
 def _streamed(cfg: Config, engine, plan: DataPlan, *, order: dict, progress: bool) -> TrainData:
-    """data.streaming: this rank's rows read, tokenized and packed as training goes (data/stream.py); the
-    held-out rows of data.eval_path tokenized once through the cache, as without streaming."""
-    from ..data.pipeline import encoder_of, prepare, read_source
-    from ..data.prompts import held_out_prompts
-    from ..data.stream import stream_rows
-
-    d, tok = cfg.data, plan.tokenizer
-    (spec,) = data_specs(cfg)
-    _, fmt = read_source(spec, tokenizer=tok, cache_dir=d.cache_dir, progress=False, streaming=True)
-    share = dict(tokenizer=tok, cache_dir=d.cache_dir, rank=order["rank"], world_size=order["world_size"])
-    train = StreamBatches(
-        lambda: stream_rows(spec, **share),
-        # the reading thread encodes with its own copy: a fast tokenizer is not to be shared across threads
-        encoder=encoder_of(spec, fmt, tokenizer=copy.deepcopy(tok)),
-        pad_id=pad_id(tok),
-        packing=d.packing,
-        buffer=d.stream_buffer,
-        where=f"data.path={spec.path!r}",
-        **order,
-    )
-    held_out, prompts = None, []
-    if spec.eval_path is not None:
-        held_spec = dataclasses.replace(
-            spec, path=spec.eval_path, eval_path=None, config=None, split="train", revision=None
-        )
-        with engine.rank_zero_first(local=True):
-            prepared = prepare(held_spec, tokenizer=tok, cache_dir=d.cache_dir, num_proc=d.num_proc, progress=progress)
-        held_out = WindowBatches(prepared.train, shuffle=False, seq_len=d.seq_len, pad_id=pad_id(tok), **order)
-        if cfg.eval.samples:
-            rows, _ = read_source(held_spec, tokenizer=tok, cache_dir=d.cache_dir, progress=False)
-            prompts = held_out_prompts(rows, fmt, tok, count=cfg.eval.samples)
-    return TrainData(train=train, held_out=held_out, tokenizer=tok, packed=d.packing, prompts=prompts)
+    """data.streaming: every source's rows read, tokenized and packed as training goes (stream_inputs.py)."""
+    specs, tok, names = data_specs(cfg), plan.tokenizer, source_labels(cfg.data.source_list())
+    train = streamed_train(cfg, specs, names, tokenizer=tok, order=order)
+    mix = whole_mix_held_out(cfg)
+    held_specs, names = ([mix], [""]) if mix is not None else (specs, names)
+    parts = held_out_files(cfg, engine, held_specs, tokenizer=tok, order=order, progress=progress)
+    held = [(name, windows) for name, (windows, _) in zip(names, parts) if windows is not None]
+    return _with_held_out(cfg, train=train, held=held, tokenizer=tok, stats=None, prompts=[p for _, p in parts])

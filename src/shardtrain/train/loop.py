@@ -127,7 +127,7 @@ def build_job(cfg: Config, engine: Engine) -> tuple[Job, str]:
     cfg, steps_line = with_epoch_steps(cfg, data.train.num_windows)
     if steps_line and engine.rank == 0:
         print(steps_line, flush=True)
-    if cfg.data.show and engine.rank == 0 and data.stats is not None:
+    if cfg.data.show and engine.rank == 0 and data.tokenizer is not None:
         print(data.show(cfg.data.show), flush=True)
     model, adapter_init = with_lora(cfg, built.module)
     optimizer = build_optimizer(cfg.optim, model, device=engine.device)

@@ -157,7 +157,11 @@ class DataConfig:
         f"{BYTE_VAL_FRACTION} for the built-in model's byte corpus",
         None,
     )
-    eval_path: str | None = _help("held-out data in the same layout as data.path (instead of data.val_fraction)", None)
+    eval_path: str | None = _help(
+        "held-out data in the same layout as data.path (instead of data.val_fraction); with data.sources, the "
+        "whole mix's held-out rows (read with data.format and data.train_on)",
+        None,
+    )
     tokenizer: str | None = _help(
         "a Hugging Face tokenizer folder (default: model.pretrained's own; the byte tokenizer for the built-in model)",
         None,
@@ -182,8 +186,8 @@ class DataConfig:
     num_proc: int = _help("processes that tokenize and pack (0: one per 2,000 rows, up to the CPU count)", 0)
     streaming: bool = _help(
         "read, tokenize and pack the rows as training goes, nothing cached: the first step starts at once and "
-        "a corpus larger than the disk trains (one source; held-out rows only from data.eval_path; not with "
-        "train.epochs)",
+        "a corpus larger than the disk trains (several sources mix by weight; held-out rows only from eval_path "
+        "files; not with train.epochs)",
         False,
     )
     stream_buffer: int = _help("with data.streaming: documents packed together (best-fit within them)", PACK_GROUP)
@@ -212,12 +216,12 @@ class DataConfig:
         )
 
     def __post_init__(self) -> None:
-        check_sources(self.sources, path=self.path, require=_require)
+        check_sources(self.sources, path=self.path, streaming=self.streaming, require=_require)
         _require(
-            not (self.sources and self.eval_path is not None),
+            not (self.eval_path is not None and any(s.eval_path or s.val_fraction for s in self.sources)),
             "data.eval_path",
             self.eval_path,
-            "with data.sources, give each source its own eval_path (or val_fraction)",
+            "hold rows out for the whole mix (data.eval_path) or per source (their eval_path, val_fraction), not both",
         )
         _require(self.seq_len >= 2, "data.seq_len", self.seq_len, "use at least 2 tokens")
         _require(
@@ -234,12 +238,6 @@ class DataConfig:
             _require(value in choices, key, value, f"use one of {', '.join(choices)}")
         _require(self.num_proc >= 0, "data.num_proc", self.num_proc, "use 0 (automatic) or more")
         _require(self.stream_buffer >= 1, "data.stream_buffer", self.stream_buffer, "use 1 or more documents")
-        _require(
-            not (self.streaming and self.sources),
-            "data.streaming",
-            self.streaming,
-            "streaming reads one source: give it with --data.path, or mix data.sources without streaming",
-        )
         _require(
             not (self.streaming and self.val_fraction),
             "data.val_fraction",

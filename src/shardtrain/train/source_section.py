@@ -1,45 +1,50 @@
 """One training source of `[[data.sources]]`: where its rows are, how to read them, and its part of the mix.
 
 A run names one source with `--data.path` or several with `data.sources` (a list of these tables);
-`sources_of` resolves either spelling to a tuple of sources once, so the rest of the code knows one form.
+`DataConfig.source_list` resolves either spelling to a tuple of sources once, so the rest of the code knows one form.
 A source's format, train_on and val_fraction left unset take the data section's.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from pathlib import PurePosixPath
 
 from ..data.encode import TrainOn
 from ..data.formats import FORMAT_NAMES
-
-
-def _help(text: str, default: Any = None, **kwargs: Any) -> Any:
-    if "default_factory" in kwargs:
-        return field(metadata={"help": text}, **kwargs)
-    return field(default=default, metadata={"help": text})
+from .section_fields import help_field
 
 
 @dataclass(frozen=True, kw_only=True)
 class SourceConfig:
-    path: str | None = _help("the source's rows: a file, a folder or a Hub dataset id, as data.path takes")
-    config: str | None = _help("the config (subset) of a Hub dataset")
-    split: str = _help("the split of a Hub dataset (or a saved DatasetDict)", "train")
-    revision: str | None = _help("the branch, tag or commit of a Hub dataset id")
-    format: str | None = _help("row layout, as data.format (default: data.format)")
-    columns: dict[str, str] = _help(
+    name: str | None = help_field(
+        "the source's name in metrics (eval/loss/<name>); default: its file's or folder's name without the "
+        "extension, or the last part of its Hub id",
+        None,
+    )
+    path: str | None = help_field("the source's rows: a file, a folder or a Hub dataset id, as data.path takes", None)
+    config: str | None = help_field("the config (subset) of a Hub dataset", None)
+    split: str = help_field("the split of a Hub dataset (or a saved DatasetDict)", "train")
+    revision: str | None = help_field("the branch, tag or commit of a Hub dataset id", None)
+    format: str | None = help_field("row layout, as data.format (default: data.format)", None)
+    columns: dict[str, str] = help_field(
         "renames the source's columns before its format is detected, e.g. {question: prompt, answer: completion}",
         default_factory=dict,
     )
-    train_on: str | None = _help("'completion' or 'all', as data.train_on (default: data.train_on)")
-    weight: float | None = _help("the source's share of the sampled training windows (normalized over the sources)")
-    epochs: float | None = _help("passes over the source's windows per epoch of the mix (instead of a weight)")
-    eval_path: str | None = _help("the source's held-out rows (instead of its val_fraction)")
-    val_fraction: float | None = _help("the fraction of the source's rows held out (default: data.val_fraction)")
+    train_on: str | None = help_field("'completion' or 'all', as data.train_on (default: data.train_on)", None)
+    weight: float | None = help_field("the source's share of the trained tokens (normalized over the sources)", None)
+    epochs: float | None = help_field(
+        "passes over the source's windows per epoch of the mix (instead of a weight)", None
+    )
+    eval_path: str | None = help_field("the source's held-out rows (instead of its val_fraction)", None)
+    val_fraction: float | None = help_field(
+        "the fraction of the source's rows held out (default: data.val_fraction)", None
+    )
 
 
-def check_sources(sources: tuple[SourceConfig, ...], *, path: str | None, require) -> None:
-    """Every source's values and the mix as a whole; `require(ok, key, value, remedy)` raises the ConfigError."""
+def check_sources(sources: tuple[SourceConfig, ...], *, path: str | None, streaming: bool, require) -> None:
+    """Every source's values and the mix as a whole (`streaming`: as data.streaming reads them);
+    `require(ok, key, value, remedy)` raises the ConfigError."""
     require(
         not (sources and path is not None),
         "data.path",
@@ -76,6 +81,18 @@ def check_sources(sources: tuple[SourceConfig, ...], *, path: str | None, requir
             source.val_fraction,
             "use a value in [0, 1) (0: hold out nothing)",
         )
+        require(
+            not (streaming and source.val_fraction),
+            f"{key}.val_fraction",
+            source.val_fraction,
+            "streamed rows are never counted, so none are held out by a fraction: give the source an eval_path",
+        )
+        require(
+            not (streaming and source.weight is None and len(sources) > 1),
+            f"{key}.weight",
+            source.weight,
+            "streamed sources are never counted, so they mix by weight only: give every source a weight",
+        )
     weighted = [s.weight is not None for s in sources]
     require(
         not any(weighted) or all(weighted),
@@ -89,3 +106,17 @@ def check_sources(sources: tuple[SourceConfig, ...], *, path: str | None, requir
         [s.weight for s in sources],
         "the weights sum to 0: give at least one source a positive weight",
     )
+
+
+def source_labels(sources: tuple[SourceConfig, ...]) -> list[str]:
+    """Each source's name in metrics: its `name`, else its path's last part without the extension; a name
+    given twice gets -2, -3, ... after the first."""
+    labels: list[str] = []
+    for source in sources:
+        base = source.name or PurePosixPath(str(source.path).rstrip("/")).name.split(".")[0] or "source"
+        label, n = base, 1
+        while label in labels:
+            n += 1
+            label = f"{base}-{n}"
+        labels.append(label)
+    return labels

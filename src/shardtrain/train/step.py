@@ -137,33 +137,46 @@ class Job:
         return total, norm, skipped
 
     @torch.no_grad()
-    def held_out_loss(self) -> float:
+    def held_out_loss(self) -> tuple[float, dict[str, float]]:
         """Mean cross-entropy per trained held-out token over the evaluated windows: all of them, or the
-        first train.eval_batches micro-batches. Every rank runs the same forwards (the sharded forward
-        gathers), a partial last batch padded with rows that train nothing; one all-reduce sums the
-        losses and trained tokens of every rank, so the loss does not depend on the batch or world size."""
-        held_out = self.data.held_out
+        first train.eval_batches micro-batches (of each source's, with several: data.held_out_sources),
+        and each such source's own. Every rank runs the same forwards (the sharded forward gathers), a
+        partial last batch padded with rows that train nothing; one all-reduce sums the losses and trained
+        tokens of every rank, so the losses do not depend on the batch or world size."""
+        parts = self.data.held_out_sources or (("", self.data.held_out),)
         self.model.eval()
-        sums = torch.zeros(2, device=self.engine.device)
-        for index in range(held_out.held_out_batches(self.cfg.train.eval_batches)):
-            batch = self.to_device(held_out.batch(index))
-            with self.loss_context():
-                sums[0] += loss_sum(
-                    self.model, batch, packed=self.data.packed, vocab_size=self.vocab_size, chunked=self.chunked_loss
-                )
-            sums[1] += (batch["labels"] != IGNORE).sum()
+        sums = torch.zeros(len(parts), 2, device=self.engine.device)
+        for part, (_, held_out) in enumerate(parts):
+            for index in range(held_out.held_out_batches(self.cfg.train.eval_batches)):
+                batch = self.to_device(held_out.batch(index))
+                with self.loss_context():
+                    sums[part, 0] += loss_sum(
+                        self.model,
+                        batch,
+                        packed=self.data.packed,
+                        vocab_size=self.vocab_size,
+                        chunked=self.chunked_loss,
+                    )
+                sums[part, 1] += (batch["labels"] != IGNORE).sum()
         self.model.train()
-        sums = self.engine.all_reduce(sums, op="sum")
-        return (sums[0] / sums[1].clamp(min=1)).item()
+        sums = self.engine.all_reduce(sums, op="sum").cpu()
+        losses = (sums[:, 0] / sums[:, 1].clamp(min=1)).tolist()
+        total = sums.sum(dim=0)
+        overall = (total[0] / total[1].clamp(min=1)).item()
+        return overall, {name: loss for (name, _), loss in zip(parts, losses) if name}
 
     def evaluate(self, step: int, elapsed: float) -> dict | None:
-        """The eval record of `step`; None when nothing is held out (data.val_fraction 0)."""
+        """The eval record of `step` (with several held-out sources, each one's loss under `loss`, logged as
+        eval/loss/<source>); None when nothing is held out (data.val_fraction 0)."""
         if self.data.held_out is None:
             return None
-        record = {"kind": "eval", "step": step, "eval_loss": self.held_out_loss(), "elapsed_s": round(elapsed, 3)}
+        loss, by_source = self.held_out_loss()
+        record = {"kind": "eval", "step": step, "eval_loss": loss, "elapsed_s": round(elapsed, 3)}
+        if by_source:
+            record["loss"] = by_source
         if self.ema is not None:
             with self.ema.swapped_in():
-                record["eval_loss_ema"] = self.held_out_loss()
+                record["eval_loss_ema"] = self.held_out_loss()[0]
         return record
 
     def samples(self, step: int) -> list[dict]:

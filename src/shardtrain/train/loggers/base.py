@@ -42,7 +42,8 @@ class Logger(Protocol):
 
 
 def scalars(record: dict[str, Any]) -> dict[str, float]:
-    """`record`'s numbers under '<kind>/<key>' (a per-rank list as '<kind>/<key>/rank<i>'); None is skipped."""
+    """`record`'s numbers under '<kind>/<key>' (a per-rank list as '<kind>/<key>/rank<i>', a dict of named
+    numbers, e.g. each source's held-out loss, as '<kind>/<key>/<name>'); None is skipped."""
     out: dict[str, float] = {}
     for key, value in record.items():
         if key in ("step", "kind") or isinstance(value, bool):
@@ -51,6 +52,8 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
             out[f"{record['kind']}/{key}"] = float(value)
         elif isinstance(value, list):
             out.update({f"{record['kind']}/{key}/rank{rank}": float(v) for rank, v in enumerate(value)})
+        elif isinstance(value, dict):
+            out.update({f"{record['kind']}/{key}/{name}": float(v) for name, v in value.items()})
     return out
 
 

@@ -17,7 +17,7 @@ PUBLIC = {
         "no_sync", "plan", "save_checkpoint", "save_pretrained", "shard", "shard_auto", "tp",
     },
     st.data: {
-        "DataSpec", "Encoder", "Format", "IGNORE", "Overlong", "Prepared", "StreamBatches", "TrainOn",
+        "DataSpec", "Encoder", "Format", "IGNORE", "Overlong", "Prepared", "StreamBatches", "StreamSource", "TrainOn",
         "WindowBatches", "chat_tokens", "detect_format", "held_out_prompts", "load_rows", "load_tokenizer",
         "prepare", "render_window", "show", "stream_rows",
     },

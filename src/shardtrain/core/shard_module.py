@@ -92,8 +92,8 @@ def shard_module(model: nn.Module, options: ShardOptions, *, host_buffers: Calla
             precision=precision,
         )
         behaviour = UnitBehaviour(
-            # Note: the root too: holding it would add its whole size to the activation peak, and
-            # re-gathering it in backward is cheap (BENCHMARKS.md, 'The root unit re-gathered in backward').
+            # Note: the root too: holding it would add its whole size to the activation peak, while
+            # re-gathering it in backward is one more gather of the root's own parameters.
             reshard_after_forward=(
                 offload.reshards_after_forward(strategy_reshards=strategy.reshard_after_forward)
                 if offload and offloaded[index]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.gpu.cli import records, train
+from tests.gpu.scripts import records, train
 
 pytestmark = [
     pytest.mark.gpu,

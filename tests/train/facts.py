@@ -130,3 +130,22 @@ def accuracy(folder: Path, *, chat: bool) -> float:
         answers = tokenizer.batch_decode(out[:, length:], skip_special_tokens=True)
         right += sum(said.strip() == answer for said, (_, answer) in zip(answers, group))
     return right / len(questions())
+
+
+def preference_rows(*, chat: bool = True) -> list[dict]:
+    """Pairs preferring each fact's answer in one phrasing ("The capital is X.") over another ("X is the
+    capital."): TRL's conversational layout (`chat`), or plain prompt / chosen / rejected strings."""
+    rows = []
+    for question, answer in questions():
+        chosen, rejected = f"The capital is {answer}.", f"{answer} is the capital."
+        if chat:
+            rows.append(
+                {
+                    "prompt": [{"role": "user", "content": question}],
+                    "chosen": [{"role": "assistant", "content": chosen}],
+                    "rejected": [{"role": "assistant", "content": rejected}],
+                }
+            )
+        else:
+            rows.append({"prompt": f"Q: {question}\nA:", "chosen": f" {chosen}", "rejected": f" {rejected}"})
+    return rows

@@ -95,8 +95,9 @@ def llama_folder(path: Path, *, hidden: int = 64, layers: int = 2, init_range: f
     return path
 
 
-def accuracy(folder: Path, *, chat: bool) -> float:
-    """Share of the questions the folder's model answers right, greedily, through its own tokenizer.
+def accuracy(folder: Path, *, chat: bool, within: bool = False) -> float:
+    """Share of the questions the folder's model answers right, greedily, through its own tokenizer
+    (`within`: the answer appears in what it says, e.g. after preference tuning towards a longer phrasing).
 
     The questions of one token length go to `generate()` together (no padding, so each row is generated
     as it would be alone; a finished row gets pad tokens, which decode drops): a dozen calls instead of
@@ -128,7 +129,10 @@ def accuracy(folder: Path, *, chat: bool) -> float:
                 pad_token_id=tokenizer.pad_token_id,
             )
         answers = tokenizer.batch_decode(out[:, length:], skip_special_tokens=True)
-        right += sum(said.strip() == answer for said, (_, answer) in zip(answers, group))
+        right += sum(
+            answer in said.split() or answer + "." in said.split() if within else said.strip() == answer
+            for said, (_, answer) in zip(answers, group)
+        )
     return right / len(questions())
 
 

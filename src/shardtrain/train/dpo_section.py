@@ -26,3 +26,10 @@ class DpoConfig:
 
     def __post_init__(self) -> None:
         _require(self.beta > 0, "dpo.beta", self.beta, "use a positive temperature such as 0.1")
+
+
+def dpo_reference(cfg) -> str:
+    """What DPO's reference model costs in memory (planning/cost/preference.py): a full fine-tune's frozen
+    copy, or nothing (LoRA disables its adapters; precomputed log-probabilities need no model)."""
+    full = cfg.train.objective == "dpo" and not cfg.lora.rank and not cfg.dpo.precompute_ref
+    return "frozen_copy" if full else "none"

@@ -99,8 +99,9 @@ def llama_folder(
     return path
 
 
-def accuracy(folder: Path, *, chat: bool) -> float:
-    """Share of the questions the folder's model answers right, greedily, through its own tokenizer.
+def accuracy(folder: Path, *, chat: bool, within: bool = False) -> float:
+    """Share of the questions the folder's model answers right, greedily, through its own tokenizer
+    (`within`: the answer appears in what it says, e.g. after preference tuning towards a longer phrasing).
 
     The questions of one token length go to `generate()` together (no padding, so each row is generated
     as it would be alone; a finished row gets pad tokens, which decode drops): a dozen calls instead of
@@ -132,5 +133,27 @@ def accuracy(folder: Path, *, chat: bool) -> float:
                 pad_token_id=tokenizer.pad_token_id,
             )
         answers = tokenizer.batch_decode(out[:, length:], skip_special_tokens=True)
-        right += sum(said.strip() == answer for said, (_, answer) in zip(answers, group))
+        right += sum(
+            answer in said.split() or answer + "." in said.split() if within else said.strip() == answer
+            for said, (_, answer) in zip(answers, group)
+        )
     return right / len(questions())
+
+
+def preference_rows(*, chat: bool = True) -> list[dict]:
+    """Pairs preferring each fact's answer in one phrasing ("The capital is X.") over another ("X is the
+    capital."): TRL's conversational layout (`chat`), or plain prompt / chosen / rejected strings."""
+    rows = []
+    for question, answer in questions():
+        chosen, rejected = f"The capital is {answer}.", f"{answer} is the capital."
+        if chat:
+            rows.append(
+                {
+                    "prompt": [{"role": "user", "content": question}],
+                    "chosen": [{"role": "assistant", "content": chosen}],
+                    "rejected": [{"role": "assistant", "content": rejected}],
+                }
+            )
+        else:
+            rows.append({"prompt": f"Q: {question}\nA:", "chosen": f" {chosen}", "rejected": f" {rejected}"})
+    return rows

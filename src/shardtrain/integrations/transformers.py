@@ -20,6 +20,10 @@ The overrides, each the smallest point the Trainer offers:
   in one `st.save_checkpoint` under `checkpoint-N/shardtrain/`, resharded on load.
 - `_load_best_model` (`load_best_model_at_end=True`): the model's weights from the best checkpoint's
   `shardtrain/` folder (the fp32 masters as they were at that step; each rank reads its own rows).
+
+TRL's `DPOTrainer` takes the mixin too: its reference model (full fine-tuning) is sharded frozen when
+it is prepared (`_frozen.py`), and `precompute_ref_log_probs=True` fingerprints the sharded policy
+(`_trl_hash.py`); with LoRA the reference is the policy with its adapters disabled, as TRL does.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ import torch.distributed as dist
 from torch import nn
 from transformers import Trainer
 
+from ._frozen import is_sharded, shard_frozen
+from ._trl_hash import sharded_hashing
 from ._wrapped import sharded_root
 from .hf_args import TrainerSharding, trainer_sharding
 
@@ -45,6 +51,10 @@ class ShardtrainTrainerMixin:
     """Put before a `transformers.Trainer` subclass in the bases to shard its model with shardtrain."""
 
     _sharding: TrainerSharding
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        with sharded_hashing():  # TRL's DPOTrainer fingerprints the (sharded) model it precomputes with
+            super().__init__(*args, **kwargs)
 
     def create_accelerator_and_postprocess(self) -> None:
         if self.model is None:  # Trainer(model_init=...) builds its model later, for each trial
@@ -64,7 +74,12 @@ class ShardtrainTrainerMixin:
         shard(self.model, device=self.args.device, **self._sharding.shard)
 
     def _prepare_sharded(self, model: nn.Module, device_placement: Any = None, evaluation_mode: bool = False):
-        """Accelerate's `prepare_model` for the sharded model: no DDP, no second sharding, no autocast."""
+        """Accelerate's `prepare_model` for the sharded model: no DDP, no second sharding, no autocast.
+
+        A second model prepared for evaluation only (TRL's `DPOTrainer` reference model, built beside the
+        policy) is sharded here, frozen: see `shard_frozen`."""
+        if evaluation_mode and model is not self.model and not is_sharded(model):
+            return shard_frozen(model, device=self.args.device, shard=self._sharding.shard)
         sharded_root(model)  # raises for a model that is not ours
         self.accelerator._models.append(model)
         return model

@@ -157,6 +157,12 @@ def plan_data(cfg: Config, module: nn.Module, *, progress: bool = False) -> Data
         )
     from ..data.pipeline import read_source
 
+    if cfg.train.objective == "dpo":  # preference pairs (data/preference_data.py), never packed
+        from ..data.preference_data import read_pairs
+
+        for spec in data_specs(cfg):
+            read_pairs(spec, cache_dir=data.cache_dir)
+        return DataPlan(tokenizer=tokenizer, corpus=None, notice=notice)
     for spec in data_specs(cfg):
         read_source(spec, tokenizer=tokenizer, cache_dir=data.cache_dir, progress=progress, streaming=data.streaming)
     return DataPlan(tokenizer=tokenizer, corpus=None, notice=notice)

@@ -29,6 +29,8 @@ from ..tp import plan_for
 from .chunked_choice import check_chunked_loss_config, use_chunked_loss
 from .config import save_config
 from .data import ByteTokenizer
+from .dpo_setup import build_pair_data, check_dpo_config, dpo_fields, is_dpo
+from .dpo_step import DpoJob, preference_line
 from .early_stop import EarlyStop
 from .ema import WeightEMA
 from .epochs import with_epoch_steps
@@ -69,6 +71,7 @@ def _prepare(cfg: Config, engine: Engine) -> tuple[BuiltModel, int, DataPlan]:
     micro_batch = check_batch(cfg, engine.data_parallel_size)
     check_finetune_config(cfg)
     check_chunked_loss_config(cfg)
+    check_dpo_config(cfg)
     if cfg.run.best_metric == "eval_loss_ema" and not cfg.train.ema_decay:
         raise ValueError("run.best_metric=eval_loss_ema needs the EMA weights: pass --train.ema_decay D (e.g. 0.999)")
     out_dir = Path(cfg.run.out_dir)
@@ -95,7 +98,7 @@ def _prepare(cfg: Config, engine: Engine) -> tuple[BuiltModel, int, DataPlan]:
     plan = plan_data(cfg, built.module, progress=cfg.run.progress and engine.local_rank == 0)
     if plan.notice and engine.rank == 0:
         print(f"note: {plan.notice}", flush=True)
-    if plan.tokenizer is not None and cfg.data.packing:
+    if plan.tokenizer is not None and cfg.data.packing and not is_dpo(cfg):
         if "attn_implementation" not in cfg.model.kwargs:
             notice = use_block_sparse_attention(built.module, device=engine.device)
             if notice and engine.rank == 0:
@@ -117,7 +120,10 @@ def build_job(cfg: Config, engine: Engine) -> tuple[Job, str]:
     """Check the configuration, tokenize the data (once per node), build and shard the model, make the
     optimizer, scheduler and EMA. Returns the job and a description of the model."""
     built, micro_batch, plan = _prepare(cfg, engine)
-    data = build_data(cfg, engine, plan, micro_batch=micro_batch)
+    if is_dpo(cfg):
+        data, pairs = build_pair_data(cfg, engine, plan, micro_batch=micro_batch)
+    else:
+        data, pairs = build_data(cfg, engine, plan, micro_batch=micro_batch), None
     if data.held_out is None and engine.rank == 0:
         print(
             "note: data.val_fraction is 0 and there is no data.eval_path: training on all the data, no evaluation "
@@ -152,7 +158,8 @@ def build_job(cfg: Config, engine: Engine) -> tuple[Job, str]:
     guard = NonFiniteGuard(
         engine, mode=cfg.train.on_nonfinite, check_norm=cfg.optim.grad_clip > 0 and engine.grad_scaler is None
     )
-    job = Job(
+    job_fields = dpo_fields(cfg, engine, model=model, data=data, prepared=pairs) if pairs is not None else {}
+    job = (DpoJob if pairs is not None else Job)(
         cfg=cfg,
         engine=engine,
         model=model,
@@ -168,6 +175,7 @@ def build_job(cfg: Config, engine: Engine) -> tuple[Job, str]:
         data=data,
         vocab_size=ByteTokenizer.vocab_size if data.tokenizer is None else len(data.tokenizer),
         chunked_loss=chunked,
+        **job_fields,
     )
     return job, describe_lora(cfg, model, built.description)
 
@@ -205,7 +213,7 @@ def _loop(
     )
     metric, stopper = cfg.run.best_metric, job.stopper
     memory_label = "peak CUDA memory per rank" if engine.device.type == "cuda" else "model state per rank (CPU)"
-    tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
+    tokens_per_step = cfg.train.batch_size * cfg.data.seq_len * (2 if is_dpo(cfg) else 1)  # DPO: 2 rows a pair
     bar = _progress_bar(cfg, first_step) if lead and cfg.run.progress else None
     first_eval = job.evaluate(first_step, time.perf_counter() - start)
     evaluating = first_eval is not None  # else nothing is held out
@@ -262,6 +270,7 @@ def _loop(
                 "data_load_s": round(job.load_s, 4),  # of elapsed: reading batches on the host
                 "elapsed_s": round(time.perf_counter() - start, 3),
                 "memory_bytes": memory,
+                **job.log_metrics(),
             }
             if log:
                 log.write(record)
@@ -270,6 +279,7 @@ def _loop(
                     loss="skipped" if mean_loss is None else f"{mean_loss:.3f}",
                     tok_s=f"{record['tokens_per_s']:,.0f}",
                     mem="/".join(format_bytes(b) for b in memory),
+                    **({"acc": f"{record['rewards/accuracies']:.2f}"} if "rewards/accuracies" in record else {}),
                 )
             loss_sum.zero_()
             loss_count, interval_steps, interval_start, job.load_s = 0, 0, time.perf_counter(), 0.0
@@ -280,7 +290,7 @@ def _loop(
             if log:
                 log.write(last_eval)
             if bar is not None:
-                bar.write(f"step {done}: held-out loss {last_eval['eval_loss']:.4f}")
+                bar.write(f"step {done}: held-out loss {last_eval['eval_loss']:.4f}" + preference_line(last_eval))
             _write_samples(job.samples(done), run_dir, log=log, step=done)
             stopped = stopper.update(done, last_eval[metric]) if stopper else None
             interval_start += time.perf_counter() - pause

@@ -30,6 +30,7 @@ from ..options import offload_setting, precision_name, resolve_options
 from ..planning.cost.auto import choose_plan
 from ..planning.cost.choice import AutoChoice
 from ..tp.mesh import check_tp_divides
+from .dpo_section import dpo_reference
 from .finetune import build_dtype, check_finetune_config, describe_lora, with_lora
 from .loop import check_batch
 from .model_builder import BuiltModel, build_model
@@ -186,8 +187,9 @@ def resolve_auto_config(
         world_size=setup.world_size,
         device_memory=device_memory,
         seq_len=setup.seq_len,
-        micro_batch=setup.micro_batch,
+        micro_batch=setup.micro_batch * (2 if cfg.train.objective == "dpo" else 1),  # DPO: two rows a pair
         grad_accum=setup.grad_accum,
+        reference=dpo_reference(cfg),
         precision=setup.precision,
         disk_dir=cfg.engine.offload_dir,
         wrap=built.wrap,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .dpo_section import OBJECTIVES
 from .loggers.trackers import LOGGER_NAMES
 from .section_fields import help_field as _help
 from .section_fields import require as _require
@@ -80,6 +81,11 @@ class OptimConfig:
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     steps: int = _help("optimizer steps (unless train.epochs is given)", 120)
+    objective: str = _help(
+        "what the run trains: 'lm' (next-token cross-entropy on the trained tokens) or 'dpo' (preference "
+        "tuning on prompt / chosen / rejected rows; the dpo section; train.batch_size then counts pairs)",
+        "lm",
+    )
     epochs: float = _help(
         "passes over the training windows instead of train.steps (0: use train.steps): floor(epochs x "
         "windows / batch_size) optimizer steps, the same at every world size, printed at start-up; the "
@@ -142,6 +148,7 @@ class TrainConfig:
             "float8 casts are fast only compiled (eager they are kernels of their own, slower than bf16): also "
             "give --train.compile true",
         )
+        _require(self.objective in OBJECTIVES, "train.objective", self.objective, f"use one of {', '.join(OBJECTIVES)}")
         _require(self.on_nonfinite in ("stop", "skip"), "train.on_nonfinite", self.on_nonfinite, "use stop or skip")
         _require(
             self.chunked_loss in (True, False, "auto"),

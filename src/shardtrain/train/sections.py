@@ -15,6 +15,7 @@ from typing import Any
 from ..data.encode import Overlong, TrainOn
 from ..data.formats import FORMAT_NAMES
 from ..data.pipeline import PACK_GROUP, DataSpec
+from .dpo_section import DpoConfig
 from .run_sections import EngineConfig, OptimConfig, RunConfig, TrainConfig
 from .section_fields import ConfigError
 from .section_fields import help_field as _help
@@ -27,6 +28,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "DataConfig",
+    "DpoConfig",
     "EngineConfig",
     "EvalConfig",
     "LoraConfig",
@@ -271,6 +273,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    dpo: DpoConfig = field(default_factory=DpoConfig)
 
     def __post_init__(self) -> None:
         _require(

@@ -124,6 +124,12 @@ class Job:
                 )
                 self.engine.backward(loss)
             total += loss.detach()
+        norm, skipped = self.optimizer_step(step, total)
+        return total, norm, skipped
+
+    def optimizer_step(self, step: int, total: torch.Tensor) -> tuple[torch.Tensor | None, bool]:
+        """After the step's backwards: clip, step the optimizer unless the loss `total` or the norm is
+        non-finite (train.on_nonfinite), the scheduler and the EMA; (gradient norm, whether skipped)."""
         norm = None
         if self.cfg.optim.grad_clip > 0:
             norm = self.engine.clip_gradients(self.model, self.optimizer, max_norm=self.cfg.optim.grad_clip)
@@ -134,7 +140,11 @@ class Job:
         self.optimizer.zero_grad(set_to_none=True)
         if self.ema is not None and not skipped:
             self.ema.update()
-        return total, norm, skipped
+        return norm, skipped
+
+    def log_metrics(self) -> dict[str, float]:
+        """The objective's own training metrics since the last log (every rank calls it; none for the LM loss)."""
+        return {}
 
     @torch.no_grad()
     def held_out_loss(self) -> tuple[float, dict[str, float]]:

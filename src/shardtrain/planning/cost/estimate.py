@@ -47,6 +47,7 @@ from .finetune import fine_tune_spec
 from .inputs import EstimateInputs, optimizer_bytes, positive_int, recompute_every_of, shard_size_of
 from .model_input import resolve_model
 from .moments import moments, step_states
+from .preference import with_reference
 from .report import format_estimate
 from .sizes import GiB, parse_bytes
 from .tensor_parallel import tp_collectives, tp_local_spec
@@ -154,6 +155,7 @@ def estimate_memory(
     sequence_parallel: bool = False,
     loss_parallel: bool = False,
     chunked_loss: bool | str = False,
+    reference: str = "none",
     **shape_hints: Any,
 ) -> MemoryEstimate:
     """Estimate one device's peak memory for a training step (see the module docstring for the bill).
@@ -177,6 +179,9 @@ def estimate_memory(
     `chunked_loss`: the loss computed in chunks (`st.chunked_cross_entropy`), only a chunk of logits live;
     "auto": chunked where that peaks lower, as `shardtrain train`'s train.chunked_loss auto decides
     (False: the full logits, as `Llama.loss` computes them).
+
+    `reference`: DPO's reference model, "none" (LoRA, or precomputed log-probabilities) or "frozen_copy"
+    (`planning.cost.preference`); give DPO's sequences (two per pair) as `micro_batch`.
     """
     options = resolve_options(strategy=strategy, mixed_precision=precision, cpu_offload=cpu_offload)
     strategy = options.strategy
@@ -216,7 +221,7 @@ def estimate_memory(
         loss_parallel=bool(loss_parallel),
         chunked_loss=chunked_loss,
     )
-    return _estimate(inputs)
+    return with_reference(_estimate(inputs), reference=reference)
 
 
 def _notes(inputs: EstimateInputs) -> tuple[str, ...]:

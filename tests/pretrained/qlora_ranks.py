@@ -115,3 +115,22 @@ def held_storage(folder: str) -> dict:
         "whole_bytes": whole,
         "gathered_bytes": sum(b._unsharded.untyped_storage().nbytes() for b in packed),
     }
+
+
+def merged_export(folder: str, out: str) -> dict:
+    """Train 2 steps, export merged (every rank), return the adapted model's logits (rank 0 compares)."""
+    model = setup(folder, targets=("all-linear",))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    ranks.train(model, torch.optim.AdamW(trainable, lr=1e-2), None, 2, seed=5)
+    st.save_pretrained(model, out, merge_lora=True)
+    model.eval()
+    return {"logits": ranks.logits(model)}
+
+
+def prequantized_message(folder: str) -> str | None:
+    """The error loading `folder` (holding bitsandbytes-quantised tensors) into the QLoRA model raises."""
+    try:
+        setup(folder)
+    except ValueError as exc:
+        return str(exc)
+    return None

@@ -3,6 +3,7 @@ single-process reference of the same quantised model built without shardtrain; n
 packed weight; exact resume; the merged export reloads with from_pretrained."""
 
 import pytest
+import torch
 
 from tests.pretrained import qlora_ranks, ranks
 
@@ -38,3 +39,56 @@ def test_adapter_only_checkpoint_resumes_bit_for_bit(pools, hf_folders, tmp_path
     for rank, r in enumerate(results):
         assert r["exact"], rank
         assert r["resumed"] == r["straight"], rank
+
+
+def test_merged_export_reloads_with_from_pretrained_and_matches_the_adapted_models_logits(pools, hf_folders, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    folder, out = hf_folders["llama_untied"], tmp_path / "merged"
+    adapted = pools(2).run(qlora_ranks.merged_export, str(folder), str(out))[0]["logits"]
+    merged = AutoModelForCausalLM.from_pretrained(out)
+    base = AutoModelForCausalLM.from_pretrained(folder)
+    assert set(merged.state_dict()) == set(base.state_dict())  # plain names, no peft or NF4 components
+    assert (ranks.logits(merged) - adapted).abs().max().item() <= 1e-5
+    assert (ranks.logits(base) - adapted).abs().max().item() > 1e-3  # quantised and trained: not the base
+
+
+def test_weights_quantised_by_bitsandbytes_are_refused_naming_the_fix(pools, hf_folders, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "bnb"
+    shutil.copytree(hf_folders["llama_untied"], folder)
+    tensors = load_file(folder / "model.safetensors")
+    tensors["model.layers.0.self_attn.q_proj.weight.absmax"] = torch.ones(64)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    message = pools(2).run(qlora_ranks.prequantized_message, str(folder))[0]
+    assert message == (
+        f"{folder} holds weights already quantised (tensor 'model.layers.0.self_attn.q_proj.weight.absmax'); "
+        "shardtrain loads 16- or 32-bit weights and quantises them to NF4 itself (base_bits=4): load the "
+        "original (unquantised) model folder instead"
+    )
+
+
+def test_every_frozen_linear_but_the_head_is_quantised_and_the_adapters_are_not():
+    from shardtrain.pretrained.lora import apply_lora
+    from shardtrain.pretrained.nf4 import NF4Linear
+    from shardtrain.pretrained.qlora import quantize_base
+    from tests.pretrained.hf_models import config
+
+    with torch.device("meta"):
+        from transformers import AutoModelForCausalLM
+
+        plain = AutoModelForCausalLM.from_config(config("llama_untied"))
+    with pytest.raises(ValueError, match="found no frozen nn.Linear to quantise; apply LoRA first"):
+        quantize_base(plain)
+    model = apply_lora(plain, rank=4, alpha=8.0, targets=("q_proj",), dropout=0.0)
+    assert quantize_base(model) == 14  # 7 projections x 2 layers
+    names = {n for n, m in model.named_modules() if isinstance(m, NF4Linear)}
+    assert "base_model.model.model.layers.0.self_attn.q_proj.base_layer" in names
+    assert "base_model.model.model.layers.1.mlp.down_proj" in names
+    assert isinstance(model.base_model.model.lm_head, torch.nn.Linear)
+    assert all(p.requires_grad == (".lora_" in n) for n, p in model.named_parameters() if ".lora_" in n)
+    with pytest.raises(ValueError, match="base_bits=8: use 4"):
+        quantize_base(model, bits=8)

@@ -134,3 +134,24 @@ def prequantized_message(folder: str) -> str | None:
     except ValueError as exc:
         return str(exc)
     return None
+
+
+def random_init(folder: str) -> dict:
+    """The public path without a checkpoint: peft's get_peft_model on meta, `st.quantize_base`, `st.shard`
+    with the init it returns: the adapters as peft initialises them, the base drawn and quantised."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = get_peft_model(ranks.meta_model(folder), LoraConfig(r=4, target_modules=["q_proj"]))
+    init = st.quantize_base(model)
+    st.shard(model, wrap=ranks.blocks(model), param_init_fn=init)
+    full = st.full_state_dict(model, rank0_only=False)
+    codes = [v for k, v in full.items() if k.endswith("weight_nf4")]
+    return {
+        "b_zero": all(not v.any() for k, v in full.items() if ".lora_B." in k),
+        "a_drawn": all(v.any() for k, v in full.items() if ".lora_A." in k),
+        "codes": len(codes),
+        "distinct_codes": min(len(v.unique()) for v in codes),
+        "finite": bool(torch.isfinite(ranks.logits(model)).all()),
+    }

@@ -14,7 +14,7 @@ import shardtrain as st
 from shardtrain.core.shard_module import runtime_of
 from shardtrain.policy import classes_named
 from shardtrain.pretrained.lora import adapter_init, apply_lora
-from shardtrain.pretrained.qlora import quantize_base, quantized_init
+from shardtrain.pretrained.qlora import quantize_base
 from shardtrain.train.schedule import make_scheduler
 from tests.pretrained.hf_models import VOCAB
 
@@ -54,9 +54,7 @@ def sharded(
     if lora is not None:
         model = apply_lora(model, **lora)
         init = adapter_init(model)
-    if base_bits != 16:
-        quantize_base(model, bits=base_bits)
-        init = quantized_init(init, model)
+    init = quantize_base(model, bits=base_bits, param_init_fn=init)
     st.shard(model, strategy=strategy, wrap=wrap, mesh=mesh, param_init_fn=init)
     st.load_pretrained(model, folder)
     return model

@@ -84,11 +84,18 @@ def test_every_frozen_linear_but_the_head_is_quantised_and_the_adapters_are_not(
     with pytest.raises(ValueError, match="found no frozen nn.Linear to quantise; apply LoRA first"):
         quantize_base(plain)
     model = apply_lora(plain, rank=4, alpha=8.0, targets=("q_proj",), dropout=0.0)
-    assert quantize_base(model) == 14  # 7 projections x 2 layers
+    assert callable(quantize_base(model))  # the param_init_fn for st.shard
     names = {n for n, m in model.named_modules() if isinstance(m, NF4Linear)}
+    assert len(names) == 14  # 7 projections x 2 layers
     assert "base_model.model.model.layers.0.self_attn.q_proj.base_layer" in names
     assert "base_model.model.model.layers.1.mlp.down_proj" in names
     assert isinstance(model.base_model.model.lm_head, torch.nn.Linear)
     assert all(p.requires_grad == (".lora_" in n) for n, p in model.named_parameters() if ".lora_" in n)
     with pytest.raises(ValueError, match="base_bits=8: use 4"):
         quantize_base(model, bits=8)
+
+
+def test_quantize_base_returns_the_init_that_draws_the_base_quantised_and_the_adapters_as_peft(pools, hf_folders):
+    for r in pools(2).run(qlora_ranks.random_init, str(hf_folders["llama_untied"])):
+        assert r["b_zero"] and r["a_drawn"] and r["finite"]
+        assert r["codes"] == 14 and r["distinct_codes"] > 100  # packed pairs of 16 levels: drawn, not left empty

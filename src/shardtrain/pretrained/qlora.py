@@ -33,15 +33,22 @@ from .nf4 import COMPONENTS, NF4Linear, dequantize, quantizable
 BITS = (4, 16)  # 16: the base as built (no quantisation)
 
 
-def quantize_base(model: nn.Module, *, bits: int = 4) -> int:
+def quantize_base(
+    model: nn.Module, *, bits: int = 4, param_init_fn: Callable[[nn.Module], None] | None = None
+) -> Callable[[nn.Module], None] | None:
     """Replace every frozen `nn.Linear` of `model` but the output head by an `NF4Linear` (module
-    docstring), in place, on whatever device the model is (meta: nothing is allocated; `st.shard`
-    initialises them quantised, or `st.load_pretrained` quantises the file's weights). Returns how many
-    layers were replaced; ValueError when there are none (nothing frozen: apply LoRA first)."""
+    docstring), in place, on whatever device the model is (meta: nothing is allocated), and return the
+    `param_init_fn` to pass to `st.shard` / `Engine.setup`: each NF4Linear draws its weight as
+    `nn.Linear` would and quantises it (one layer at a time; `st.load_pretrained` then replaces it by the
+    file's weights, quantised as read); every other module gets `param_init_fn`, else, in a peft model,
+    peft's adapter initialisation (`lora.adapter_init`), else what `st.shard` gives it.
+
+    `bits=16` changes nothing and returns `param_init_fn`. ValueError when nothing is frozen (apply LoRA first).
+    """
     if bits not in BITS:
         raise ValueError(f"base_bits={bits!r}: use 4 (an NF4 base, QLoRA) or 16 (the base as built)")
     if bits == 16:
-        return 0
+        return param_init_fn
     hf = hf_model(model)
     head = hf.get_output_embeddings() if hf is not None and hasattr(hf, "get_output_embeddings") else None
     swaps = [
@@ -55,15 +62,16 @@ def quantize_base(model: nn.Module, *, bits: int = 4) -> int:
             "base_bits=4 found no frozen nn.Linear to quantise; apply LoRA first (only the adapters train, "
             "the base is frozen), e.g. peft's get_peft_model or --lora.rank 8"
         )
+    if param_init_fn is None and hasattr(model, "peft_config"):
+        from .lora import adapter_init
+
+        param_init_fn = adapter_init(model)
     for parent, name, child in swaps:
         setattr(parent, name, NF4Linear.replacing(child))
-    return len(swaps)
+    return _quantized_init(param_init_fn, model)
 
 
-def quantized_init(init: Callable[[nn.Module], None] | None, model: nn.Module) -> Callable[[nn.Module], None]:
-    """The `param_init_fn` for `st.shard` of a model with NF4 layers: each NF4Linear draws its weight as
-    `nn.Linear` would and quantises it (one layer at a time); every other module gets `init`, or what
-    `st.shard` would have given it."""
+def _quantized_init(init: Callable[[nn.Module], None] | None, model: nn.Module) -> Callable[[nn.Module], None]:
     from ..core.materialize import DefaultInit
 
     rest = init if init is not None else DefaultInit(model)

@@ -71,10 +71,9 @@ def with_lora(cfg: Config, model: nn.Module) -> tuple[nn.Module, Callable[[nn.Mo
     peft_model = apply_lora(model, rank=lora.rank, alpha=lora.alpha, targets=lora.targets, dropout=lora.dropout)
     init = adapter_init(peft_model)
     if lora.bits != 16:
-        from ..pretrained.qlora import quantize_base, quantized_init
+        from ..pretrained.qlora import quantize_base
 
-        quantize_base(peft_model, bits=lora.bits)
-        init = quantized_init(init, peft_model)
+        init = quantize_base(peft_model, bits=lora.bits, param_init_fn=init)
     return peft_model, init
 
 

@@ -22,9 +22,11 @@ computes (docs/design.md, "QLoRA").
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -34,17 +36,29 @@ SCALER_BLOCK = 256  # blocks per group of the double-quantised scales
 COMPONENTS = ("weight_nf4", "weight_scalers", "weight_factor", "weight_mean")
 
 
+@contextlib.contextmanager
+def quiet_torchao() -> Iterator[None]:
+    """Imports of torchao (peft imports it too, when installed) without its import-time warnings: its CUDA
+    kernels fail to load on a CPU-only torch, and torch deprecates how it registers two enums; neither
+    concerns its NF4 tensor."""
+    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
 def torchao_nf4():
     """torchao's `to_nf4`, imported on first use (its import takes seconds), with a clear error without it."""
-    logger = logging.getLogger("torchao")  # its CUDA kernels fail to load on a CPU-only torch: not our concern
-    level = logger.level
-    logger.setLevel(logging.ERROR)
     try:
-        from torchao.quantization import to_nf4
+        with quiet_torchao():
+            from torchao.quantization import to_nf4
     except ModuleNotFoundError as exc:
         raise ValueError("a 4-bit base (QLoRA) needs torchao: pip install 'shardtrain[qlora]'") from exc
-    finally:
-        logger.setLevel(level)
     return to_nf4
 
 

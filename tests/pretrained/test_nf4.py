@@ -62,3 +62,29 @@ def test_built_on_meta_it_initialises_quantised_as_nn_linear_draws():
 
 def test_only_linear_layers_of_whole_blocks_are_quantised():
     assert quantizable(nn.Linear(64, 3)) and not quantizable(nn.Linear(7, 9)) and not quantizable(nn.Conv1d(4, 4, 1))
+
+
+@pytest.mark.gpu
+def test_on_cuda_eager_and_compiled_dequantisation_equal_torchaos():
+    """On the GPU: the eager path bit for bit, the compiled one (nf4.compile_dequantize) within a bf16
+    rounding of the scales, and both through a forward and backward."""
+    from torchao.quantization import to_nf4
+
+    from shardtrain.pretrained import nf4 as module
+
+    linear, layer = _layer(512, 1024, torch.bfloat16)
+    layer = layer.cuda()
+    reference = to_nf4(linear.weight.detach().cuda(), 64, 256).get_original_weight()
+    assert torch.equal(layer.dequantized(), reference)
+    x = torch.randn(4, 1024, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    eager = layer(x)
+    module.compile_dequantize()
+    try:
+        compiled = layer(x)
+        compiled.sum().backward()
+        weight = module._dequantizer()(*layer.components(), shape=(512, 1024))
+    finally:
+        module.compile_dequantize(False)
+    assert torch.allclose(weight.float(), reference.float(), rtol=1e-2, atol=1e-3)
+    assert torch.allclose(compiled.float(), eager.float(), rtol=2e-2, atol=2e-2)
+    assert torch.allclose(x.grad.float(), reference.float().sum(0).expand(4, -1), rtol=2e-2, atol=2e-2)

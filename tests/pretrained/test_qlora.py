@@ -99,3 +99,23 @@ def test_quantize_base_returns_the_init_that_draws_the_base_quantised_and_the_ad
     for r in pools(2).run(qlora_ranks.random_init, str(hf_folders["llama_untied"])):
         assert r["b_zero"] and r["a_drawn"] and r["finite"]
         assert r["codes"] == 14 and r["distinct_codes"] > 100  # packed pairs of 16 levels: drawn, not left empty
+
+
+def test_a_materialised_model_is_quantised_from_its_own_weights():
+    """What a trainer integration shards: a model already holding weights keeps them, quantised."""
+    from peft import LoraConfig, get_peft_model
+    from torchao.quantization import to_nf4
+    from transformers import AutoModelForCausalLM
+
+    from shardtrain.pretrained.qlora import quantize_base
+    from tests.pretrained.hf_models import config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config("llama_untied"))
+    weight = model.model.layers[1].mlp.down_proj.weight.detach().clone()
+    inputs = torch.randint(0, 259, (1, 9))
+    model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"]))
+    quantize_base(model)
+    layer = model.base_model.model.model.layers[1].mlp.down_proj
+    assert torch.equal(layer.dequantized(), to_nf4(weight, 64, 32).get_original_weight())
+    assert torch.isfinite(model(inputs).logits).all()

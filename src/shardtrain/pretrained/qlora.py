@@ -37,7 +37,8 @@ def quantize_base(
     model: nn.Module, *, bits: int = 4, param_init_fn: Callable[[nn.Module], None] | None = None
 ) -> Callable[[nn.Module], None] | None:
     """Replace every frozen `nn.Linear` of `model` but the output head by an `NF4Linear` (module
-    docstring), in place, on whatever device the model is (meta: nothing is allocated), and return the
+    docstring), in place, on whatever device the model is (meta: nothing is allocated; a materialised
+    layer's weight is quantised as it is replaced, for a model a trainer shards), and return the
     `param_init_fn` to pass to `st.shard` / `Engine.setup`: each NF4Linear draws its weight as
     `nn.Linear` would and quantises it (one layer at a time; `st.load_pretrained` then replaces it by the
     file's weights, quantised as read); every other module gets `param_init_fn`, else, in a peft model,
@@ -67,7 +68,12 @@ def quantize_base(
 
         param_init_fn = adapter_init(model)
     for parent, name, child in swaps:
-        setattr(parent, name, NF4Linear.replacing(child))
+        layer = NF4Linear.replacing(child)
+        if not child.weight.is_meta:  # a materialised model (a trainer's): its weights, quantised now
+            with torch.no_grad():
+                for key, value in layer.quantize_from(child.weight).items():
+                    getattr(layer, key).copy_(value)
+        setattr(parent, name, layer)
     return _quantized_init(param_init_fn, model)
 
 

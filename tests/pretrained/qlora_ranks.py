@@ -155,3 +155,18 @@ def random_init(folder: str) -> dict:
         "distinct_codes": min(len(v.unique()) for v in codes),
         "finite": bool(torch.isfinite(ranks.logits(model)).all()),
     }
+
+
+def whole_checkpoint(folder: str, checkpoint: str) -> dict:
+    """A checkpoint of everything (the packed base too, params='all'), loaded into a model whose base was
+    drawn at random: the logits come back exactly."""
+    model = setup(folder)
+    expected = ranks.logits(model)
+    st.save_checkpoint(checkpoint, {"model": model})
+    torch.manual_seed(5)
+    with torch.device("meta"):
+        fresh = ranks.apply_lora(ranks.meta_model(folder), **LORA)
+    st.shard(fresh, wrap=ranks.blocks(fresh), param_init_fn=st.quantize_base(fresh))
+    before = ranks.logits(fresh)
+    st.load_checkpoint(checkpoint, {"model": fresh})
+    return {"exact": torch.equal(ranks.logits(fresh), expected), "differed": not torch.equal(before, expected)}

@@ -119,3 +119,8 @@ def test_a_materialised_model_is_quantised_from_its_own_weights():
     layer = model.base_model.model.model.layers[1].mlp.down_proj
     assert torch.equal(layer.dequantized(), to_nf4(weight, 64, 32).get_original_weight())
     assert torch.isfinite(model(inputs).logits).all()
+
+
+def test_a_whole_checkpoint_holds_the_packed_base_and_loads_it_back(pools, hf_folders, tmp_path):
+    for r in pools(2).run(qlora_ranks.whole_checkpoint, str(hf_folders["llama_untied"]), str(tmp_path / "ck")):
+        assert r["differed"] and r["exact"]

@@ -31,6 +31,7 @@ _EXPORTS = {
     "load_checkpoint": "shardtrain.checkpoint",
     "load_pretrained": "shardtrain.pretrained",
     "save_pretrained": "shardtrain.pretrained",
+    "quantize_base": "shardtrain.pretrained",
     "Engine": "shardtrain.engine",
     "GradScaler": "shardtrain.ops.grad_scaler",
     "compile_blocks": "shardtrain.ops.compile",

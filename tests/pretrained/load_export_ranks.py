@@ -14,6 +14,7 @@ import shardtrain as st
 from shardtrain.core.shard_module import runtime_of
 from shardtrain.policy import classes_named
 from shardtrain.pretrained.lora import adapter_init, apply_lora
+from shardtrain.pretrained.qlora import quantize_base
 from shardtrain.train.schedule import make_scheduler
 from tests.pretrained.hf_models import VOCAB
 
@@ -34,10 +35,18 @@ def blocks(model: nn.Module) -> frozenset:
 
 
 def sharded(
-    folder, strategy: str, *, mesh=None, lora: dict | None = None, seed: int = 0, embedding_unit: bool = False
+    folder,
+    strategy: str,
+    *,
+    mesh=None,
+    lora: dict | None = None,
+    seed: int = 0,
+    embedding_unit: bool = False,
+    base_bits: int = 16,
 ) -> nn.Module:
-    """`folder`'s model on meta (with LoRA adapters when `lora` is given), sharded, weights loaded.
-    `embedding_unit`: the embedding is a unit of its own (sharded, it looks rows up where they are held)."""
+    """`folder`'s model on meta (with LoRA adapters when `lora` is given, over a 4-bit base with
+    `base_bits=4`), sharded, weights loaded. `embedding_unit`: the embedding is a unit of its own
+    (sharded, it looks rows up where they are held)."""
     torch.manual_seed(seed)
     model = meta_model(folder)
     wrap = blocks(model) | ({nn.Embedding} if embedding_unit else set())
@@ -45,6 +54,7 @@ def sharded(
     if lora is not None:
         model = apply_lora(model, **lora)
         init = adapter_init(model)
+    init = quantize_base(model, bits=base_bits, param_init_fn=init)
     st.shard(model, strategy=strategy, wrap=wrap, mesh=mesh, param_init_fn=init)
     st.load_pretrained(model, folder)
     return model
@@ -155,8 +165,10 @@ def lora_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {s.fqn: u.held(i).clone() for u in runtime.units for i, s in enumerate(u.layout.params) if s.requires_grad}
 
 
-def lora_setup(folder: str, strategy: str, *, seed: int, targets: tuple[str, ...] = LORA["targets"]):
-    model = sharded(folder, strategy, lora={**LORA, "targets": targets}, seed=seed)
+def lora_setup(
+    folder: str, strategy: str, *, seed: int, targets: tuple[str, ...] = LORA["targets"], base_bits: int = 16
+):
+    model = sharded(folder, strategy, lora={**LORA, "targets": targets}, seed=seed, base_bits=base_bits)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-2, weight_decay=0.1)
     scheduler = make_scheduler(optimizer, warmup_steps=2, total_steps=6, min_ratio=0.1)
@@ -192,16 +204,16 @@ def lora_initial(folder: str, strategy: str) -> dict:
     }
 
 
-def lora_resume(folder: str, checkpoint: str, strategy: str) -> dict:
+def lora_resume(folder: str, checkpoint: str, strategy: str, base_bits: int = 16) -> dict:
     """6 steps straight vs 3 + adapter-only save + a fresh model (base reloaded) + load + 3, on every rank."""
-    model, optimizer, scheduler = lora_setup(folder, strategy, seed=0)
+    model, optimizer, scheduler = lora_setup(folder, strategy, seed=0, base_bits=base_bits)
     straight = train(model, optimizer, scheduler, 3, seed=11)
     st.save_checkpoint(checkpoint, {"model": model, "optimizer": optimizer, "scheduler": scheduler}, params="trainable")
     straight += train(model, optimizer, scheduler, 3, seed=12)
     expected = lora_state(model)
     del model, optimizer, scheduler
     gc.collect()
-    model, optimizer, scheduler = lora_setup(folder, strategy, seed=99)  # other random adapters at first
+    model, optimizer, scheduler = lora_setup(folder, strategy, seed=99, base_bits=base_bits)  # other adapters
     try:
         st.load_checkpoint(checkpoint, {"model": model, "optimizer": optimizer, "scheduler": scheduler})
         refused = None

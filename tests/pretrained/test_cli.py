@@ -174,6 +174,7 @@ def test_pretrained_builds_on_meta_and_names_bad_folders(hf_folders, tmp_path):
         (["--lora.rank", "8"], "lora.rank=8 trains adapters over pretrained weights; pass --model.pretrained DIR"),
         (["--model.pretrained", "x", "--lora.merge_on_export", "true"], "lora.merge_on_export=true merges LoRA"),
         (["--run.export_hf", "true"], "run.export_hf=true writes a Hugging Face folder, but model.name='llama-2m'"),
+        (["--model.pretrained", "x", "--lora.load_in_4bit", "true"], "lora.base_bits=4 quantises the frozen base"),
         (
             ["--model.pretrained", "x", "--lora.rank", "8", "--engine.tp", "2"],
             "lora.rank=8 with engine.tp=2: tensor parallelism does not split LoRA adapters",
@@ -183,6 +184,28 @@ def test_pretrained_builds_on_meta_and_names_bad_folders(hf_folders, tmp_path):
 def test_option_combinations_that_cannot_work(args, message):
     with pytest.raises(ValueError, match=message):
         check_finetune_config(load_config(None, args))
+
+
+def test_qlora_trains_over_a_4bit_base_and_exports_merged(pools, tmp_path, hf_folders):
+    """--lora.base_bits 4 on 2 ranks through cli.main: the adapters train over the NF4 base and the merged
+    export is a plain folder of the model's own names, every adapted projection changed."""
+    pytest.importorskip("torchao")
+    from transformers import AutoModelForCausalLM
+
+    folder = hf_folders["llama_untied"]
+    args = [*_common(tmp_path, folder)[1:], "--lora.rank", "8", "--lora.base_bits", "4", "--train.steps", "2"]
+    args += ["--optim.lr", "1e-2", "--run.export_hf", "true", "--lora.merge_on_export", "true", "--run.name", "q"]
+    out = _train_on(pools(2), args)
+    assert "a 4-bit (NF4)" in out and f"loaded 21 tensors from {folder}" in out, out
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "runs" / "q" / "hf").state_dict()
+    base = AutoModelForCausalLM.from_pretrained(folder).state_dict()
+    assert set(merged) == set(base) and merged["model.layers.0.mlp.up_proj.weight"].dtype == torch.float32
+    quantised = {k for k in base if not torch.equal(merged[k], base[k])}
+    linear = {f"model.layers.{i}.{p}.weight" for i in range(2) for p in _PROJECTIONS}
+    assert quantised == linear  # the quantised projections (dequantised), not the head, norms or embedding
+
+
+_PROJECTIONS = [f"self_attn.{p}_proj" for p in "qkvo"] + [f"mlp.{p}_proj" for p in ("gate", "up", "down")]
 
 
 @pytest.mark.slow  # one 2-rank run on the pool, through cli.main, and a conversion in this process

@@ -8,7 +8,8 @@
 
 The model is a built-in Llama size, a Hugging Face config.json (or the folder holding it), or a
 parameter count (--params) with optional shape hints. A fine-tune: --lora-rank R (adapters on
---lora-targets, the base frozen in the compute dtype, as `shardtrain train --lora.rank` builds it) or
+--lora-targets, the base frozen in the compute dtype, as `shardtrain train --lora.rank` builds it, or in
+NF4 with --lora-base-bits 4) or
 --trainable FRACTION; frozen parameters have no gradient and no optimizer state. The largest micro-batch is computed for --device-memory, by default the local
 GPU's memory, or 80 GiB where there is none (the output says which). Below the bill, one line per
 strategy shows the textbook arithmetic of the model states: fp32 parameters + fp32 gradients +
@@ -63,6 +64,9 @@ def register(subparsers) -> None:
     tune.add_argument("--lora-rank", type=int, help="LoRA rank R: adapters train, the base is frozen")
     tune.add_argument(
         "--lora-targets", default="q_proj,v_proj", help="comma-separated projections (default q_proj,v_proj)"
+    )
+    tune.add_argument(
+        "--lora-base-bits", type=int, default=16, choices=(4, 16), help="4: the frozen base in NF4 (QLoRA)"
     )
     tune.add_argument("--trainable", type=float, metavar="FRACTION", help="share of the parameters that trains")
     parser.add_argument("--gpus", type=int, required=True, help="world size (devices in all)")
@@ -167,6 +171,7 @@ def run(args: argparse.Namespace) -> int:
             lora_rank=args.lora_rank,
             lora_targets=args.lora_targets.split(","),
             trainable_fraction=args.trainable,
+            base_bits=args.lora_base_bits,
             tp=args.tp,
             sequence_parallel=args.sequence_parallel,
             loss_parallel=args.loss_parallel,

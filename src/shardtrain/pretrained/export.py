@@ -40,6 +40,7 @@ from .file_split import FilePlan, index_of, parse_size, split_files, stale_files
 from .files import CONFIG_FILE, INDEX_FILE
 from .keys import adapter_params, base_name, hf_model
 from .merge import LoraMerge, lora_merges
+from .qlora import QuantizedWeight, quantized_weights
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 _ARRIVAL_TIMEOUT_S = 300.0
@@ -54,6 +55,7 @@ class _Item:
     index: int | None = None
     buffer: str | None = None
     merge: tuple[LoraMerge, int, int] | None = None  # with the unit indices of A and B
+    quantized: tuple[QuantizedWeight, tuple[int, ...]] | None = None  # an NF4 weight: its components' indices
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,14 +133,19 @@ def plan_export(model: nn.Module, *, dtype: torch.dtype | None, merge_lora: bool
     merges = {m.weight: m for m in lora_merges(model)} if merge_lora else {}
     held = list(held_params(model))
     where = {h.name: (h.unit.index, h.index) for h in held}
+    # an NF4 weight (qlora.py) is written dequantised, under its weight's name, in place of its first component
+    quantized = {q.components[0]: q for q in quantized_weights(model)}
+    skipped = {c for q in quantized.values() for c in q.components[1:]}
     items = []
     for h in held:
-        if (h.name in adapters) != as_adapter:
+        if (h.name in adapters) != as_adapter or h.name in skipped:
             continue
-        name = h.name.replace(f".{adapter_name}", "") if as_adapter else base_name(h.name)
+        q = quantized.get(h.name)
+        weight = q.name if q is not None else h.name
+        name = h.name.replace(f".{adapter_name}", "") if as_adapter else base_name(weight)
         merge = None
-        if h.name in merges:
-            m = merges[h.name]
+        if weight in merges:
+            m = merges[weight]
             (ua, ia), (ub, ib) = where[m.lora_a], where[m.lora_b]
             if ua != h.unit.index or ub != h.unit.index:
                 raise ValueError(
@@ -148,10 +155,15 @@ def plan_export(model: nn.Module, *, dtype: torch.dtype | None, merge_lora: bool
             merge = (m, ia, ib)
         items.append(
             _Item(
-                spec=TensorSpec(name=name, dtype=_dtype(h.layout.dtype, dtype), shape=h.shape),
+                spec=TensorSpec(
+                    name=name,
+                    dtype=_dtype(q.dtype if q else h.layout.dtype, dtype),
+                    shape=q.shape if q else h.shape,
+                ),
                 unit=h.unit.index,
                 index=h.index,
                 merge=merge,
+                quantized=(q, tuple(where[c][1] for c in q.components)) if q else None,
             )
         )
     if not as_adapter:
@@ -187,6 +199,9 @@ def _adapter_name(model: nn.Module) -> str:
 
 def _value(item: _Item, whole: list[torch.Tensor]) -> torch.Tensor:
     tensor = whole[item.index]
+    if item.quantized is not None:
+        q, indices = item.quantized
+        tensor = q.dequantize([whole[i] for i in indices])
     if item.merge is not None:
         merge, a, b = item.merge
         return merge.merged(tensor, whole[a], whole[b], dtype=item.spec.dtype)

@@ -7,6 +7,8 @@ under tensor parallelism a range of columns too where "tp" splits dim 1: tp/boxe
 them into its shard in place, converting dtype on the way (a bf16 file into fp32 masters). Files
 are memory-mapped; a unit's handles are closed before the next unit is read, so the file pages a
 rank has touched leave its resident memory with them and no rank ever holds a whole file or model.
+A 4-bit (NF4) layer (qlora.py) is the exception: its weight is read whole, one layer at a time, and
+quantised on the rank's device, which keeps its rows of the packed weight and of the scales.
 Persistent buffers found in the file are loaded whole on every rank; non-persistent buffers (rotary
 tables) keep the values the model's own initialisation computed when `st.shard` materialised it.
 """
@@ -32,6 +34,7 @@ from ..tp.boxes import Box
 from .export import install_save_pretrained
 from .files import TensorEntry, WeightFiles, resolve_weights
 from .keys import KeyMatch, match_keys
+from .qlora import QuantizedWeight, quantized_weights, refuse_prequantized
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,16 +76,27 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike, *, strict: bool =
         weights = resolve_weights(path)
         buffers = persistent_buffers(model)
         held = list(held_params(runtime))
-        params = [h.layout for h in held]
+        quantized = quantized_weights(model)  # NF4 layers (qlora.py): matched and read as their whole weight
+        if quantized:
+            refuse_prequantized(weights.path, list(weights.tensors))
+        component = {name: (q, k) for q in quantized for k, name in enumerate(q.components)}
+        params = [h.layout for h in held if h.name not in component] + [q.as_shard() for q in quantized]
         match = match_keys(params=params, buffers=buffers, file_keys=weights.tensors, model=model)
-        _check(weights, match, shapes={h.name: h.shape for h in held}, buffers=buffers, strict=strict)
+        shapes = {h.name: h.shape for h in held} | {q.name: q.shape for q in quantized}
+        _check(weights, match, shapes=shapes, buffers=buffers, strict=strict)
         with torch.no_grad():
             for _, of_unit in itertools.groupby(held, key=lambda h: h.unit):
                 with _Handles() as handles:  # the files stay open for one unit at a time
+                    parts: dict[str, list[torch.Tensor]] = {}  # one layer's components, whole, while its unit loads
                     for h in of_unit:
-                        key = match.params.get(h.name)
+                        key = match.params.get(component[h.name][0].name if h.name in component else h.name)
                         local = h.local
                         if key is None or local.numel() == 0:
+                            continue
+                        if h.name in component:
+                            q, k = component[h.name]
+                            whole = _quantized(parts, q, handles, weights.tensors[key], local.device)[k]
+                            local.copy_(whole[h.rows[0] : h.rows[1]] if whole.dim() else whole)
                             continue
                         rows = _read_box(handles, weights.tensors[key], h.box).view(local.shape)
                         # Note: the rows cross to the device in the file's dtype and are converted there
@@ -141,6 +155,16 @@ def _check(
             f"({len(match.unexpected)} unexpected: {short_list(list(match.unexpected), 4)}); load "
             "weights of this model, or pass strict=False to ignore them"
         )
+
+
+def _quantized(
+    parts: dict[str, list[torch.Tensor]], q: QuantizedWeight, handles: _Handles, entry: TensorEntry, device
+) -> list[torch.Tensor]:
+    """The components of `q`'s weight, quantised on `device` once per unit from the whole weight in the file."""
+    if q.name not in parts:
+        whole = _read_box(handles, entry, Box(rows=(0, q.shape[0]), cols=None))
+        parts[q.name] = q.quantize(whole.to(device))
+    return parts[q.name]
 
 
 def _read_box(handles: _Handles, entry: TensorEntry, box: Box) -> torch.Tensor:

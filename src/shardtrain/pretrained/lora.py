@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ..core.materialize import DefaultInit
+from .nf4 import quiet_torchao
 
 _META_INITS = (True, "gaussian")
 
@@ -26,8 +27,9 @@ def apply_lora(model: nn.Module, *, rank: int, alpha: float, targets: tuple[str,
     """`model` (a causal LM, on the meta device) wrapped by peft with LoRA adapters on `targets`; only the
     adapters require gradients."""
     try:
-        from peft import LoraConfig, get_peft_model
-        from peft.utils.constants import INCLUDE_LINEAR_LAYERS_SHORTHAND as ALL_LINEAR
+        with quiet_torchao():
+            from peft import LoraConfig, get_peft_model
+            from peft.utils.constants import INCLUDE_LINEAR_LAYERS_SHORTHAND as ALL_LINEAR
     except ModuleNotFoundError as exc:
         raise ValueError("LoRA needs peft: pip install 'shardtrain[peft]'") from exc
     # peft reads its shorthand ("all-linear": every linear layer but the output head) only as a string

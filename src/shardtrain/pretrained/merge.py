@@ -3,7 +3,8 @@
 peft's `merge_and_unload` replaces each adapted weight W by `W + transpose(B @ A) * scaling` (the
 transpose only for `fan_in_fan_out` layers such as GPT-2's Conv1D), then drops the adapters. Here
 the same sum is formed from the gathered tensors of one unit (W, A and B live in the unit of their
-layer), in fp32, and cast to W's export dtype, so no rank needs the whole model or peft's merge.
+layer), in fp32, and cast to W's export dtype, so no rank needs the whole model or peft's merge. A
+4-bit base's W is its dequantised weight (qlora.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 
 from ..core.partition import clean_name
+from .nf4 import NF4Linear
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,6 +79,6 @@ def _unsupported(module: nn.Module, name: str) -> str | None:
     if getattr(module, "lora_bias", {}).get(name):
         return "a LoRA bias"
     base = module.base_layer
-    if not (isinstance(base, nn.Linear) or type(base).__name__ == "Conv1D"):
+    if not (isinstance(base, (nn.Linear, NF4Linear)) or type(base).__name__ == "Conv1D"):
         return f"a LoRA on {type(base).__name__}"
     return None

@@ -5,6 +5,8 @@ lora.rank r > 0        peft adapters on lora.targets; only they train; the froze
                        the compute dtype under mixed precision (it needs no fp32 master); checkpoints
                        hold the adapters and their optimizer state only (params="trainable"), and
                        a resume reloads the base from DIR first
+lora.base_bits 4       QLoRA: the frozen linear layers (not the head) in NF4 (pretrained/qlora.py),
+                       quantised as DIR is read; export dequantises (and merges) into a 16-bit folder
 run.export_hf          runs/<name>/hf/: the model (or the adapters, or the merged model)
 """
 
@@ -34,6 +36,11 @@ def check_finetune_config(cfg: Config) -> None:
             "yet; train them with --engine.tp 1 (the frozen base sharded over every rank), or fully fine-tune "
             "with --lora.rank 0"
         )
+    if lora.bits != 16 and not lora.rank:
+        raise ValueError(
+            f"lora.base_bits={lora.bits} quantises the frozen base under LoRA adapters; pass --lora.rank R "
+            "(e.g. 8) with it, or drop it for full training"
+        )
     if lora.merge_on_export and not (lora.rank and run.export_hf):
         raise ValueError(
             "lora.merge_on_export=true merges LoRA adapters into the exported model; it needs "
@@ -62,7 +69,12 @@ def with_lora(cfg: Config, model: nn.Module) -> tuple[nn.Module, Callable[[nn.Mo
 
     lora = cfg.lora
     peft_model = apply_lora(model, rank=lora.rank, alpha=lora.alpha, targets=lora.targets, dropout=lora.dropout)
-    return peft_model, adapter_init(peft_model)
+    init = adapter_init(peft_model)
+    if lora.bits != 16:
+        from ..pretrained.qlora import quantize_base
+
+        init = quantize_base(peft_model, bits=lora.bits, param_init_fn=init)
+    return peft_model, init
 
 
 def describe_lora(cfg: Config, model: nn.Module, base: str) -> str:
@@ -70,7 +82,8 @@ def describe_lora(cfg: Config, model: nn.Module, base: str) -> str:
     if not cfg.lora.rank:
         return base
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return f"{base}, LoRA r={cfg.lora.rank} on {','.join(cfg.lora.targets)}: {trainable / 1e6:.2f}M trainable"
+    four = ", over a 4-bit (NF4) base" if cfg.lora.bits == 4 else ""
+    return f"{base}, LoRA r={cfg.lora.rank} on {','.join(cfg.lora.targets)}{four}: {trainable / 1e6:.2f}M trainable"
 
 
 def checkpoint_params(cfg: Config) -> str:

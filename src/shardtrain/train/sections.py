@@ -113,6 +113,13 @@ class LoraConfig:
         "alone in peft's format",
         False,
     )
+    base_bits: int = _help(
+        "bits of the frozen base: 16 (as built), or 4 (QLoRA: every frozen linear layer but the output head "
+        "stored in NF4 with double-quantised scales, sharded like any frozen parameter, quantised as "
+        "model.pretrained is read; needs torchao: pip install 'shardtrain[qlora]')",
+        16,
+    )
+    load_in_4bit: bool = _help("transformers' spelling of lora.base_bits 4", False)
 
     def __post_init__(self) -> None:
         _require(self.rank >= 0, "lora.rank", self.rank, "use 0 (off) or a positive rank such as 8")
@@ -125,6 +132,12 @@ class LoraConfig:
             ",".join(self.targets),
             f"{ALL_LINEAR} already names every linear layer: pass it alone, or list the layers",
         )
+        _require(self.base_bits in (4, 16), "lora.base_bits", self.base_bits, "use 16 (off) or 4 (an NF4 base)")
+
+    @property
+    def bits(self) -> int:
+        """The frozen base's bits: 4 with lora.base_bits 4 or lora.load_in_4bit, else 16."""
+        return 4 if self.load_in_4bit else self.base_bits
 
 
 @dataclass(frozen=True, kw_only=True)

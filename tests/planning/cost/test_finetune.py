@@ -179,3 +179,21 @@ def test_small_lora_run_peak_on_the_cpu(pools):
 def test_small_checkpointed_lora_run_peak_on_the_cpu(pools):
     measured, estimated = _measured_against_estimated(pools, checkpointing=True)
     assert abs(estimated / measured - 1) < 0.05, (measured, estimated)
+
+
+def test_a_4bit_base_is_billed_at_its_packed_size_and_computes_from_its_shards():
+    """QLoRA (base_bits=4): the blocks' linear weights at 0.5 B per parameter plus an int8 scale per 64 and a
+    16-bit factor per 16,384; the embedding, head and norms in bf16; at world 1 nothing is gathered."""
+    lora = dict(world_size=1, lora_rank=8, lora_targets=("q_proj", "v_proj"), seq_len=T)
+    sixteen = st.estimate_memory(HF_8B, **lora)
+    four = st.estimate_memory(HF_8B, **lora, base_bits=4)
+    linear = 32 * (4096 * (2 * 4096 + 2 * 1024) + 3 * 4096 * 14336)
+    frozen = round(linear * (0.5 + 1 / 64 + 2 / 16384) + (P8 - linear) * 2)
+    assert four.inputs.model.frozen_bytes == frozen and four.inputs.model.frozen_params == P8
+    assert four.parameters == frozen + 4 * ADAPTERS8 and four.unsharded_params == 0
+    assert four.activations == sixteen.activations
+    assert sixteen.total - four.total == sixteen.parameters - four.parameters > 9 * GiB
+    sharded = st.estimate_memory(HF_8B, **{**lora, "world_size": 2}, base_bits=4)
+    assert abs(2 * sharded.parameters - four.parameters) < 10**6  # each rank holds half of the packed base
+    with pytest.raises(ValueError, match="base_bits=4 quantises the frozen base under LoRA adapters"):
+        st.estimate_memory(HF_8B, world_size=1, base_bits=4)

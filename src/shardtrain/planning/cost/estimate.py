@@ -151,6 +151,7 @@ def estimate_memory(
     lora_rank: int | None = None,
     lora_targets: Any = ("q_proj", "v_proj"),
     trainable_fraction: float | None = None,
+    base_bits: int = 16,
     tp: int = 1,
     sequence_parallel: bool = False,
     loss_parallel: bool = False,
@@ -168,8 +169,8 @@ def estimate_memory(
     (bytes or '80GiB') only adds a fits / largest-micro-batch line to the printed bill.
 
     A fine-tune: an nn.Module says what trains through requires_grad (a peft model, say); the other
-    forms take `lora_rank` with `lora_targets` (adapters on a frozen base) or `trainable_fraction`
-    (`planning.cost.finetune`). Frozen parameters are billed in their stored dtype, with no gradient and
+    forms take `lora_rank` with `lora_targets` (adapters on a frozen base; `base_bits=4`: that base in
+    NF4, QLoRA) or `trainable_fraction` (`planning.cost.finetune`). Frozen parameters are billed in their stored dtype, with no gradient and
     no optimizer state, and their layers save only what backward needs through them.
 
     `tp`: each layer split over `tp` ranks (the world a multiple of it), the TP-local tensors sharded
@@ -200,6 +201,7 @@ def estimate_memory(
         lora_rank=lora_rank,
         lora_targets=lora_targets,
         trainable_fraction=trainable_fraction,
+        base_bits=base_bits,
     )
     inputs = EstimateInputs(
         model=tp_local_spec(model, tp=tp),

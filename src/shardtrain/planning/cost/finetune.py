@@ -7,6 +7,10 @@ in every block; the base, its norms, embedding and head are frozen. The frozen b
 compute dtype, as `shardtrain train --lora.rank` builds it (bf16 under bf16-mixed: no fp32 master,
 no gradient, no optimizer state); only the adapters keep fp32 masters and AdamW state.
 
+`base_bits=4` (with `lora_rank`) prices a QLoRA base (`st.quantize_base`): every linear layer of the
+blocks is stored in NF4, `NF4_BYTES` per parameter (the packed codes, an int8 scale per 64 values and a
+16-bit factor per 256 of those); the embedding, norms and head stay in 16 bits.
+
 `trainable_fraction=x` instead trains that share of every unit's parameters, the others frozen;
 which projections they belong to is not known, so the activations are those of full training.
 
@@ -32,6 +36,9 @@ _FEATURES = {
 }
 
 
+NF4_BYTES = 0.5 + 1 / 64 + 2 / (64 * 256)
+
+
 def adapter_params(shape: LlamaShape, *, rank: int, targets: tuple[str, ...]) -> int:
     """LoRA parameters of one block: rank * (in + out) per target projection."""
     dims = {
@@ -53,8 +60,13 @@ def fine_tune_spec(
     lora_rank: int | None = None,
     lora_targets: Any = ("q_proj", "v_proj"),
     trainable_fraction: float | None = None,
+    base_bits: int = 16,
 ) -> ModelSpec:
     """`spec` as the fine-tune described (module docstring); `spec` itself when neither is given."""
+    if base_bits not in (4, 16):
+        raise ValueError(f"base_bits={base_bits!r}: use 16 (the base as built) or 4 (an NF4 base, QLoRA)")
+    if base_bits == 4 and lora_rank is None:
+        raise ValueError("base_bits=4 quantises the frozen base under LoRA adapters; give lora_rank= with it")
     if lora_rank is None and trainable_fraction is None:
         return spec
     if lora_rank is not None and trainable_fraction is not None:
@@ -67,8 +79,25 @@ def fine_tune_spec(
             "(peft's get_peft_model) or freeze its parameters instead of passing lora_rank= / trainable_fraction="
         )
     if lora_rank is not None:
-        return _lora(spec, lora_rank, lora_targets)
+        tuned = _lora(spec, lora_rank, lora_targets)
+        return _four_bit(tuned) if base_bits == 4 else tuned
     return _fraction(spec, trainable_fraction)
+
+
+def _four_bit(spec: ModelSpec) -> ModelSpec:
+    """`spec` (a LoRA fine-tune with a shape) with its blocks' linear layers billed in NF4, the rest in 16 bits."""
+    shape = spec.shape
+    assert shape is not None  # _lora needs it
+    q, kv = shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim
+    linear = shape.n_layers * (shape.dim * (2 * q + 2 * kv) + 3 * shape.dim * shape.ffn_dim)
+    frozen = spec.frozen_params
+    return replace(
+        spec,
+        name=f"{spec.name}, 4-bit base",
+        frozen_bytes=round(linear * NF4_BYTES + (frozen - linear) * 2),
+        quantized_base=True,
+        notes=(*spec.notes, f"{linear:,} base parameters in NF4 ({NF4_BYTES:.3f} B each), the rest in 16 bits"),
+    )
 
 
 def _lora(spec: ModelSpec, rank: Any, targets: Any) -> ModelSpec:

@@ -94,6 +94,7 @@ class ModelSpec:
     param_rows: tuple[tuple[int, int, bool], ...] = ()  # per parameter: rows, elements per row, trainable
     trained: TrainedParts = FULL_TRAINING
     frozen_bytes: int | None = None
+    quantized_base: bool = False  # the frozen linear layers are 4-bit (st.quantize_base): gathered as stored
     root_trainable: int | None = None
     enclosing_trainable: int | None = None
     unit_trainable: tuple[int, ...] | None = None

@@ -131,6 +131,7 @@ def spec_of_module(module: nn.Module, wrap, hints: dict[str, Any]) -> ModelSpec:
         param_rows=tuple((p.shape[0], math.prod(p.shape[1:]), p.requires_grad) for p in params if p.dim()),
         trained=trained_parts(module, n_layers=shape.n_layers if shape else max(1, len(inner))),
         frozen_bytes=sum(p.numel() * p.element_size() for p in params if not p.requires_grad),
+        quantized_base=any(not p.dtype.is_floating_point for p in params),  # packed 4-bit weights (pretrained/nf4.py)
         root_trainable=_trainable(root.params),
         enclosing_trainable=enclosing_trainable if inner else _trainable(root.params),
         unit_trainable=tuple(_trainable(u.params) for u in inner),

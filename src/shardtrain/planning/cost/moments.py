@@ -63,14 +63,14 @@ class StepStates:
     host: int  # what CPU offload keeps on the host
     disk: int  # the offloaded optimizer state in the disk tier's files
     copy: int  # bytes per trainable parameter of an unsharded copy
-    frozen_copy: int  # ... per frozen parameter
+    frozen_copy: float  # ... per frozen parameter (a 4-bit base: its packed bytes per parameter)
     grad_copy: int  # bytes per parameter of an unsharded gradient
     lookups_gather: bool  # whether a sharded embedding unit is gathered (core.lookup.runs_sharded_lookup)
 
     def unsharded(self, params: int, trainable_params: int) -> int:
         """Bytes of the unsharded copies of `params` parameters, `trainable_params` of them trainable."""
         trains = min(params, trainable_params)
-        return trains * self.copy + (params - trains) * self.frozen_copy
+        return trains * self.copy + int((params - trains) * self.frozen_copy)
 
 
 def step_states(inputs: EstimateInputs) -> StepStates:
@@ -80,7 +80,8 @@ def step_states(inputs: EstimateInputs) -> StepStates:
     # Frozen parameters stay in the dtype they were built in (`policy.storage_dtypes`): no master.
     frozen_size = inputs.frozen_param_bytes
     params_alias = p == MASTER_BYTES and (n == 1 or resident)  # unsharded params are views of the master
-    frozen_alias = frozen_size == p and (n == 1 or resident)  # ... or of the frozen shards
+    # ... or of the frozen shards (a 4-bit base computes from its packed shards, gathered as they are stored)
+    frozen_alias = (frozen_size == p or m.quantized_base) and (n == 1 or resident)
     # Each parameter's rows are padded to a multiple of the shard group (core.param_layout).
     padding, trainable_padding = m.padding(n)
     trainable = m.trainable_params + trainable_padding
@@ -111,7 +112,7 @@ def step_states(inputs: EstimateInputs) -> StepStates:
         host=host,
         disk=disk,
         copy=0 if params_alias else p,
-        frozen_copy=0 if frozen_alias else p,
+        frozen_copy=0 if frozen_alias else (frozen_size if m.quantized_base else p),
         grad_copy=0 if p == GRAD_BYTES and n == 1 else p,  # unsharded grads land in the fp32 gradient itself
         # Note: mirrors core.lookup.runs_sharded_lookup: an embedding unit sharded over several ranks,
         # neither resident nor offloaded, is never gathered and has no unsharded gradient.

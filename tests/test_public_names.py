@@ -14,7 +14,7 @@ PUBLIC = {
         "AutoPolicy", "CPUOffload", "Engine", "GradScaler", "MemoryEstimate", "MixedPrecision", "Plan",
         "SizePolicy", "Strategy", "chunked_cross_entropy", "clip_grad_norm_", "compile_blocks", "data",
         "estimate_memory", "full_state_dict", "load_checkpoint", "load_full_state_dict", "load_pretrained",
-        "no_sync", "plan", "save_checkpoint", "save_pretrained", "shard", "shard_auto", "tp",
+        "no_sync", "plan", "quantize_base", "save_checkpoint", "save_pretrained", "shard", "shard_auto", "tp",
     },
     st.data: {
         "DataSpec", "Encoder", "Format", "IGNORE", "Overlong", "Prepared", "StreamBatches", "StreamSource", "TrainOn",

@@ -12,7 +12,7 @@ import shardtrain as st
 from shardtrain.core.held import held_params
 from shardtrain.core.shard_module import runtime_of
 from shardtrain.pretrained.nf4 import COMPONENTS
-from tests.pretrained import ranks
+from tests.pretrained import load_export_ranks as ranks
 from tests.pretrained.hf_models import VOCAB
 
 LORA = {**ranks.LORA, "dropout": 0.0}  # dropout draws differ between the sharded model and the reference

@@ -5,7 +5,8 @@ packed weight; exact resume; the merged export reloads with from_pretrained."""
 import pytest
 import torch
 
-from tests.pretrained import qlora_ranks, ranks
+from tests.pretrained import load_export_ranks as ranks
+from tests.pretrained import qlora_ranks
 
 pytest.importorskip("peft")
 pytest.importorskip("torchao")

@@ -1,20 +1,10 @@
 """`--profile`: a torch.profiler trace of a few steps, and the step time split into where it went.
 
-From the device events of the trace (kernels, memcpy, memset), per step:
-
-- compute: time the compute stream (the stream with the most non-NCCL work) is busy;
-- exposed communication: NCCL kernel time during which the compute stream is idle;
-- exposed copies: time other streams' non-NCCL work (memcpy, casts, copy-in/out kernels) runs while
-  neither compute nor NCCL does;
-- idle: the rest of the window from the first to the last device event (waits on the host).
-
-The four add up to the window, so they show what a faster engine must remove. `gaps` lists where:
-the longest stretches with the compute stream idle, and what the other streams ran meanwhile.
-Two more numbers show what the hidden communication costs: how many NCCL kernels a step launches
-and how much of the compute ran beside one. Note: a GEMM that starts beside an NCCL kernel runs
-short of the SMs that kernel holds, so each collective costs GEMM time whatever its size
-(BENCHMARKS.md, 'Collectives beside GEMMs (microbenchmark, 2 × H200)'), and both numbers matter as
-much as the exposed time.
+From the device events of the trace, each step's window splits into compute, exposed communication,
+exposed copies and idle time, which add up to the window, so they show what a faster engine must
+remove; `gaps` lists the longest stretches with the compute stream idle, and two more numbers count
+the NCCL kernels a step launches and the compute that ran beside one. What each category counts and
+why the last two matter: docs/design.md, Note [Where a step's time went].
 """
 
 from __future__ import annotations

@@ -2,19 +2,10 @@
 
 Every step that may fail on some ranks only (a full disk, a corrupt file, a bad value) runs through
 `on_rank0` or `everyone`: the outcome is exchanged and, if any rank failed, every rank raises (a
-failing rank its own exception, the others an error naming the lowest failing rank and carrying its
-message), so no rank is left waiting in a collective for a peer that gave up. Without a process
-group everything runs locally.
-
-Note [Errors inside a loop of collectives]: a step whose ranks take part in collectives (the full
-format's gathers) must not let one rank leave the loop early: its peers would wait in the next
-all-gather for it (a hang, or Gloo's "Connection reset by peer" once it exits). Such a step keeps
-its local work (preparing a rank's rows, rank 0's writing) in a `FirstError`: the first exception is
-kept, later local work is skipped (a rank then contributes zeros of the right shape, so every
-collective still matches), and the loop runs to its end on every rank; the step raises the kept
-error only then, and `everyone` around the step makes every rank raise it. The cost: one
-`all_gather_object` per step of a save (five in all, none per training step), and after a failure
-the rest of that one step's gathers, whose results are dropped.
+failing rank its own exception, the others an error naming the lowest failing rank), so no rank is
+left waiting in a collective for a peer that gave up. Without a process group everything runs
+locally. Within a loop of collectives a rank keeps its first error in a `FirstError` until the loop
+ends: docs/design.md, Note [Errors inside a loop of collectives].
 """
 
 from __future__ import annotations
@@ -77,7 +68,7 @@ class Comm:
 
 class FirstError:
     """The first exception of a rank's local work inside a loop of collectives, raised after the
-    loop (Note [Errors inside a loop of collectives])."""
+    loop (docs/design.md, Note [Errors inside a loop of collectives])."""
 
     def __init__(self) -> None:
         self.error: Exception | None = None

@@ -1,18 +1,10 @@
 """Atomic commit: staging directory, rename, `latest` pointer, rotation, and path resolution.
 
-Ranks write into `<path>.tmp-<token>` next to the final path; once every rank has written and
-rank 0 has written metadata.json, rank 0 renames the staging directory to `<path>` (one atomic
-rename), then points `<parent>/latest` at it (write + atomic replace) and, with `keep_last`, removes
-the oldest checkpoints of the parent. A crash at any moment leaves the last committed checkpoint and
-its `latest` pointer as they were; the abandoned staging directory is ignored by loads and removed
-by the next save into the same parent.
-
-Saving over an existing checkpoint `<path>` takes two renames: the old one moves aside to
-`<path>.old-<token>`, then the new one takes its name, then the aside copy is deleted. Between the
-renames `<path>` is absent, so loads fall back to the aside copy, and the next save into the parent
-renames it back (or deletes it once the new checkpoint holds the name): at every instant exactly one
-complete checkpoint answers to `<path>`. Anything at `<path>` that is not a shardtrain checkpoint
-(a file, a folder of notes) is refused before a byte is written.
+Ranks write into a staging directory next to the final path, and rank 0 renames it into place (moving
+a checkpoint it replaces aside first), then points `<parent>/latest` at it and rotates old ones, so a
+crash at any moment leaves exactly one complete checkpoint answering to each name; anything at the
+path that is not a shardtrain checkpoint is refused before a byte is written. The steps and what a
+crash between them leaves: docs/checkpoint-format.md, "Atomic commit".
 """
 
 from __future__ import annotations

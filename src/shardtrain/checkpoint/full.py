@@ -35,7 +35,7 @@ from .this_rank import persistent_buffers
 def write_full_modules(entries: Entries, staging: Path, *, rank: int, params: str = "all") -> dict[str, FileRecord]:
     """All ranks gather; rank 0 writes each module's file. Returns rank 0's records. `params`: "all",
     or "trainable" for only the parameters that require gradients. A local error is raised only
-    after the last gather (Note [Errors inside a loop of collectives])."""
+    after the last gather (docs/design.md, Note [Errors inside a loop of collectives])."""
     records, failed = {}, FirstError()
     for key, module in entries.modules.items():
         units = runtime_of(module).units

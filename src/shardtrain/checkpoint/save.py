@@ -105,7 +105,7 @@ def save_checkpoint(
         commit.commit(staging, final, keep_last=keep_last)
 
     try:
-        # Note [Errors inside a loop of collectives] (collective.py): each step ends with every rank
+        # Note [Errors inside a loop of collectives] (docs/design.md): each step ends with every rank
         # out of its collectives, and raises on every rank if any rank failed in it.
         modules = comm.everyone(lambda: _records(write_modules()), gather=True)
         optimizers = comm.everyone(lambda: _records(write_optimizers()), gather=True)

@@ -1,19 +1,8 @@
 """`shardtrain estimate`: the per-device memory bill of each sharding strategy, side by side.
 
-    shardtrain estimate --params 7B --gpus 4
-    shardtrain estimate --model 8b --gpus 2 --ac all --device-memory 141GB
-    shardtrain estimate --model path/to/config.json --gpus 8 --strategy full_shard
-    shardtrain estimate --model path/to/hf_model_dir --gpus 1 --lora-rank 8 --lora-targets q_proj,v_proj
-    shardtrain estimate --model 8b --gpus 2 --offload --offload-dir /mnt/nvme/state
-
-The model is a built-in Llama size, a Hugging Face config.json (or the folder holding it), or a
-parameter count (--params) with optional shape hints. A fine-tune: --lora-rank R (adapters on
---lora-targets, the base frozen in the compute dtype, as `shardtrain train --lora.rank` builds it, or in
-NF4 with --lora-base-bits 4) or
---trainable FRACTION; frozen parameters have no gradient and no optimizer state. The largest micro-batch is computed for --device-memory, by default the local
-GPU's memory, or 80 GiB where there is none (the output says which). Below the bill, one line per
-strategy shows the textbook arithmetic of the model states: fp32 parameters + fp32 gradients +
-optimizer state (16 B/param for AdamW), divided by the ranks a shard spans.
+For a built-in Llama size, a Hugging Face config or a parameter count, full training or a fine-tune,
+with the largest micro-batch that fits the device's memory; the whole usage is the command's --help
+(`HELP`).
 """
 
 from __future__ import annotations
@@ -30,6 +19,24 @@ from ..planning.cost.estimate import MemoryEstimate
 from ..planning.cost.machine import local_device_memory
 from ..planning.cost.sizes import GiB, format_gib, parse_bytes
 from ..policy import CPUOffload
+
+# The command's --help text.
+HELP = """`shardtrain estimate`: the per-device memory bill of each sharding strategy, side by side.
+
+    shardtrain estimate --params 7B --gpus 4
+    shardtrain estimate --model 8b --gpus 2 --ac all --device-memory 141GB
+    shardtrain estimate --model path/to/config.json --gpus 8 --strategy full_shard
+    shardtrain estimate --model path/to/hf_model_dir --gpus 1 --lora-rank 8 --lora-targets q_proj,v_proj
+    shardtrain estimate --model 8b --gpus 2 --offload --offload-dir /mnt/nvme/state
+
+The model is a built-in Llama size, a Hugging Face config.json (or the folder holding it), or a
+parameter count (--params) with optional shape hints. A fine-tune: --lora-rank R (adapters on
+--lora-targets, the base frozen in the compute dtype, as `shardtrain train --lora.rank` builds it, or in
+NF4 with --lora-base-bits 4) or --trainable FRACTION; frozen parameters have no gradient and no optimizer
+state. The largest micro-batch is computed for --device-memory, by default the local GPU's memory, or 80 GiB where there is none (the output says which). Below the bill, one line per
+strategy shows the textbook arithmetic of the model states: fp32 parameters + fp32 gradients +
+optimizer state (16 B/param for AdamW), divided by the ranks a shard spans.
+"""
 
 FALLBACK_DEVICE_MEMORY = 80 * GiB
 PRECISIONS = ("bf16", "fp16", "fp32")
@@ -50,7 +57,7 @@ def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "estimate",
         help="the per-device memory bill of each sharding strategy",
-        description=__doc__,
+        description=HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,
     )

@@ -1,4 +1,21 @@
-"""`shardtrain plan [CONFIG] [--section.key value ...]`: what `shardtrain train` would run, without training.
+"""`shardtrain plan`: what `shardtrain train` would run, without training.
+
+From the same config and overrides, with the model built on the meta device (no GPU, no process
+group), it prints the wrap plan, the precision audit and the memory estimate, after the automatic
+plan and its reasons with --auto; the whole usage is the command's --help (`HELP`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..train.config import load_config
+from ..train.plan_report import plan_report
+from .train import split_config_path
+
+# The command's --help text.
+HELP = """`shardtrain plan [CONFIG] [--section.key value ...]`: what `shardtrain train` would run, without training.
 
 Takes the same config file and overrides as `shardtrain train`, builds the model on the meta device
 (no GPU, no process group, no memory) and prints, for the run as the train command resolves it:
@@ -22,21 +39,12 @@ host's memory split between the processes. Planning a CUDA run on a machine with
 --device-memory for --auto; without --auto the fit is then not judged.
 """
 
-from __future__ import annotations
-
-import argparse
-import sys
-
-from ..train.config import load_config
-from ..train.plan_report import plan_report
-from .train import split_config_path
-
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "plan",
         help="show the wrap plan and memory estimate of a training config, without training",
-        description=__doc__,
+        description=HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,
     )

@@ -1,21 +1,10 @@
 """The sharding engine: units, their flat parameters, communication and the schedule.
 
 The face the rest of shardtrain may use (`__all__`); everything else in `core` is the engine's own:
-
-- `shard_module(model, options)`: shard in place from a resolved `ShardOptions` (the public `st.shard`
-  in sharding.py reads the user's spellings first, and offload/ wraps it); `runtime_of(model)`: its runtime.
-- `held_params(model)`: what this rank holds, one read-only `HeldParam` per original parameter (name,
-  global shape, this rank's rows, owner unit, the local tensor): what `ops/`, `checkpoint/` and
-  `pretrained/` read and write instead of walking units and layouts.
-- the pure bookkeeping the planner reuses without a process group: `partition` (which modules become
-  units), `layout_of_unit` / `ParamShard` (how each parameter is cut), `clean_name`.
-- `rebind` (an optimizer built before sharding), `local_of` (a parameter's local rows),
-  `require_process_group` / `resolve_device`, `all_gather_tensor`.
-- for the packages that work on whole units: `ShardUnit` (gathering a unit's parameters, `ops/`,
-  `checkpoint/`), `GatheredUnit` (the units `ops/compile.py` compiles), `tensor_parallel_of` /
-  `tp_coordinates` (the tensor parallelism a runtime runs under, this rank's place in it).
-- for the Engine's tensor-parallel setup: `rebind_replaced` (parameters replaced before sharding, for `rebind`);
-  `DefaultInit` (what `st.shard` initialises a meta module with; LoRA falls back to it).
+`shard_module` / `runtime_of` (what `st.shard` and offload/ call), `held_params` (what `ops/`,
+`checkpoint/` and `pretrained/` read and write instead of walking units and layouts), the pure
+bookkeeping the planner reuses without a process group (`partition`, `layout_of_unit`), and the few
+pieces the packages working on whole units, optimizers or tensor parallelism need.
 """
 
 from .collectives import all_gather_tensor

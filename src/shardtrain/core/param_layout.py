@@ -1,22 +1,11 @@
 """Where every parameter of a unit lives: sharded along its first dimension, grouped into flat buffers.
 
-Each original parameter of shape `[rows, *rest]` is cut along dim 0 into `world` equal blocks of
-`local_rows = ceil(rows / world)` rows (the rows padded up to a multiple of `world` with zeros); rank
-r holds block r, so every rank holds its rows of every parameter. A 0-dim parameter cannot be cut:
-every rank holds it whole and its gradient is averaged by an all-reduce (`FlatGroup.sharded` False).
-
-A unit keeps its parameters in few buffers, one per `FlatGroup` (parameters sharing a stored and a
-compute dtype, and whether they are cut), each laid out three ways:
-
-- the shard (stored dtype): every member's local rows back to back, `shard_offsets`;
-- the unsharded buffer (compute dtype): every member's whole padded tensor back to back,
-  `unsharded_offsets` (parameter-major, so each gathered parameter is a contiguous view);
-- the sharded gradient: the local rows of the members that require gradients, `grad_offsets`.
-
-The shard layout is also the layout of one rank's chunk of a rank-major flat all-gather, and the
-gradient layout that of one rank's chunk of the reduce-scatter input (`torch._chunk_cat` of the
-gradients). This module is pure bookkeeping (no tensors are allocated), so the planner, the memory
-estimator and the checkpoint code reason about shards without a process group.
+Each parameter is cut along dim 0 into `world` equal padded blocks (a 0-dim one is held whole), and a
+unit's parameters are grouped into `FlatGroup`s, each laid out three ways: the shard, the unsharded
+buffer and the sharded gradient (`shard_offsets`, `unsharded_offsets`, `grad_offsets`), matching the
+flat all-gather's and reduce-scatter's chunks. Pure bookkeeping (no tensors allocated), so the planner,
+the estimator and the checkpoint code reason about shards without a process group. The layout and
+why: docs/design.md, "Parameters keep their shape" and "Buffers and communication of one flat group".
 """
 
 from __future__ import annotations

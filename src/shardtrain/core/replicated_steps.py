@@ -1,19 +1,11 @@
 """A fused optimizer's step counts as DTensors, so that DTensor's dispatch finds their specs ready.
 
-A fused optimizer (`AdamW(fused=True)`, ...) keeps each parameter's step count as a 0-dim tensor on
-the parameter's device and passes the counts to its fused kernel with the parameters. The sharded
-parameters are DTensors, so the call goes through DTensor's dispatch, which takes each plain count
-for a replicated tensor and builds a new spec for it, on every call: one per parameter per step
-(the host time it cost: BENCHMARKS.md, 'FSDP × tensor parallel: the 2-D code path against the 1-D
-one'). After each step, a global post-hook makes each such count of a
-sharded parameter the DTensor that dispatch would have built (replicated on the parameter's mesh,
-over the same storage, one spec per mesh and dtype), so later steps hand dispatch prepared specs.
-
-The count's value and the update are unchanged. `optimizer.state_dict()` shows the count as a
-DTensor, as it shows the moments; a state dict loaded with plain counts (as shardtrain's checkpoints
-store them) is wrapped again after the next step. Counts that live elsewhere than their parameter's
-rows (a non-fused optimizer's on the host, an offloaded unit's) stay plain. The hook's own cost is a
-dictionary lookup per parameter per step.
+A fused optimizer passes each parameter's 0-dim step count to its kernel beside the sharded DTensor
+parameters, and DTensor's dispatch built a fresh spec for every plain count on every step (the host
+time it cost: BENCHMARKS.md, 'FSDP × tensor parallel: the 2-D code path against the 1-D one'). After
+each step a global post-hook makes each such count the replicated DTensor dispatch would have built,
+over the same storage; the count's value and the update are unchanged, and counts that live elsewhere
+than their parameter's rows (non-fused, offloaded) stay plain.
 """
 
 from __future__ import annotations

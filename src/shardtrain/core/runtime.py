@@ -1,20 +1,10 @@
 """The per-model runtime: module hooks, execution order, prefetch, and the end of backward.
 
-An iteration moves the runtime through `TrainingState`: IDLE -> FORWARD (the first unit's pre-forward
-hook) -> BACKWARD (the first pre-backward hook) -> IDLE (the callback queued on the autograd engine at
-the start of backward). A forward without gradients returns to IDLE when the root's forward returns.
-
-Forward: the pre-forward hook unshards the unit (waiting for a prefetched all-gather), installs its
-parameter views and prefetches the next units in the order recorded during the first forward; the
-post-forward hook reshards (full_shard) and registers the pre-backward hook on the outputs.
-Backward: the pre-backward hook unshards again and prefetches the units whose backward comes next;
-each unit's post-backward reduces its gradients; the queued callback finishes all reductions and
-publishes the sharded gradients.
-
-Every hook runs outside `torch.compile`d regions (`torch._dynamo.disable`, as torch FSDP2 does): they
-issue collectives on side streams, resize storages and install views, which a compiled graph would
-not replay in order. A compiled block therefore sees its parameters as plain inputs, and its
-forward compiles into one graph shared by every block of its class.
+An iteration moves the runtime through `TrainingState` (IDLE -> FORWARD -> BACKWARD -> IDLE); its
+hooks gather, prefetch in the recorded order, reshard and reduce each unit, and the callback queued at
+the start of backward finishes the reductions. Every hook runs outside `torch.compile`d regions, so
+compiled blocks see their parameters as plain inputs. Which hook does what: docs/design.md, Note
+[Runtime states and hooks]; why outside compile: docs/design.md, torch.compile.
 """
 
 from __future__ import annotations

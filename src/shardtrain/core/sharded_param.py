@@ -1,20 +1,10 @@
 """The tensors the optimizer sees: one per original parameter, holding this rank's rows of it.
 
-Where a strategy cuts parameters, each one is an `nn.Parameter` wrapping a DTensor placed `Shard(0)`
-on the shard group's mesh (`(Replicate(), Shard(0))` on the two-dimensional mesh of a hybrid
-strategy; `Replicate()` for a 0-dim parameter, which every rank holds whole). Its `shape`, `dim()`,
-`numel()`, name, dtype and `requires_grad` are the original parameter's, so weight-decay groups
-chosen by `p.dim()` and parameter counts behave as on the unsharded model; `to_local()` is the
-rank's real rows, a view of the unit's shard, so an optimizer step updates the shard in place; and
-`torch.distributed.checkpoint`, `full_tensor()` and DTensor-aware optimizers understand it. Its
-`.grad` is a DTensor of the same placement over a view of the unit's sharded gradient.
-
-no_shard keeps plain parameters of the full shape, as DDP does: nothing is cut.
-
-Why DTensors rather than plain tensors of the local rows: a plain tensor reports the local shape, so
-`sum(p.numel())`, matrix optimizers and `save_pretrained` silently see pieces; a DTensor reports the
-global shape and computes correctly (if slowly) wherever an optimizer needs the whole matrix. The
-price is DTensor's dispatch in the optimizer step, measured small (docs/design.md).
+Where a strategy cuts parameters, each is an `nn.Parameter` wrapping a DTensor (`Shard(0)` on the
+shard group's mesh) with the original's shape, name, dtype and `requires_grad`, whose local tensor is
+a view of the unit's shard and whose `.grad` views the unit's sharded gradient; no_shard keeps plain
+parameters, as DDP does. Why DTensors rather than plain local tensors, and what they cost:
+docs/design.md, "Parameters keep their shape".
 """
 
 from __future__ import annotations

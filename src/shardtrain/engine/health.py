@@ -1,18 +1,9 @@
 """Heartbeats and failure reports in the process group's store, to say which rank a job waits for.
 
-A collective that fails tells a rank only that a peer did not answer ("Timed out waiting 300000ms",
-"Connection reset by peer"), not which peer or why. So each rank writes, into the default group's
-key-value store (the launcher's store under torchrun and `shardtrain train`, which outlives the
-ranks), a heartbeat once per step (step number and phase) and, when it fails, a one-line report.
-A rank whose collective failed reads them back and `explain` names the culprit:
-
-- a rank that reported a failure: "rank 0 failed: <its message>";
-- after a timeout, the ranks that did not also time out waiting within a short grace period are the
-  ones that never arrived: "rank 1 did not arrive ... last heartbeat step 3 (train), 5.2 s ago";
-- a peer gone without a report: killed, or crashed outside Python.
-
-Every store access is best effort: with the store gone (its host rank died) `explain` answers None
-and the caller reports the plain error.
+A collective that fails tells a rank only that a peer did not answer, not which peer or why. So each
+rank writes a heartbeat once per step and a one-line report when it fails into the default group's
+key-value store, and `explain` reads them back to name the culprit; every store access is best effort
+(None where the store is gone). What it tells apart: docs/design.md, Note [Heartbeats].
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """`ShardtrainStrategy` for Lightning Fabric: `L.Fabric(strategy=ShardtrainStrategy(wrap={Block}), ...)`.
 
-The Fabric FSDP guide's loop runs unchanged: `fabric.launch()`, `fabric.init_module(empty_init=True)`
-(the model is built on the meta device; `st.shard` materialises each rank's rows unit by unit),
-`setup_module` / `setup_optimizers` / `setup`, `fabric.backward`, `fabric.clip_gradients` (the true
-global norm, `st.clip_grad_norm_`), `fabric.no_backward_sync` (`st.no_sync`), `fabric.save` /
-`fabric.load` (`st.save_checkpoint` / `st.load_checkpoint`: sharded by default, resharded on load,
-`state_dict_type="full"` for whole tensors), and the collectives of Fabric's DDP strategy, whose
-launcher and process group this strategy reuses. Importing this module registers the name
-`"shardtrain"`: `L.Fabric(strategy="shardtrain")` shards with the default options.
-
-Precision (Fabric's `precision=`): "32-true"; "bf16-mixed" and "16-mixed" become
-`st.shard(mixed_precision="bf16" / "fp16")` (parameters gathered in half precision, fp32 masters,
-no autocast), "16-mixed" steps through `st.GradScaler`; "bf16-true" is Fabric's own (the model is
-built and kept in bf16).
+The Fabric FSDP guide's loop runs unchanged, each call mapped to its shardtrain counterpart
+(`st.shard` materialising a meta-device model unit by unit, `st.clip_grad_norm_`, `st.no_sync`,
+`st.save_checkpoint` / `st.load_checkpoint`), with the launcher and process group of Fabric's DDP
+strategy. Importing this module registers the name `"shardtrain"`: `L.Fabric(strategy="shardtrain")`
+shards with the default options. Each call and precision setting: docs/integrations.md, "Lightning
+Fabric".
 """
 
 from __future__ import annotations

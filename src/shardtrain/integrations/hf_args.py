@@ -2,19 +2,10 @@
 
 transformers 5 rewrites the documents' `fsdp="full_shard auto_wrap"` (and `"offload"`,
 `"shard_grad_op"`) into `fsdp=True` plus `fsdp_config` fields, so reading `fsdp_config` after
-`TrainingArguments.__post_init__` covers both spellings. The keys read:
-
-    reshard_after_forward          True: "full_shard"; False: "shard_grad_op" (FSDP1: the strategy name)
-    auto_wrap_policy               TRANSFORMER_BASED_WRAP (default), SIZE_BASED_WRAP, NO_WRAP
-    transformer_layer_cls_to_wrap  class names made units (default: the model's `_no_split_modules`)
-    min_num_params                 SIZE_BASED_WRAP's threshold
-    activation_checkpointing       recompute the wrapped layers in backward
-    cpu_offload                    st.shard(cpu_offload=True)
-    sync_module_states             st.shard(sync_module_states=...)
-    state_dict_type                FULL_STATE_DICT / SHARDED_STATE_DICT: the checkpoints' format
-
-Any other `fsdp_config` key set to a value other than transformers' default, and arguments that
-shardtrain does not run (fp16, torch_compile, ...), raise a ValueError naming them.
+`TrainingArguments.__post_init__` covers both spellings. Any other `fsdp_config` key set to a value
+other than transformers' default, and arguments that shardtrain does not run (fp16, torch_compile,
+...), raise a ValueError naming them. The keys read and what each becomes: docs/integrations.md,
+"The Hugging Face Trainer".
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """`ShardtrainStrategy` for the Lightning Trainer: `L.Trainer(strategy=ShardtrainStrategy(wrap={Block}))`.
 
-- Modules built in `LightningModule.configure_model` (and under `trainer.init_module(empty_init=True)`)
-  are created on the meta device; `setup` shards the LightningModule in place with `st.shard`,
-  materialising each rank's rows unit by unit, before `configure_optimizers` runs.
-- Lightning calls `training_step` / `validation_step`, not `forward`: the strategy hands Lightning a
-  forward wrapper (`ShardedModule`), through which Lightning redirects those steps, so that the
-  parameters held by the root unit (outside every wrapped block) are gathered for them too.
-- `accumulate_grad_batches`: the accumulating micro-batches run under `st.no_sync` (no gradient
-  exchange until the last one); `gradient_clip_val` clips the global norm (`lightning_precision.py`).
-- Checkpoints (ModelCheckpoint, `trainer.save_checkpoint`, `fit(ckpt_path=...)`) are shardtrain
-  checkpoint folders: the model and optimizers by `st.save_checkpoint` (sharded, or `"full"`), the
-  rest of Lightning's checkpoint dict (loops, callbacks, schedulers) alongside; resharded on load.
-
-Importing this module registers the name `"shardtrain"` with the Trainer.
+`setup` shards the LightningModule in place with `st.shard` (modules from `configure_model` built on
+the meta device, materialised unit by unit) before `configure_optimizers` runs; Lightning's steps go
+through a forward wrapper (`ShardedModule`) so the root unit's parameters are gathered for them;
+accumulation, clipping and checkpoints map to `st.no_sync`, `st.clip_grad_norm_` and shardtrain
+checkpoint folders. Importing this module registers the name `"shardtrain"` with the Trainer. What the
+Trainer's options become: docs/integrations.md, "The Lightning Trainer".
 """
 
 from __future__ import annotations

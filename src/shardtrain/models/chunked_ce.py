@@ -1,22 +1,10 @@
 """`st.chunked_cross_entropy`: the cross-entropy of a linear head without holding its logits.
 
-The loss of a causal LM is `cross_entropy(hidden @ weight.T + bias, labels)`. Computed whole it holds
-[tokens, vocab] logits in the compute dtype, their fp32 copy, the log-probabilities and their gradient
-(planning/cost/activations.py bills 12 bytes per logit), which at a 128k vocabulary outgrows a LoRA step's
-activations. Here the rows go through in chunks: each chunk's logits (in the compute dtype, as the head
-would make them), their fp32 log-softmax, its share of the summed loss and, when gradients are wanted,
-the gradients of that chunk's hidden rows and its contribution to the weight's and bias's gradients,
-accumulated in fp32; the logits are then dropped. Backward only scales the stored gradients by the
-incoming one (Liger's fused linear-cross-entropy does the same), so nothing of the weight is saved:
-a sharded head may reshard right after its forward.
-
-Exactness: every chunk does what autograd does over the whole logits (the fp32 softmax minus the
-one-hot, cast to the compute dtype before the projections' backward), so value and gradients equal
-`F.cross_entropy` over the full logits to fp32 rounding; only the weight's gradient sums the chunks'
-products in fp32 where one product would have summed them inside the kernel.
-
-On CUDA, `backend="auto"` runs Liger's fused Triton kernel (`liger_kernel`, the `liger` extra) when it
-is installed, with its weight gradient accumulated in fp32 too; the torch chunks run otherwise.
+The whole [tokens, vocab] logits of a large vocabulary outgrow a LoRA step's activations, so the rows
+go through in chunks whose gradients are computed in forward and only scaled in backward (nothing of
+the weight is saved); value and gradients equal `F.cross_entropy` over the full logits to fp32
+rounding. On CUDA, `backend="auto"` runs Liger's fused kernel when installed. How each chunk is
+computed, and where the sums differ: docs/design.md, Note [Chunked cross-entropy].
 """
 
 from __future__ import annotations

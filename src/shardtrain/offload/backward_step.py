@@ -1,24 +1,11 @@
 """When host-stepped units may step during backward, and the proof at `step()` that doing so was exact.
 
 `st.CPUOffload(step_in_backward=True)` is the loop's promise that `optimizer.step()` follows each
-synchronising backward with nothing global in between: no clipping, no loss scaling, no skipped step,
-the hyperparameters already set for it, accumulation under `st.no_sync`. Then a unit's gradients are
-final once its reduction landed, and `HostSteps` steps it right away, beside the rest of backward
-(docs/design.md, Note [Overlapped host step]).
-
-`BackwardSteps` keeps that promise honest in two ways:
-
-- It watches the loop at every `step()` and stops stepping in backward for good (one warning) once the
-  loop shows anything global: `st.clip_grad_norm_`, gradients changed in place between backward and
-  `step()` (torch's clipping, `GradScaler.unscale_`: versions and sampled bits of the flat
-  gradients), a GradScaler's scale handed to a fused step, or several synchronising backwards per
-  `step()`. The first `step()` always runs after backward (it creates the state), so a loop that
-  clips or scales from the start never steps a unit early.
-- What it cannot see coming raises one clear error naming what changed: at `step()`, hyperparameters
-  other than those the units stepped with, gradients changed in place since, a different set of
-  gradients, a GradScaler or a closure; a `step()` that never came (a skipped non-finite step,
-  accumulation without `st.no_sync`) at the next forward, backward or `zero_grad()`; clipping that
-  fires (or a non-finite norm) at `st.clip_grad_norm_`.
+synchronising backward with nothing global in between, so a unit's gradients are final once its
+reduction landed and `HostSteps` steps it beside the rest of backward. `BackwardSteps` keeps the
+promise honest: it stops stepping early for good (one warning) once the loop shows anything global,
+and raises one clear error naming what changed where it could not see it coming. What it watches
+and what it refuses: docs/design.md, Note [Overlapped host step].
 """
 
 from __future__ import annotations

@@ -1,23 +1,11 @@
 """The disk tier of CPU offload: the optimizer state of host-stepped units in per-rank files, streamed.
 
-With `st.CPUOffload(disk_dir=DIR)` the elementwise optimizer state of the offloaded units (AdamW's
-`exp_avg` and `exp_avg_sq`) lives in one file per rank under DIR instead of host memory. Each unit owns
-one region of the file; the deferred per-unit host step (offload/host_step.py) streams the units through a
-bounded ring of aligned host memory (`buffer_bytes`, offload/disk_pool.py): before unit k steps its region
-is read into a buffer taken from the ring (read-ahead: the next units' reads are issued as soon as
-their bytes are free, as many as fit), the optimizer view steps the buffer in place, and the buffer is
-written back (write-behind) and returns to the ring when the write completes (docs/design.md, Note
-[Disk tier]).
-
-The user's optimizer keeps its state entries: an entry on disk is its own tensor with the right shape
-and an empty storage, so the optimizer's structure, scalars (`step`) and hyperparameters stay where
-torch keeps them. `optimizer.state_dict()` (checkpoints) reads every entry back into host memory
-first; `load_state_dict()` puts resident entries in, which the next step writes to the files. An
-optimizer step that does not run per unit (a closure, an unsplittable optimizer) reads its units back
-first. The bytes are moved, never converted: training is bitwise that of host-memory offload.
-
-The file itself (scratch that only its own process reads, its space checked and reserved up front,
-running out one line) is offload/disk_file.py.
+With `st.CPUOffload(disk_dir=DIR)` the elementwise optimizer state of the offloaded units lives in one
+file per rank under DIR instead of host memory; the per-unit host step (offload/host_step.py) streams
+each unit's region through a bounded ring of host memory (offload/disk_pool.py), read ahead and
+written behind. The user's optimizer keeps its state entries (empty storages while on disk), and the
+bytes are moved, never converted: training is bitwise that of host-memory offload. The pipeline and
+the state's round trips: docs/design.md, Note [Disk tier]; the file itself is offload/disk_file.py.
 """
 
 from __future__ import annotations

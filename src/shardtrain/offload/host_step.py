@@ -1,27 +1,12 @@
 """The optimizer step of host-stepped units, deferred and overlapped with the GPU's work, exactly.
 
-With CPU offload the user's optimizer steps the offloaded shards on the host. Run inside
+With CPU offload the user's optimizer steps the offloaded shards on the host; run inside
 `optimizer.step()` after backward, that host step adds its whole time to the step. `HostSteps` takes
-those parameters out of the user's `step()` (their `.grad` is hidden for the call, so the optimizer
-steps the others as usual) and steps them per unit on a worker thread, in the order of the next
-forward; the forward's pre-hook of unit k waits for unit k's step only, so its host-to-device copy
-follows right behind it while the remaining units step beside the GPU's forward
-(docs/design.md, Note [Overlapped host step]).
-
-Exactness: each unit is stepped by a view of the user's optimizer over the unit's local rows, with
-the hyperparameters of the `step()` call; AdamW, Adam and SGD update each element from that element
-alone, so stepping per unit is bitwise the single step (offload/optimizer_view.py).
-
-With `st.CPUOffload(step_in_backward=True)` a unit may step earlier still: during backward, once its
-reduction landed (offload/backward_step.py says when that is allowed and how `step()` proves it exact).
-The worker always takes, of the units ready to step, the one the next forward needs first.
-
-Other optimizers, a closure, or `differentiable=True` step in sequence as before, with one warning
-per optimizer; the first step (state not yet created) runs in sequence silently. Pending steps are
-completed ("flushed") before anything reads or replaces what they write: the next `step()`, the
-first backward hook, `model.state_dict()` / `load_state_dict()`, the optimizer's `state_dict()` /
-`load_state_dict()` / `zero_grad(set_to_none=False)`, and `runtime_of(model)` (every shardtrain API:
-checkpoints, `full_state_dict`, export).
+those parameters out of the user's `step()` and steps them per unit on a worker thread, in the order
+of the next forward, each unit's forward waiting for its own step only; per-unit steps are bitwise the
+single step (offload/optimizer_view.py), and pending steps are flushed before anything reads what they
+write. When each unit steps, what falls back to the sequential step, and the flushes: docs/design.md,
+Note [Overlapped host step].
 """
 
 from __future__ import annotations

@@ -1,22 +1,11 @@
 """float8 training (`Engine(float8=True)`, `--train.float8`): torchao's `Float8Linear` in place of the
 Linears that gain from it, swapped in before the model is sharded.
 
-Which Linears convert (`converts`): an `nn.Linear` that is not the model's output head (the logits'
-precision sets the loss's; the built-in Llama's `OutputHead`, a transformers model's output embeddings),
-whose in and out features are multiples of 16 (float8 matmul's requirement), neither below
-`MIN_FEATURES` (LoRA adapters, small models: the casts cost more than the float8 matmul saves), and not
-in_features <= 4096 with out_features <= 1024 (torchao's threshold for tensorwise scaling, from its H100
-table: the key/value projections of grouped-query attention at 1.5B and 8B shapes).
-
-Compile is required: eager, each cast to float8 and each scale is a kernel of its own and the step is
-slower than bf16; compiled, they fuse into the neighbouring ops. The engine refuses float8 without
-compile rather than turning it on, so that what runs is what was asked for.
-
-Checkpoints need nothing: a `Float8Linear` keeps the Linear's own high-precision weight Parameter under
-the same name (the casts happen inside its matmul), so a float8 run's sharded parameters, checkpoints and
-exports are a bf16 run's, and a checkpoint resumes with or without float8. The weights are gathered in
-the unit's compute dtype and cast inside each matmul (torchao's float8 all-gather is not used:
-docs/design.md says why).
+`converts` decides which Linears convert (not the output head, features multiples of 16 and large
+enough for the casts to pay); compile is required, so float8 without it is refused rather than turned
+on. A `Float8Linear` keeps the Linear's weight under the same name, so checkpoints and exports are a
+bf16 run's. The rule and its thresholds: docs/api.md (`float8=True`); why no float8 all-gather:
+docs/design.md, float8.
 """
 
 from __future__ import annotations

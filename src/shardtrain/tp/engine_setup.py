@@ -3,8 +3,8 @@
 
 The engine builds the mesh itself (data-parallel ranks = world // tp, each tp group's ranks next to
 each other, as `init_device_mesh` places them), so it refuses what needs another mesh (the hybrid
-strategies), what the automatic plan does not plan (tensor parallelism), and offload, which tensor
-parallelism does not support (tp/refusals.py): each as one line naming the setting and the fix.
+strategies), and, through tp/refusals.py, the automatic plan and offload: each as one line naming the
+setting and the fix.
 """
 
 from __future__ import annotations
@@ -19,18 +19,14 @@ from ..options import ShardOptions
 from ..policy import AutoPolicy, CPUOffload
 from .mesh import FLAT_NAMES
 from .plans import plan_for
-from .refusals import refuse_offload
+from .refusals import refuse_auto, refuse_offload
 
 
 def check_tensor_parallel(
     *, tp: int, options: ShardOptions, auto: AutoPolicy | None, cpu_offload: CPUOffload | bool | float
 ) -> None:
     """What tp > 1 refuses, before any process starts (`auto`: the engine's st.AutoPolicy, or None)."""
-    if auto is not None:
-        raise ValueError(
-            f"Engine(tp={tp}) with strategy=st.AutoPolicy: the automatic plan does not plan tensor "
-            "parallelism; pass strategy='full_shard' (or 'shard_grad_op') with tp, or drop tp"
-        )
+    refuse_auto(auto=auto is not None, tp=tp > 1, spelled=f"Engine(tp={tp}) with strategy=st.AutoPolicy")
     if options.strategy.is_hybrid:
         raise ValueError(
             f"Engine(tp={tp}) with strategy={options.strategy.value!r}: the engine builds a ('dp', 'tp') "

@@ -1,19 +1,10 @@
 """Where a tensor-parallel parameter's shard lives on the whole mesh: FSDP2's placements.
 
-Tensor parallelism gives each parameter a placement on the "tp" dimension (`Shard(0)` for a
-column-wise split, `Shard(1)` for a row-wise one, `Replicate()` for a norm). The engine then cuts
-each rank's TP-local tensor along dim 0 over the data-parallel shard dimension, so the tensor the
-optimizer sees is placed on the whole mesh as torch FSDP2 places it:
-
-    tp placement    placements on ("dp", "tp")
-    Shard(0)        (_StridedShard(0, split_factor=tp), Shard(0))
-    Shard(d), d>0   (Shard(0), Shard(d))
-    Replicate()     (Shard(0), Replicate())
-
-`_StridedShard` says that the dp cut was taken inside each tp block rather than across the whole
-dim 0, so `full_tensor()` and `torch.distributed.checkpoint` put every row back where it belongs.
-Hybrid sharding prepends `Replicate()` for the "replicate" dimension; a 0-dim parameter, never cut,
-is `Replicate()` on the data-parallel dimensions.
+The engine cuts each rank's TP-local tensor along dim 0 over the data-parallel dimension, so the
+tensor the optimizer sees is placed on the whole mesh as torch FSDP2 places it (`_StridedShard` where
+the dp cut falls inside each tp block), and `full_tensor()` and `torch.distributed.checkpoint` put
+every row back where it belongs. The table of placements: docs/design.md, Note [Tensor parallelism
+inside units].
 """
 
 from __future__ import annotations

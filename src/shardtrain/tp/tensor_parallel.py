@@ -1,22 +1,11 @@
 """Tensor parallelism inside the engine (core/shard_module.py builds it): what a unit shards, what the
 optimizer sees, what forward uses.
 
-After `parallelize_module(model, mesh["tp"], plan)` a split parameter is a DTensor on the "tp" mesh.
-The engine shards its TP-local tensor exactly as it shards a plain parameter (dim 0, over the
-data-parallel shard group), so units, buffers and collectives need not know about tensor
-parallelism; this module supplies the three places where they differ:
-
-- the TP-local tensors the unit's layout is cut from (`local_tensors`);
-- the spec of each optimizer-visible DTensor: the global shape on the whole mesh with FSDP2's
-  placements (tp/placements.py), for `full_tensor()`, `torch.distributed.checkpoint` and clipping;
-- the gathered views as DTensors on the "tp" mesh (`compute_views`, through `DTensor.from_local`),
-  so torch's parallel styles compute with them; `from_local`'s backward brings each gradient to
-  the parameter's TP placement (a partial sum is all-reduced over "tp") before the unit reduces
-  it over the data-parallel ranks.
-
-A model built on the meta device is split on the meta device; each unit's weights are initialised
-whole when the unit is materialised, then split (core/materialize.py), so the values do not depend
-on the mesh.
+The engine shards a split parameter's TP-local tensor exactly as a plain parameter, so units, buffers
+and collectives need not know about tensor parallelism; this module supplies the three places where
+they differ: the local tensors the layout is cut from (`local_tensors`), the optimizer-visible
+DTensors' specs (tp/placements.py), and the gathered views as DTensors on the "tp" mesh
+(`compute_views`). Why each: docs/design.md, Note [Tensor parallelism inside units].
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ from ..options import offload_setting, precision_name, resolve_options
 from ..planning.cost.auto import choose_plan
 from ..planning.cost.choice import AutoChoice
 from ..tp.mesh import check_tp_divides
+from ..tp.refusals import refuse_auto
 from .dpo_section import dpo_reference
 from .finetune import build_dtype, check_finetune_config, describe_lora, with_lora
 from .loop import check_batch
@@ -171,11 +172,7 @@ def resolve_auto_config(
     ConfigError) naming what to change when nothing fits or the model has no blocks to plan with.
     """
     setup = planned_setup(cfg)
-    if setup.tp > 1:
-        raise ConfigError(
-            f"engine.tp={setup.tp}: the automatic plan does not plan tensor parallelism; give "
-            "--engine.strategy full_shard (or shard_grad_op), or drop --engine.tp"
-        )
+    refuse_auto(auto=True, tp=setup.tp > 1, spelled=f"engine.tp={setup.tp}")
     built = built or build_on_meta(cfg, precision=setup.precision)
     if not built.wrap:
         raise ConfigError(

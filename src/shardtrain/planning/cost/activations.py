@@ -1,60 +1,10 @@
 """Activation and loss memory of a Llama-style decoder on one device, in bytes.
 
-Notation: T = micro_batch * seq_len tokens on the device, s = seq_len, h = dim, q = heads * head_dim
-(= h in Llama), kv = kv_heads * head_dim, f = ffn_dim, V = vocab, c = bytes of the compute dtype
-(the param dtype: 2 for bf16, 4 without mixed precision).
-
-Saved for backward by one block without checkpointing, per token, in elements of c bytes:
-
-    attention-norm input and output              2h
-    q and k after rotary embedding, v            q + 2kv
-    attention output, stored twice               2q   (by the kernel, and as the output projection's input)
-    feed-forward-norm input and output           2h
-    w1(x), w3(x), silu(w1(x)), their product     4f
-
-so c * T * (4h + 3q + 2kv + 4f), i.e. s*b*[h*(14 + 4*kv_heads/heads) + 8*ffn] bytes in bf16, plus fp32
-statistics (log-sum-exp, 4 bytes per head, and two RMSNorm reciprocal std, 8 bytes). Counting the
-tensors once gives 12h; the second copy of the attention output adds 2h. The estimator's peaks
-against measured ones: BENCHMARKS.md, 'Memory estimator against measured peaks (2 × H200)'.
-
-In fp32 compute the flash / cuDNN kernels do not apply (they need 16-bit inputs; with grouped-query
-attention the memory-efficient kernel does not either), so torch's math kernel stores the softmax
-probabilities, 4 * heads * s bytes per token and block, and its backward allocates two more such
-matrices.
-
-Activation checkpointing keeps only each checkpointed block's input (c * T * h) and recomputes one
-block's full activations at a time during backward, beside which that block's backward holds the
-gradients of its three ffn-wide tensors (3 * c * T * f): measured on the CPU (tests/planning/cost), they are
-what a small model's checkpointed peak lacked without them. Checkpointing every k-th block checkpoints blocks
-0, k, 2k, ... (ceil(L / k) of them); the others save everything.
-
-The final norm keeps its input and output (the head's input): 2 * c * T * h.
-
-Tensor parallelism (planning/cost/tensor_parallel.py) bills the TP-local shape; sequence parallelism over
-`sequence_split` ranks then divides what the norms keep and the checkpointed residual by that count,
-while the projections' inputs, gathered along the sequence before them, stay whole.
-
-A fine-tune with a frozen base saves less (`trained.TrainedParts`): a frozen projection's input is
-kept only where something else needs it, so LoRA on q_proj and v_proj drops the second copy of the
-attention output, the feed-forward-norm output, the final norm's output and the w2 input (q + h + f
-per token and block), and adds its adapters' A outputs (rank per adapter). Hugging Face's RMSNorm
-(`LlamaShape.hf_norms`) casts its input to fp32 and keeps that copy (4h bytes instead of c * h), and
-with a trainable weight also the normalised input in the compute dtype (c * h).
-
-The loss (`Llama.loss`: logits in the compute dtype, cast to fp32, cross-entropy) peaks in the
-backward of log_softmax, when three fp32 tensors of T * V elements coexist: the saved log-probabilities,
-the incoming gradient from nll_loss, and the gradient of the logits: 12 * T * V bytes. (The forward
-holds 10 * T * V in bf16: logits, their fp32 copy, the log-probabilities.) This is what dominates small
-models with a large vocabulary: 11.7 GiB at 1.5B, batch 2 x 4096, vocab 128,256. A training loop that
-keeps its own reference to the logits until backward adds c * T * V.
-
-The chunked loss (`st.chunked_cross_entropy`, train.chunked_loss) holds one chunk of R rows at a time,
-R the rows whose logits match the hidden states in size (`default_chunk_rows`): the chunk's fp32 logits
-and log-probabilities and the gradient cast to the compute dtype, (8 + c) * R * V; beside them the
-hidden states' gradient it computes in forward, c * T * h; and when the head trains, the weight's
-gradient accumulated in fp32 (4 * V * h) with, in a 16-bit compute dtype, each chunk's product and the
-final cast (c * V * h). It wins where T * V outgrows those (`chunked_loss_wins`): at every length with
-a frozen head (LoRA), and from about h / 2 tokens per micro-batch with a trained one.
+What one block saves for backward (with and without activation checkpointing, in fp32 or 16-bit
+compute, split by tensor or sequence parallelism, with a frozen base), what the final norm keeps, and
+the loss's peak, plain or chunked (`chunked_loss_wins`): the memory estimate's activation terms. The
+per-tensor counts: docs/design.md, Note [Activation memory]; the estimate against measured peaks:
+BENCHMARKS.md, 'Memory estimator against measured peaks (2 × H200)'.
 """
 
 from __future__ import annotations

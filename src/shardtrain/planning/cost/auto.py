@@ -1,26 +1,11 @@
 """strategy="auto": the fastest configuration predicted to fit, and the reasons for it.
 
-`choose_plan` weighs every combination of strategy (full_shard, shard_grad_op, optimizer_only and
-no_shard by default), activation checkpointing (none, 1 block in k, every block) and split of each
-rank's batch into micro-batch x gradient accumulation that keeps the global batch. It prices each
-with the memory estimator (`candidates`) and the cost model (`speed`), and returns the fastest whose
-device memory stays within the device's memory less a safety margin; equal predicted times go to the
-one that needs less memory, then to the earlier in `strategies`. CPU offload is weighed only when
-nothing fits without it, of a quarter, half, three quarters or all of the model (whole units); its
-host step is priced per offloaded parameter, so the smallest share that fits usually wins. Given a
-disk directory (`disk_dir`), the disk tier (all units offloaded, their optimizer state in files there,
-offload/disk_state.py) is weighed only when nothing fits with device and host memory either: a
-configuration fits the host when the estimator's host bytes (and the disk tier's buffers) stay within
-`host_memory` less the safety margin.
-
-Safety margin: 5% of the device's memory on top of the estimator's own reserve (CUDA context, NCCL,
-5% fragmentation), because the estimator errs low against this engine's measured peaks (BENCHMARKS.md,
-'Memory estimator against measured peaks (2 × H200)').
-
-`choose_plan` is the one function that chooses a plan. Its callers only translate their inputs:
-`st.shard_auto` (`shard_auto.resolve_auto`: the loop's micro-batch, this machine's GPU) and
-`engine.strategy = "auto"` (`train.planned_config.resolve_auto_config`: a training config); what each
-gets back is an `AutoChoice` (`choice`).
+`choose_plan` is the one function that chooses a plan: it weighs every strategy, activation
+checkpointing and micro-batch split (CPU offload and the disk tier only when nothing fits without
+them), prices each with the memory estimator (`candidates`) and the cost model (`speed`), and returns
+the fastest that fits with a safety margin, as an `AutoChoice` (`choice`). Its callers (`st.shard_auto`,
+`engine.strategy = "auto"`) only translate their inputs. The order of weighing, the ties and the
+margin: docs/design.md, Note [Choosing a plan].
 """
 
 from __future__ import annotations

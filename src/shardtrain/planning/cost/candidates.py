@@ -1,18 +1,10 @@
 """The configurations the automatic plan weighs: each with its memory bill and predicted step time.
 
-A candidate fixes a strategy, activation checkpointing (none, every k-th block, every block), the share
-of the model CPU offload moves to the host (with or without the disk tier for its optimizer state), and a split of each rank's batch into micro_batch x
-grad_accum sequences. Its device memory is the estimator's peak plus reserve (`MemoryEstimate.total +
-reserve`), plus, with gradient accumulation, the unsharded gradients `no_sync` keeps between
-micro-batches: every unit's full flat gradient in the reduce dtype (`ShardUnit.accumulate_or_reduce`),
-held from the first micro-batch's backward to the last one's. Counting them on top of the peak is an
-upper bound (the last backward frees them unit by unit while it reduces).
-
-Host memory: the estimator's host bytes, plus with the disk tier its pool of read/write buffers
-(`DEFAULT_SLOTS` slots, each the largest unit's optimizer state per rank, as offload/disk_state.py sizes it).
-
-Gradients are assumed released by `zero_grad(set_to_none=True)` between steps (keep_grads=False), as
-the training loop does; the engine then frees the cleared sharded gradients before the next forward.
+A candidate fixes a strategy, activation checkpointing, the share of the model CPU offload moves to
+the host (with or without the disk tier) and a micro_batch x grad_accum split of each rank's batch.
+Its device memory is the estimator's peak plus reserve and, with gradient accumulation, the unsharded
+gradients `no_sync` keeps; its host memory adds the disk tier's buffers (docs/design.md, Note
+[Choosing a plan]).
 """
 
 from __future__ import annotations

@@ -1,38 +1,10 @@
 """Per-device memory bill of one training step, by sharding strategy, without touching a GPU.
 
-The bill is the peak of torch.cuda.max_memory_allocated() over four moments of the step (forward +
-loss, backward start, backward end, optimizer step), each itemised in `moments`.
-
-Tensor parallelism (`tp` ranks per layer, `tensor_parallel`): the bill is that of the model one tp
-rank holds, sharded over the world / tp data-parallel ranks, with a note naming the collectives.
-
-A fine-tune (`finetune`, or a module's requires_grad): P splits into trainable parameters, billed as
-above, and frozen ones, billed only in the dtype they are stored in (bf16 for a LoRA base built in
-the compute dtype: 2 B/param / N, no master, no gradient, no optimizer state, and at N = 1 no
-unsharded copy either). Gradients, reduce buffers and the no_sync accumulation count the trainable
-parameters of each unit; the activations are those backward needs through the frozen layers
-(`activations`, `trained`). Checked against measured peaks of an 8B LoRA fine-tune: BENCHMARKS.md,
-'LoRA fine-tune: the memory estimate beside the measured peak' (`benchmarks/lora_estimate.py`).
-
-Gradients are allocated in backward and freed by `zero_grad()` (set_to_none), unless keep_grads=True
-(gradient accumulation, or zero_grad(set_to_none=False)). no_shard and optimizer_only keep the
-unsharded params resident in the param dtype (an alias of the master weights when both are fp32).
-
-Calibration: the terms are fitted to torch FSDP2's peaks (one unit per block plus the root, bf16
-params, fp32 reduce, fused AdamW, seq 4096) and checked against this engine's; see BENCHMARKS.md,
-'Memory estimator against measured peaks (2 × H200)'. FSDP2 differs from this engine's design in two
-places, both outside those peaks: its all-gather copies out of the gathered buffer (a second
-unit-sized transient), and it holds gradients per parameter, not in one flat buffer per unit. This
-engine frees a unit's flat sharded gradients before the next forward once `zero_grad(set_to_none=True)`
-has cleared every `.grad` they back, so keep_grads=False describes it under the usual loop.
-
-The `overhead` item (OVERHEAD_BYTES) covers what the itemised terms leave out: cuBLAS and NCCL work
-buffers, rotary tables, optimizer step counters. Beyond the allocator's peak a device also needs the
-CUDA context and NCCL's own buffers (CONTEXT_BYTES) and room for the caching allocator's
-fragmentation (FRAGMENTATION of the peak): `reserve` adds those, and `fits` compares total + reserve
-with the device's memory. With room to spare the allocator caches well above the peak, but near the
-limit it releases cached blocks and retries, so the reserve counts only 5%. A non-fused foreach
-AdamW adds a transient copy of the second moments (4 B/param / N) in the optimizer step.
+The bill is the peak over four moments of the step (`moments`), for full training, a fine-tune of a
+frozen base and tensor parallelism, plus the reserve (CUDA context, NCCL, fragmentation) that `fits`
+adds before comparing with the device's memory. What each term counts and how it was calibrated:
+docs/design.md, Note [Memory moments]; the estimate against measured peaks: BENCHMARKS.md, 'Memory
+estimator against measured peaks (2 × H200)'.
 """
 
 from __future__ import annotations

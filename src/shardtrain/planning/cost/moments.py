@@ -1,26 +1,9 @@
-"""The four moments of a training step whose peak the memory estimate bills, each itemised.
-
-Notation: P parameters, N ranks per shard group, u_root the outermost unit, u the largest inner unit,
-p / r the param / reduce dtype sizes, o the optimizer's bytes per parameter.
-
-  forward + loss   fp32 master P*4/N + optimizer state P*o/N, the saved activations of every block,
-                   and the loss tensors at their peak (12 bytes per logit, see `activations`).
-                   The outermost unit is resharded after its forward too (here as in torch FSDP2), so
-                   no unsharded parameters remain under full_shard; shard_grad_op keeps all of them, P*p.
-  backward start   the same states and activations plus a checkpointed block's recomputation; the
-                   outermost unit and `in_flight` inner units are gathered, p*(u_root + in_flight*u);
-                   the unsharded gradients of the outermost unit and of the current unit, p*(u_root + u),
-                   and the current unit's reduce buffer, r*u (only when r != p: a cast copy; otherwise
-                   the collective reads the gradient buffer itself).
-  backward end     the outermost unit reduces last: its unsharded gradients p*u_root are copied into
-                   its reduce buffer r*u_root, then freed while the reduce-scatter writes its gradient
-                   shard 4*u_root/N (the larger moment counts); the previous unit's reduce buffer r*u
-                   is still held by the asynchronous reduce-scatter. At 8B and above this is the peak:
-                   16 B/param / N plus p + r bytes per root parameter (embedding and head).
-  optimizer step   the states alone, 16 B/param / N for AdamW (fused: no temporaries).
+"""The four moments of a training step whose peak the memory estimate bills, each itemised: forward +
+loss, backward start, backward end and the optimizer step.
 
 `step_states` computes what the moments share (the states, what the host and the disk tier take off
-the device, the unsharded copies); each moment's function then bills its items.
+the device, the unsharded copies); each moment's function then bills its items. Each moment's items:
+docs/design.md, Note [Memory moments].
 """
 
 from __future__ import annotations

@@ -1,41 +1,10 @@
 """Predicted step time of a CPU-offloaded configuration, with the host optimizer step in sequence,
 overlapped with the next forward, or during backward (docs/design.md, Note [Overlapped host step]).
-The automatic plan prices every offloaded candidate with it (`speed.step_time`).
 
-Four resources work per step: the GPU (forward, then backward), the host AdamW over the offloaded
-parameters, and PCIe each way. What runs beside what:
-
-    sequential   max(forward, H2D of the forward's gathers)
-                 + max(backward, H2D of the backward's re-gathers + D2H of the gradients)
-                 + host step over DTensors (alone)
-    overlapped   max(forward, H2D of the forward's gathers, host step beside the forward)
-                 + max(backward, H2D of the backward's re-gathers + D2H of the gradients)
-    in backward  max(forward phase + backward phase + host step / units,
-                     backward phase / units + host step beside backward + forward)
-
-Overlapped, the host step of unit k runs during the next forward just before unit k is needed, so the
-forward takes as long as the slowest of the three; the backward cannot hide it (clipping's norm, the
-non-finite verdict and the last micro-batch are only known at its end). In backward
-(CPUOffload(step_in_backward=True), a loop with nothing global between backward and step()), each
-unit steps once its gradients landed: the host starts after the first unit's share of the backward
-phase and runs on through the next forward, whose GPU work starts once the first unit, which gets its
-gradients last, is stepped; so the step is bounded by the GPU's phases plus that unit's step, or by
-the host step plus the forward, whichever is longer (the units assumed equal). In backward the
-host-to-device re-gathers and the device-to-host gradient copies share the link (both ways at once
-ran at about the one-way rate, BENCHMARKS.md): they are counted one after the other, at the one-way
-rate. The GPU's share: forward a third of the resident step, backward the rest (half of
-it again when every block is checkpointed: the recomputed forward). The offloaded shards are copied
-in their stored dtype (the cast runs on the device).
-
-With the disk tier (Note [Disk tier]) the offloaded optimizer state is read and written once per step
-through the unit steps' pipeline; one device serves both directions, so the disk alone takes
-`disk_state_bytes` / read bandwidth + the same / write bandwidth, and the step takes the longer of
-that and the overlapped step above (read-ahead and write-behind run beside the GPU and the host
-AdamW); in sequence it adds to the step.
-
-The constants (PCIe rate, the host AdamW's time per parameter alone and beside the GPU, the disk
-tier's bandwidths) were measured on one H200 host, and the model checked against measured offloaded
-steps: BENCHMARKS.md, 'Offload time model: its constants and its predictions (1 × H200)'.
+The automatic plan prices every offloaded candidate with it (`speed.step_time`): the GPU, the host
+AdamW and PCIe each way, and the disk tier's reads and writes, combined as docs/design.md, Note
+[Offload time model] derives. The constants and the predictions against measured steps: BENCHMARKS.md,
+'Offload time model: its constants and its predictions (1 × H200)'.
 """
 
 from __future__ import annotations

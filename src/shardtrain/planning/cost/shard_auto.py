@@ -20,6 +20,7 @@ from ...options import ShardOptions, resolve_options
 from ...policy import AutoPolicy
 from ...sharding import shard_with
 from ...tp.mesh import is_tensor_parallel_mesh
+from ...tp.refusals import refuse_auto
 from .auto import SAFETY_MARGIN, choose_plan
 from .choice import AutoChoice
 
@@ -41,12 +42,11 @@ def shard_auto_with(model: nn.Module, policy: AutoPolicy, options: ShardOptions)
     """`shard_auto` with the other options already resolved (the Engine's form)."""
     if not isinstance(policy, AutoPolicy):
         raise TypeError(f"policy={policy!r}: pass st.AutoPolicy(micro_batch=..., seq_len=...)")
-    if options.tp_plan is not None or is_tensor_parallel_mesh(options.mesh):
-        raise ValueError(
-            "st.shard_auto with tensor parallelism (tp_plan= or a mesh with a 'tp' dimension): the automatic "
-            "plan does not plan tensor parallelism; call st.shard(model, strategy='full_shard', mesh=..., "
-            "tp_plan=...) instead"
-        )
+    refuse_auto(
+        auto=True,
+        tp=options.tp_plan is not None or is_tensor_parallel_mesh(options.mesh),
+        spelled="st.shard_auto with tp_plan= or a mesh with a 'tp' dimension",
+    )
     require_process_group()
     choice = resolve_auto(
         model,

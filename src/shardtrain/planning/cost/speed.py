@@ -1,51 +1,11 @@
 """Predicted step time of a training configuration: the speed half of the automatic plan.
 
-The unit is a "token-time": the time one rank needs for one token's forward and backward FLOPs at the
-device's achievable matmul rate (ACHIEVED_FLOPS). One step of `tokens` tokens per rank costs
-
-    compute    tokens * (1 + recompute) / efficiency(tokens per micro-batch)
-    gathers    micro-batches * exposed all-gathers per micro-batch * GATHER_EXPOSED_TOKENS
-    overhead   STEP_OVERHEAD_TOKENS
-    offload    with CPU offload: the host step and copies (and the disk tier) beyond the resident step
-
-and `relative` = total / tokens: 1.0 would be the step's FLOPs at full efficiency, with nothing
-recomputed, no exposed communication and no per-step overhead. Only ratios between configurations
-of the same model, world and batch are meaningful.
-
-FLOPs per token F = 6 * (params - embedding) + 6 * layers * dim * seq, the formula
-`models.llama.flops_per_token` and the bench's MFU use (matmuls forward + backward, plus attention).
-
-Recomputation: a checkpointed block runs its forward again in backward, a third of its FLOPs:
-2 * block params + 2 * dim * seq per token. A fine-tune of a frozen base skips the frozen weights'
-gradients (F = 4 * (params - embedding) + 2 * trainable + the attention), so recomputation costs it
-relatively more (8B with LoRA on q / v against its measured tokens/s: BENCHMARKS.md, 'LoRA fine-tune:
-the memory estimate beside the measured peak, and the automatic plan').
-
-Efficiency: e(t) = t / (t + EFFICIENCY_TOKENS) for t tokens per micro-batch: 94% at 4,096 tokens,
-97% at 8,192. Larger matrices run closer to the peak rate and each micro-batch pays its own kernel
-launches and loss; the curve is deliberately mild (an assumption, not a measurement).
-
-All-gathers: gathering the parameters moves 2 bytes (bf16) per parameter while compute spends 6 FLOPs
-per parameter per token, so a gather's time relative to the compute of a micro-batch depends on its
-tokens and the hardware, not on the model size, and prefetching hides most of it (the share on
-2 × H200: BENCHMARKS.md, 'Step-time model of the automatic plan'). Assumed: 3% of the compute of 4,096 tokens stays exposed for each gather that
-shard_grad_op does not do. full_shard and hybrid_shard gather every unit a second time in backward:
-one exposed gather per micro-batch; shard_grad_op, optimizer_only and no_shard: none. Nothing is
-gathered within a shard group of one.
-
-Step overhead: the optimizer step, gradient clipping, and the first all-gather and last
-reduce-scatter that no compute hides. STEP_OVERHEAD_TOKENS and ACHIEVED_FLOPS are fitted together to
-torch FSDP2's full-shard 8B step times at seq 4096 (see BENCHMARKS.md, 'Llama 8B, every block
-checkpointed: full_shard on 2 × H200') and assumed the same in token-times for other models. Every
-configuration of one batch pays it, so it never changes which one wins; it keeps the predicted ratios
-honest (a third less compute is not a third less time).
-
-CPU offload: priced by `offload_time.offload_step_time` (PCIe each way, the host AdamW beside the
-GPU, the host step mode the offload policy selects, the disk tier's reads and writes) from the resident
-step above converted to seconds at ACHIEVED_FLOPS; `offload` is what it adds to the resident step and
-`disk` what the disk tier adds beyond that, both in token-times. It grows with the parameters
-offloaded, not with the tokens: the planner weighs offload only when nothing fits without it, and the
-term then picks the smallest share of the model that must leave the device.
+A step costs compute (with recomputation, at a mild per-micro-batch efficiency), the all-gathers
+prefetching leaves exposed, a fixed per-step overhead and, with CPU offload, what `offload_time`
+adds; all in "token-times" (one token's FLOPs at ACHIEVED_FLOPS), so only ratios between
+configurations of one model, world and batch mean anything. The terms and where each constant came
+from: docs/design.md, Note [Step-time model]; the model against measured steps: BENCHMARKS.md,
+'Step-time model of the automatic plan'.
 """
 
 from __future__ import annotations

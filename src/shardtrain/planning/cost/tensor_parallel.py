@@ -1,19 +1,9 @@
 """The memory estimate under tensor parallelism: what one tp rank holds of a Llama-style model.
 
-With `tp` ranks per layer (st.tp.llama_plan, or a transformers model's Megatron plan), every
-projection, the embedding and the output head are split over the tp ranks, and the norms are
-replicated on each; the engine then shards each rank's TP-local tensors over the `world / tp`
-data-parallel ranks. So the TP-local model is a model of its own, billed as any other: per rank,
-split parameters count 1 / (dp * tp) and norms 1 / dp, and the same holds for their gradients,
-optimizer state and gathered copies. Its shape has heads, kv heads and ffn width divided by tp, so
-the split layers' activations (q, k, v, attention, the ffn-wide tensors) divide too; the hidden-wide
-ones (norm inputs, residual, the projections' gathered inputs) stay whole unless sequence
-parallelism splits the norms' and the residual's along the sequence (`activations.activation_bill`).
-The logits stay whole (no loss parallelism), as `shardtrain train` runs them.
-
-Each block's forward then costs two collectives over tp of `T * dim` elements (T tokens on the
-device): an all-reduce after attention and one after the feed-forward, or under sequence
-parallelism an all-gather before and a reduce-scatter after each; backward runs the same again.
+With `tp` ranks per layer the TP-local model (heads, kv heads and ffn width divided by tp; norms
+replicated) is billed as a model of its own, sharded over the `world / tp` data-parallel ranks, with a
+note naming the collectives each block adds over tp. What divides and what stays whole:
+docs/design.md, Note [Memory moments].
 """
 
 from __future__ import annotations

@@ -1,20 +1,9 @@
 """Which parts of a Llama-style block train: what backward must keep from the forward of a fine-tune.
 
-Backward through a frozen linear layer needs only its weight (for the input's gradient), not its
-input: autograd saves a matmul's input only for the weight's gradient. So in a fine-tune whose base is
-frozen, a projection's input stays saved only where the projection (or an adapter on it) trains:
-
-  attention_in    q / k / v (or adapters on them): the attention-norm output
-  attention_out   the output projection: a second copy of the attention output
-  mlp_in          gate / up: the feed-forward-norm output
-  mlp_out         down: the product silu(gate(x)) * up(x)
-  norms           the norm weights: Hugging Face's RMSNorm then also keeps its normalised input
-  head            the output head: the final norm's output
-
-Everything the nonlinearities need stays saved (the attention kernel's q, k, v and output, the
-norms' inputs, silu's input and the product's two factors), because the gradient still flows through
-every block down to the lowest adapter. A LoRA adapter saves its A projection's output, `rank`
-elements per token (its input is the projection's input, counted above).
+Backward through a frozen linear layer needs only its weight, not its input, so in a fine-tune of a
+frozen base a projection's input stays saved only where the projection (or an adapter on it) trains;
+`TrainedParts` names those parts for `activations`. Which input each part keeps: docs/design.md,
+Note [Activation memory].
 """
 
 from __future__ import annotations

@@ -1,24 +1,9 @@
 """Precision audit: the dtype of every tensor class of every unit, as `st.shard` will really make them.
 
-Derived from the same objects `st.shard` uses (`resolve_options`'s `ShardOptions`,
-`Strategy`, the unit partition), following what it does with them:
-
-  stored       the sharded parameter the optimizer updates: the dtype the model was built in, except
-               that under mixed precision a trainable 16-bit parameter keeps an fp32 master
-               (`policy.storage_dtypes`, as st.shard does)
-  compute      the unsharded parameters forward and backward use: `param_dtype`, else stored
-               (the all-gather input is cast once, so the gather also runs in this dtype)
-  grad         the gradients autograd produces for them: the compute dtype
-  reduce       the dtype the gradient collective runs in: `reduce_dtype`, else stored
-               (the unsharded gradient is cast into it while being flattened)
-  grad (opt)   the gradient the optimizer reads: cast back to the stored dtype after the reduction
-  optim state  torch optimizers allocate their state like the parameter (AdamW's two moments)
-  buffers      floating buffers are cast to `buffer_dtype` when given; the others stay as built
-
-Units with no trainable parameter have no gradients and no optimizer state ("-"). A unit whose
-parameters fall into several flat groups (a frozen bf16 base beside fp32 adapters, say) gets one row
-per group, `name [k/n]`. A plain-text table (`str(audit)`) rather than `rich`, so it reads the same in
-logs, pipes and tests.
+Derived from the same objects `st.shard` uses (`resolve_options`'s `ShardOptions`, `Strategy`, the
+unit partition), following what it does with them, and printed as a plain-text table (`str(audit)`)
+so it reads the same in logs, pipes and tests. What each column means: docs/design.md, Note
+[Precision audit].
 """
 
 from __future__ import annotations

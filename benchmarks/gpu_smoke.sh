@@ -11,7 +11,8 @@
 #      --resume, offload, half offload and the disk tier against the device run, the 2-D path at tp 1
 #      against the 1-D one, and a Hugging Face folder fine-tuned on packed chat rows (flex_attention),
 #      full and LoRA, exported, reopened with from_pretrained and judged by generate(); with them the
-#      global norm on CUDA with host gradients (tests/ops/test_grad_norm.py).
+#      global norm on CUDA with host gradients (tests/ops/test_grad_norm.py) and the NF4 base layer of QLoRA
+#      against torchao on CUDA (tests/pretrained/test_nf4.py).
 # The whole GPU tier (`pytest -m gpu`, every compile form included) and the NCCL parity matrix
 # (tests/gpu/nccl_parity.py) are CONTRIBUTING.md's GPU and NCCL tiers.
 #
@@ -55,7 +56,7 @@ pytest_part() {  # pytest_part NAME FILES...: run in the background, its log kep
 }
 note "== GPU tests, in the background: the fine-tune, then the loop and the norm"
 pytest_part finetune tests/gpu/test_finetune_gpu.py
-pytest_part loop tests/gpu/test_train_gpu.py tests/ops/test_grad_norm.py
+pytest_part loop tests/gpu/test_train_gpu.py tests/ops/test_grad_norm.py tests/pretrained/test_nf4.py
 part "README main job" bash -c "cd '$SCRATCH' && '$PY' -m shardtrain train --run.progress false"
 part "plan" "$PY" -m shardtrain plan
 part "plan --auto 8B" "$PY" -m shardtrain plan --auto --model.name llama-8b --engine.devices 1 \

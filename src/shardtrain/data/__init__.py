@@ -1,20 +1,7 @@
 """Fine-tuning data: the user's rows, tokenized by the model's own tokenizer, loss-masked and packed.
 
-The pieces `shardtrain train` uses, for a loop of one's own (docs/data.md):
-
-    load_tokenizer(path)          transformers' AutoTokenizer from a local folder
-    load_rows(path)               a datasets.Dataset from .jsonl/.json/.parquet/.arrow/.csv, a folder,
-                                  a save_to_disk folder or plain text
-    prepare(DataSpec(...), tokenizer=...)
-                                  -> Prepared: packed train and held-out windows (cached), stats, prompts
-    WindowBatches(prepared.train, ...)
-                                  this rank's batches {"input_ids", "labels", "position_ids"}
-    StreamBatches([StreamSource(open_rows=lambda: stream_rows(spec, ...), ...)], ...)
-                                  the same, read, tokenized and packed as they are served (no cache),
-                                  several sources mixed by weight
-    Encoder / chat_tokens         one row -> tokens and trained flags
-    show(windows, tokenizer, count=N)
-                                  decoded documents with the trained spans marked
+The pieces `shardtrain train` uses (`load_tokenizer`, `load_rows`, `prepare`, `WindowBatches`,
+`StreamBatches`, `Encoder`, `show`), exported for a loop of one's own: docs/data.md, "In your own loop".
 
 Names are imported lazily: `import shardtrain.data` needs neither datasets nor transformers.
 """

@@ -1,20 +1,10 @@
 """Batches for one rank: its slice of each global micro-batch of windows, in a seeded order per epoch.
 
-A batch is the dict every training step reads (the contract with train/packed.py):
-
-    input_ids     LongTensor[B, T]
-    labels        LongTensor[B, T]   already shifted: labels[b, t] is scored against logits[b, t];
-                                     -100 = not trained (prompt, user turn, padding)
-    position_ids  LongTensor[B, T]   restart at 0 at every document of a packed window
-
-T is seq_len: a shorter window is padded at its end with a run of its own (positions from 0, labels
--100), so padding is masked by length and never by comparing labels with a pad id.
-
-Sample i of the run is a pure function of (seed, i) and rank r takes its own contiguous slice of the
-global micro-batch, so ranks read disjoint windows and a resumed run reads exactly the same batches.
-
-Held-out windows (`shuffle=False`) are read in order, each once: the last micro-batch of the set may be
-partial, its missing rows padding (labels all -100) so that every rank runs the same forwards.
+A batch is the dict every training step reads, the contract with train/packed.py (its fields and
+padding: docs/data.md, "Batches and packing"). Sample i of the run is a pure function of (seed, i) and
+each rank takes its own contiguous slice of the global micro-batch, so ranks read disjoint windows and
+a resumed run reads exactly the same batches. Held-out windows are read in order, each once; a partial
+last micro-batch is padded so that every rank runs the same forwards.
 """
 
 from __future__ import annotations

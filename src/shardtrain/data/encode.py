@@ -1,18 +1,9 @@
 """One dataset row -> its tokens and which of them are trained, as SFT fine-tuners expect.
 
-    text                 tokenizer(text) + EOS; every token trained; a text longer than seq_len is
-                         cut into seq_len pieces (each its own document)
-    prompt_completion    tokenizer(prompt + completion) + EOS; the completion and the EOS trained
-                         (a conversational prompt/completion is trained as the chat it forms)
-    messages             the tokenizer's chat template; the assistant turns trained: through the
-                         template's `{% generation %}` marks (`return_assistant_tokens_mask=True`)
-                         where it has them, else by rendering each assistant turn's prefix and
-                         marking the characters the turn adds
-
-`train_on="all"` trains every token instead. A sequence begins with exactly one BOS (a template and a
-tokenizer that both add one do not give two) and a trained span ends with the template's end of turn
-or the tokenizer's EOS, so the model learns to stop. `trained[i]` says whether token i is a target
-(predicted from tokens < i); the first token never is.
+Text, prompt/completion and chat rows are encoded as docs/data.md says ("What is read", "Tokenizer",
+"Loss masks"): exactly one BOS, and every trained span ending with the template's end of turn or the
+tokenizer's EOS, so the model learns to stop. `trained[i]` says whether token i is a target (predicted
+from tokens < i); the first token never is.
 """
 
 from __future__ import annotations

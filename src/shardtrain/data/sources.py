@@ -1,17 +1,7 @@
 """Rows from what `--data.path` names, read by `datasets` into a memory-mapped Arrow table.
 
-    file.jsonl / .json / .parquet / .arrow / .csv    that file
-    a folder of such files                            all of them (one kind per folder)
-    a folder written by Dataset.save_to_disk          that dataset (data.split of a DatasetDict)
-    plain text files (or a folder of them)            one row {"text": ...} per file
-    a Hub dataset id 'org/name'                       its snapshot (hub.py: downloaded, or the HF cache),
-                                                      read as below, at data.revision
-    a Hub dataset repo's folder (README.md with       datasets.load_dataset(folder, name=data.config,
-    `configs:` front matter, or data.config /         split=data.split): the Hub's own layout rules
-    data.split given)
-
-`load_rows` turns one source (a path or id with its config, split and revision) into rows.
-
+`load_rows` turns one source (a file, a folder, a save_to_disk folder, plain text, a Hub dataset id or
+repo folder, with its config, split and revision) into rows; the kinds: docs/data.md, "What is read".
 Every failure (missing path, unreadable or corrupt file, mixed kinds) is one ValueError line naming
 the path and the fix; `datasets`' own tracebacks stay behind it.
 """

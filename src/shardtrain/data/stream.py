@@ -1,22 +1,10 @@
 """Streamed training data (`--data.streaming true`): rows read, tokenized and packed as training goes.
 
-    per source: this rank's share of its rows (a `datasets.IterableDataset`, split_dataset_by_node)
-        -> Encoder, row by row -> a buffer of at least data.stream_buffer documents (whole rows)
-        -> windows by best-fit within the buffer (pack.windows), in a seeded order per buffer
-        -> a bounded queue, filled by a background thread
-    -> batch(index), consecutive indices only: each window from the source furthest below its share
-       of the trained tokens (`neediest`)
-
-Nothing is written to disk, so a corpus larger than the disk trains, and the first step waits for one
-buffer per source, not for the corpus. At the end of a source's rows its stream starts the next pass
-from the start.
-
-Where a source's stream stands (a StreamPosition: the row stream's `state_dict()` at the start of the
-buffer being served, the pass, buffer and row numbers there, and the windows of that buffer served) is
-saved in each rank's checkpoint file with every source's trained tokens: resuming reads that buffer
-again, packs it the same way and skips what was served, so a resumed run reads exactly the batches of
-the uninterrupted one. With one rank, no shuffling and a buffer of pipeline.PACK_GROUP documents, the
-windows are the cached path's, which packs its documents in groups of that many.
+Per source, this rank's share of the rows is encoded row by row, packed a buffer at a time and queued
+by a background thread; each window of a batch comes from the source furthest below its share of the
+trained tokens (`neediest`). Nothing is written to disk, so a corpus larger than the disk trains, and
+each source's StreamPosition in the rank's checkpoint lets a resumed run read exactly the batches of
+the uninterrupted one (docs/data.md, "Streaming").
 """
 
 from __future__ import annotations

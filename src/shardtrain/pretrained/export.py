@@ -1,18 +1,10 @@
 """`st.save_pretrained`: a sharded model as a Hugging Face folder, streamed one unit at a time.
 
-The folder's files and each file's header are planned from the units' layouts before anything is
-gathered (file_split.py); then every rank gathers one unit at a time (`gather_params`) and rank 0
-writes its tensors and frees them, so no rank holds more than one unit whole. The result opens
-with `from_pretrained`: config.json (with the dtype written), generation_config.json, and
-`model.safetensors` or `model-0000i-of-0000n.safetensors` + index past `max_shard_size`. Tied
-weights are written once, under the name transformers keeps.
-
-A peft (LoRA) model exports either its adapters in peft's format (adapter_config.json +
-adapter_model.safetensors, for `PeftModel.from_pretrained(base, folder)`) or, with `merge_lora`,
-a plain model whose adapted weights are `W + B @ A * scaling` (merge.py).
-
-`install_save_pretrained` gives a sharded model a `save_pretrained` that does this: transformers'
-own method would meet DTensor shards, fail on rank 0 and silently write nothing on the others.
+The files and their headers are planned from the units' layouts first (file_split.py); then every
+rank gathers one unit at a time and rank 0 writes and frees its tensors, so no rank holds more than
+one unit whole. A peft model exports its adapters in peft's format or, with `merge_lora`, merged into
+a plain model (merge.py). `install_save_pretrained` stands in for transformers' own method, which fails
+on DTensor shards (docs/pretrained.md, "Export").
 """
 
 from __future__ import annotations
@@ -225,7 +217,7 @@ class _Rank0Writer:
     """Rank 0's files. Each file is written in its planned order, opened at its first tensor and closed
     at its last (a tensor larger than `max_shard_size` has a file of its own while the current one is
     still open, as in transformers' split). An I/O error stops the writing but not the loop over units
-    (Note [Errors inside a loop of collectives], checkpoint/collective.py): `finish` raises it."""
+    (docs/design.md, Note [Errors inside a loop of collectives]): `finish` raises it."""
 
     def __init__(self, directory: Path, plan: ExportPlan) -> None:
         self.directory = directory

@@ -1,21 +1,9 @@
 """How the names of a model's parameters map onto the keys of a pretrained weights file.
 
-Three differences are bridged, in both directions:
-
-- peft: inside a `PeftModel` the base model's weight `model.layers.0.self_attn.q_proj.weight` is
-  `base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight`. Both sides are compared by
-  their *base name*, without the `base_model.model.` prefix and the `base_layer` segments, so a plain
-  checkpoint loads into a peft model and a checkpoint saved from a peft model loads into a plain one.
-  The adapter parameters themselves (`lora_A`, `lora_B`, ...) are not expected in a base checkpoint:
-  peft initialises them.
-- the base-model prefix: a task model (`LlamaForCausalLM`) holds its base model under
-  `base_model_prefix` (`model.`, `transformer.`); checkpoints of the bare base model (`LlamaModel`,
-  the original GPT-2 files) lack it. A key matches with or without that prefix, as in transformers.
-- tied weights: a parameter known under several names (embedding and output head) matches the file
-  under any of them, so a file that stores it once (as `save_pretrained` does) loads.
-
-Keys a model declares ignorable (`_keys_to_ignore_on_load_missing` / `_unexpected`, regular
-expressions searched in the key, as transformers does) are neither missing nor unexpected.
+Both sides are compared by their base name, which bridges, in both directions, peft's
+`base_model.model.` prefix and `base_layer` segments, a task model's `base_model_prefix` and tied
+weights stored once; keys the model declares ignorable are neither missing nor unexpected, as in
+transformers (docs/pretrained.md, "Key mapping").
 """
 
 from __future__ import annotations

@@ -1,23 +1,11 @@
 """A frozen `nn.Linear` whose weight is stored in 4 bits: torchao's NF4 with double-quantised scales.
 
-The format is torchao's (`torchao.quantization.NF4Tensor`, the QLoRA paper's NormalFloat4): the
-weight, flattened, is cut into blocks of 64 values; each value becomes the index (4 bits, two to a
-byte, the first in the high nibble) of the nearest of 16 NF4 levels after dividing by its block's
-absolute maximum; the absolute maxima themselves are stored as int8 after subtracting their mean,
-with one factor per group of `scaler_block_size` blocks. torchao quantises (`to_nf4`); this module
-keeps the four tensors of the result as separate frozen parameters, so the engine shards each like
-any frozen parameter (by rows):
-
-    weight_nf4      uint8 [n_blocks, 32]            the packed codes, a row per block of 64 values
-    weight_scalers  int8  [n_blocks]                the quantised absolute maxima
-    weight_factor   dtype [n_blocks / scaler_block] their per-group factors
-    weight_mean     dtype []                        their mean (0-dim: every rank holds it)
-
-A row of `weight_nf4` is a whole quantisation block, so every rank's rows are whole blocks. After a
-unit's all-gather, `forward` dequantises the whole weight (`dequantize`, the same arithmetic as
-torchao's `NF4Tensor.get_original_weight`, bit for bit: tests/pretrained/test_nf4.py) and multiplies;
-backward dequantises it again instead of keeping it, so a layer's bf16 weight lives only while it
-computes (docs/design.md, "QLoRA").
+torchao quantises (`to_nf4`); this module keeps the four tensors of the result as separate frozen
+parameters, so the engine shards each by rows like any frozen parameter, a row of the packed codes
+being one whole block of 64 values (the layout: docs/design.md, Note [NF4 layout]). `forward`
+dequantises the gathered weight (`dequantize`, torchao's `get_original_weight` bit for bit) and
+multiplies; backward dequantises it again instead of keeping it, so a layer's 16-bit weight lives
+only while it computes (docs/design.md, "QLoRA: a 4-bit base through the ordinary frozen-parameter path").
 """
 
 from __future__ import annotations

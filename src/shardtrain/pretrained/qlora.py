@@ -1,18 +1,11 @@
 """QLoRA: LoRA over a base whose frozen linear layers are stored in 4 bits (nf4.py), sharded like any
 frozen parameter.
 
-`quantize_base(model)` runs on a peft model built on the meta device, before `st.shard`: every frozen
-`nn.Linear` but the output head (as transformers' `load_in_4bit` leaves the head alone) becomes an
-`NF4Linear` whose four components are frozen parameters; peft's LoRA layers keep their adapters and
-call the NF4Linear as their `base_layer`. `st.shard` then cuts each component by rows, like any frozen
-parameter: every rank holds 1/N of the packed weights and of their scales, and a unit all-gathers
-them before it computes. Nothing in the engine knows about the format.
-
-The files hold the weights in 16 or 32 bits under their usual names. `QuantizedWeight` bridges the
-two: the loader (load.py) matches the weight's name to its file key, reads the whole weight of one
-layer (the rows of its components alone cannot be computed: the scales' mean spans the weight), has
-torchao quantise it and keeps its rank's rows of each component; the exporter (export.py) writes the
-dequantised weight, with the adapters merged into it when asked, under the weight's name.
+`quantize_base(model)` turns every frozen `nn.Linear` of a meta-device peft model but the output head
+into an `NF4Linear` before `st.shard`, so nothing in the engine knows the format. The files hold the
+weights in 16 or 32 bits: `QuantizedWeight` lets the loader read one layer's weight whole (the scales'
+mean spans it), have torchao quantise it and keep its rank's rows, and the exporter write it
+dequantised (docs/pretrained.md, "QLoRA: LoRA over a 4-bit base").
 """
 
 from __future__ import annotations

@@ -1,29 +1,11 @@
 """`ShardtrainTrainer`: the Hugging Face Trainer, sharding with shardtrain instead of Accelerate's FSDP.
 
 Swapping `Trainer` for `ShardtrainTrainer` is the whole change to a script: the same
-`TrainingArguments` are read (`fsdp` / `fsdp_config`, `bf16`, `gradient_accumulation_steps`,
-`max_grad_norm`, `save_strategy`, `resume_from_checkpoint`; `hf_args.py` says how), the model is
-sharded in place by `st.shard` when the Trainer is built, and Accelerate is left to do what it does
-for a plain model (data loaders, the optimizer wrapper, gathering metrics) but neither wraps it in
-DDP nor shards it again. Other Trainer subclasses (TRL's `SFTTrainer`) take the mixin:
-
-    class ShardtrainSFTTrainer(ShardtrainTrainerMixin, SFTTrainer): ...
-
-The overrides, each the smallest point the Trainer offers:
-
-- `create_accelerator_and_postprocess`: read the arguments, hand Accelerate a copy without FSDP
-  and mixed precision (st.shard casts, no autocast), shard the model; Accelerate's `prepare_model`
-  then returns the sharded model as it is and its `no_sync` is `st.no_sync`.
-- `_clip_grad_norm` / `_get_grad_norm`: the global norm over every rank's shards.
-- `save_model`: `st.save_pretrained` (a `from_pretrained` folder), the tokenizer and the arguments.
-- `_save_optimizer_and_scheduler` / `_load_optimizer_and_scheduler`: model, optimizer and scheduler
-  in one `st.save_checkpoint` under `checkpoint-N/shardtrain/`, resharded on load.
-- `_load_best_model` (`load_best_model_at_end=True`): the model's weights from the best checkpoint's
-  `shardtrain/` folder (the fp32 masters as they were at that step; each rank reads its own rows).
-
-TRL's `DPOTrainer` takes the mixin too: its reference model (full fine-tuning) is sharded frozen when
-it is prepared (`_frozen.py`), and `precompute_ref_log_probs=True` fingerprints the sharded policy
-(`_trl_hash.py`); with LoRA the reference is the policy with its adapters disabled, as TRL does.
+`TrainingArguments` are read (`hf_args.py` says how), the model is sharded in place by `st.shard` when
+the Trainer is built, and Accelerate does what it does for a plain model but neither wraps it in DDP
+nor shards it again. Other Trainer subclasses (TRL's `SFTTrainer`, `DPOTrainer`) take
+`ShardtrainTrainerMixin` (docs/integrations.md, "The Hugging Face Trainer"). The overrides, each the
+smallest point the Trainer offers: docs/design.md, Note [Trainer overrides].
 """
 
 from __future__ import annotations

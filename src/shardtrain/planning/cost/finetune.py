@@ -1,21 +1,11 @@
 """A fine-tune described without a live model: LoRA adapters on a frozen base, or a trainable fraction.
 
-`fine_tune_spec(spec, lora_rank=r, lora_targets=("q_proj", "v_proj"))` adds LoRA's adapters to a
-model known by its shape (a built-in size, a Llama or Hugging Face config, a parameter count): each
-target projection of shape in x out gets r * (in + out) trainable parameters (A: in -> r, B: r -> out)
-in every block; the base, its norms, embedding and head are frozen. The frozen base is stored in the
-compute dtype, as `shardtrain train --lora.rank` builds it (bf16 under bf16-mixed: no fp32 master,
-no gradient, no optimizer state); only the adapters keep fp32 masters and AdamW state.
-
-`base_bits=4` (with `lora_rank`) prices a QLoRA base (`st.quantize_base`): every linear layer of the
-blocks is stored in NF4, `NF4_BYTES` per parameter (the packed codes, an int8 scale per 64 values and a
-16-bit factor per 256 of those); the embedding, norms and head stay in 16 bits.
-
-`trainable_fraction=x` instead trains that share of every unit's parameters, the others frozen;
-which projections they belong to is not known, so the activations are those of full training.
-
-A live model (an nn.Module, such as a peft model) already says what trains through `requires_grad`,
-so these apply only to the other forms.
+`fine_tune_spec` turns a model known by its shape (a built-in size, a config, a parameter count) into
+what a fine-tune of it holds, so the estimator and the automatic plan bill the frozen base without
+gradients or optimizer state (docs/pretrained.md, "Planning a fine-tune"); how LoRA, a 4-bit base
+(`base_bits=4`) and `trainable_fraction` are counted: docs/design.md, Note [Fine-tune specs]. A live
+model (an nn.Module, such as a peft model) already says what trains through `requires_grad`, so these
+apply only to the other forms.
 """
 
 from __future__ import annotations

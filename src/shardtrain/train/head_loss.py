@@ -1,20 +1,11 @@
 """The step's summed loss through the model's output head in chunks (`st.chunked_cross_entropy`): the
 [tokens, vocab] logits, their fp32 copy and their gradient never exist (train.chunked_loss).
 
-Which models, and how the head stays a module call (a sharded model gathers the head's weight around
-the call of the module that owns it: the head's unit, or the root):
-
-- the built-in Llama: its forward takes `labels` and calls its `OutputHead` to return the loss;
-- a transformers causal LM (a peft model around one too) whose output embeddings are an `nn.Linear`:
-  the model runs its ordinary forward, with the head's `forward` swapped for that call only for one
-  that takes the hidden states and returns the summed loss (`head_returns_loss`, as the built-in
-  Llama does), which the model hands back as its "logits". A model that changes its logits after the head (Gemma's softcapping, a logit scale, a
-  vocabulary cut) would train on the raw ones, so the swap is checked: the head called once, the
-  output's logits the very tensor it returned. `probe` checks this once per model on two tokens
-  (every rank, together: the forward gathers); `HeadLossProbe.refusal` says why a model is left out.
-
-Tensor parallelism splits the head's weight over the tp ranks as a DTensor, and loss_parallel keeps the
-logits split: the chunks run on plain tensors, so the chunked loss stays off there.
+The head stays a module call, so a sharded model still gathers its weight around it: the built-in
+Llama's `OutputHead` returns the loss itself; a transformers causal LM (a peft model around one too)
+has its head's `forward` swapped, for that call only, for one that returns the summed loss
+(`head_returns_loss`), checked once per model by `probe`; `HeadLossProbe.refusal` says why a model is
+left out (docs/design.md, Note [Head loss through the module call]).
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """Build the model to train from its name: a built-in Llama size, a Hugging Face causal LM, or a factory.
 
-    llama-<size>            shardtrain.models.llama.LLAMA_SIZES (built on the meta device, so even
-                            8B starts instantly; st.shard materialises it unit by unit)
-    hf                      transformers.AutoModelForCausalLM from a config (model.hf_config and/or
-                            model.kwargs with model_type), randomly initialised: nothing is downloaded
-    model.pretrained DIR    the same from DIR/config.json, built on the meta device; its weights are
-                            loaded after sharding (train/finetune.py); a Hub id is a DIR by now
-                            (train/hub_inputs.py fetched it)
-    package.module:factory  any callable returning an nn.Module, called with model.kwargs
-
-Each comes with its default sharding units: Llama's `default_units` (each `Block`, and, when the
-embedding table is at least a block's size, the embedding, which then looks its rows up in place, and
-the output head), the Hugging Face model's
-`_no_split_modules` (the blocks its authors say must not be split), or the factory model's
-`_no_split_modules` if it has one (else the whole model is one unit).
+`llama-<size>` (built on the meta device, so even 8B starts instantly; st.shard materialises it unit
+by unit); `hf`, a transformers causal LM from model.hf_config / model.kwargs, randomly initialised
+(nothing is downloaded); `model.pretrained DIR`, the same from DIR/config.json on the meta device, its
+weights loaded after sharding (train/finetune.py; a Hub id was fetched to a DIR by train/hub_inputs.py);
+`package.module:factory`, called with model.kwargs. Each comes with its default sharding units: Llama's
+`default_units`, else the model's `_no_split_modules` (the blocks its authors say must not be split),
+else the whole model as one unit.
 """
 
 from __future__ import annotations

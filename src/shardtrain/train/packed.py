@@ -2,33 +2,11 @@
 
 A packed row holds documents back to back; `position_ids` restart at 0 where each begins.
 `forward_logits` runs a model on such rows so that every document's logits equal those of the
-document run alone, and `check_packing_supported` refuses, up front, the models that would
-silently let tokens attend across documents.
-
-How the model is called: the built-in Llama as `forward(tokens, position_ids=...)` (it builds a
-document mask once per forward: sdpa's block-diagonal boolean mask, or flex_attention's BlockMask on
-CUDA, which skips the blocks across documents: BENCHMARKS.md, 'Fine-tuning on a packed chat
-dataset'); a transformers model (a peft model around one too) with `input_ids`, `position_ids`,
-`use_cache=False` and never an `attention_mask`: transformers' mask builders
-(`transformers.masking_utils`) detect packed rows from `position_ids` (a new document wherever the
-position does not grow by one) and make the mask block-diagonal, but only without an
-`attention_mask` (an all-ones mask leaks too) and without a cache. With "sdpa" or "eager" the
-mask is a dense (batch, 1, seq, seq) one, so sdpa leaves its flash kernel; "flex_attention" skips
-the blocks across documents, so on CUDA a model left at the default "sdpa" is switched to
-"flex_attention" for packed training (`use_block_sparse_attention`); an attn_implementation the
-user chose is kept. Any other model is called as `forward(input_ids, position_ids=...)`.
-
-How support is decided: by what the model does, not by its source (some transformers models take
-`position_ids` and build masks with `masking_utils`, yet their mask builder never sees the
-positions: OPT attends across documents). The first packed forward of a model, or the training
-loop at start-up, runs train/packing_probe.py's probe: two short packed rows against every document
-alone, and the second documents' logits with the first ones changed. A model whose logits differ
-beyond the tolerance of its compute dtype is refused in one line naming it, what was measured and
-the fix (`--data.packing false`); the verdict is kept per model (asked again if its
-attn_implementation changes), so every later forward costs a dictionary lookup. The built-in Llama
-is probed like any other model. Refused without a forward, as certain: transformers'
-flash_attention_2/3/4 (they separate packed documents only in a batch of one row), and a forward
-without a `position_ids` parameter (BLOOM's: nothing would tell it where a document begins).
+document run alone, and `check_packing_supported` refuses, up front, the models that would silently
+let tokens attend across documents: support is decided by what a model does, through
+train/packing_probe.py's probe, and the verdict is kept per model. How each kind of model is called
+and what is refused without a forward: docs/design.md, Note [Packed forward]; speed: BENCHMARKS.md,
+'Fine-tuning on a packed chat dataset against pre-tokenised windows (1 × H200)'.
 """
 
 from __future__ import annotations

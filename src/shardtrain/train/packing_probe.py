@@ -1,25 +1,11 @@
 """Whether a model keeps packed documents apart, decided by running it (train/packed.py asks).
 
-A model's source cannot say it: transformers models that use `masking_utils` and take
-`position_ids` may still build their masks without them (OPT's mask builder never sees them) and
-attend across documents. So one no-grad forward of two packed rows, against every document run
-alone, decides:
-
-    rows          two rows of 32 tokens, documents of (24, 8) and (8, 24) tokens, random ids
-    vs alone      each packed document's logits must equal the document's logits alone
-    crosstalk     the second documents' logits must not move when the first documents change
-
-A model that separates documents multiplies the other document's values by exact zeros, so
-crosstalk is zero but for kernels that pick their blocking by shape (a mixture of experts routes a
-different number of tokens to each expert); packed against alone differs by the rounding of other
-kernels (a masked attention, other shapes). Both are allowed a number of ulps (`SEPARATION_ULPS`,
-`MATCH_ULPS`) of the least precise dtype the model computes in (its layers' outputs, so bf16 under
-mixed precision or autocast; float32 matmuls at reduced precision count as tf32 or bf16) times the
-largest logit of the documents alone. A leak moves logits by a sizeable part of that largest logit.
-
-The probe runs in eval mode (no dropout; every module's mode is restored after), on the real model
-as it will train: sharded (every rank must probe at the same point, since the forward gathers),
-wrapped by peft, in its compute dtype.
+A model's source cannot say it: transformers models that take `position_ids` may still build their
+masks without them (OPT) and attend across documents. So one no-grad forward of two packed rows
+decides: each packed document's logits must equal the document's logits alone, and the second
+documents' logits must not move when the first documents change, both within a number of ulps of the
+least precise dtype the model computes in. It runs on the real model as it will train (sharded, every
+rank together; wrapped by peft; in its compute dtype): docs/design.md, Note [Packing probe].
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """The planner's view of a training config, and `engine.strategy = "auto"` for the main job.
 
-`planned_setup(cfg)` reads what a Config asks of each device (world size, precision, micro-batch,
-sequence length, checkpointing, offload) the way `shardtrain train` resolves it: devices="auto" and
-precision="auto" follow the Engine's rules, the micro-batch follows the loop's `check_batch`. So
-`shardtrain plan` describes the run that `shardtrain train` starts, from the same config.
-
-`resolve_auto_config(cfg)` replaces strategy "auto" by `planning.cost.auto.choose_plan`'s choice, keeping
-the global batch: engine.strategy, model.activation_checkpointing, engine.cpu_offload,
-engine.offload_dir and train.grad_accum change; nothing else does. engine.offload_dir offers the
-disk tier: the plan keeps it only when nothing fits with device and host memory (this host's share
-per process), and clears it otherwise. A fine-tune (lora.rank > 0) is planned as one: the
-model is built on the meta device with its adapters, so the frozen base is billed without gradients
-or optimizer state and with the activations backward needs through it. The returned config is what the run saves as its
-config.yaml, so rerunning that file repeats the choice without planning again.
+`planned_setup(cfg)` reads what a Config asks of each device the way `shardtrain train` resolves it,
+so `shardtrain plan` describes the run that `shardtrain train` starts, from the same config.
+`resolve_auto_config(cfg)` replaces strategy "auto" by `planning.cost.auto.choose_plan`'s choice,
+keeping the global batch; the returned config is what the run saves as its config.yaml, so rerunning
+that file repeats the choice without planning again (what changes: docs/design.md, Note [Auto
+strategy of a training config]).
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@
 so `shardtrain plan` describes the run that `shardtrain train` starts, from the same config.
 `resolve_auto_config(cfg)` replaces strategy "auto" by `planning.cost.auto.choose_plan`'s choice,
 keeping the global batch; the returned config is what the run saves as its config.yaml, so rerunning
-that file repeats the choice without planning again (what changes: docs/design.md, Note [Auto
-strategy of a training config]).
+that file repeats the choice without planning again. What changes and why:
+docs/design.md, Note [Auto strategy of a training config].
 """
 
 from __future__ import annotations

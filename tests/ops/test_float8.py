@@ -100,6 +100,18 @@ def test_peft_lora_converts_the_frozen_base_not_the_adapters():
     assert isinstance(q.base_layer, Float8Linear) and not isinstance(q.lora_B["default"], Float8Linear)
 
 
+def test_a_4_bit_base_is_refused_naming_qlora_and_the_fix():
+    peft = pytest.importorskip("peft")
+    from shardtrain.pretrained import quantize_base
+
+    model = peft.get_peft_model(_hf_llama(), peft.LoraConfig(r=16, target_modules=["q_proj", "v_proj"]))
+    quantize_base(model, bits=4)
+    assert float8_linear_names(model) == []  # NF4 base, adapters below the size rule
+    with pytest.raises(ValueError, match=r"Engine\(float8=True\) with a 4-bit base .* QLoRA with float8=False"):
+        convert_to_float8(model)
+    assert not any(isinstance(m, Float8Linear) for m in model.modules())
+
+
 def test_converting_twice_converts_nothing_more():
     model = _meta_llama("1.5b")
     convert_to_float8(model)
@@ -133,6 +145,11 @@ def test_cli_float8_reaches_the_engine_and_is_refused_without_compile():
         load_config(None, ["--train.float8", "true"])
     with pytest.raises(ConfigError, match=r"engine.tp=2 ranks .* --engine.tp 1"):
         load_config(None, ["--train.float8", "true", "--train.compile", "true", "--engine.tp", "2"])
+    for four_bit in (["--lora.base_bits", "4"], ["--lora.load_in_4bit", "true"]):
+        with pytest.raises(
+            ConfigError, match=r"lora.base_bits=4 \(QLoRA\) .* --train.float8 false, or --lora.base_bits 16"
+        ):
+            load_config(None, ["--train.float8", "true", "--train.compile", "true", "--lora.rank", "8", *four_bit])
 
 
 def test_float8_checkpoint_holds_plain_weights_and_resumes_both_ways(pools, tmp_path):

@@ -3,8 +3,9 @@ Linears that gain from it, swapped in before the model is sharded.
 
 `converts` decides which Linears convert (not the output head, features multiples of 16 and large
 enough for the casts to pay); compile is required, so float8 without it is refused rather than turned
-on. A `Float8Linear` keeps the Linear's weight under the same name, so checkpoints and exports are a
-bf16 run's. The rule and its thresholds: docs/api.md (`float8=True`); why no float8 all-gather:
+on. A 4-bit base (QLoRA) is refused too: its frozen layers are `NF4Linear`s, not Linears, and its
+adapters are below the size rule, so nothing would convert. A `Float8Linear` keeps the Linear's weight
+under the same name, so checkpoints and exports are a bf16 run's. The rule and its thresholds: docs/api.md (`float8=True`); why no float8 all-gather:
 docs/design.md, float8.
 """
 
@@ -61,6 +62,12 @@ def float8_linear_names(model: nn.Module) -> list[str]:
 def convert_to_float8(model: nn.Module) -> list[str]:
     """Swap the Linears that qualify for torchao's `Float8Linear` in place (before `st.shard`; on the
     meta device too); return their names. ValueError when none qualifies, naming the rule."""
+    if any(_is_nf4(module) for module in model.modules()):
+        raise ValueError(
+            "Engine(float8=True) with a 4-bit base (st.quantize_base(bits=4), QLoRA): float8 converts 16-bit "
+            "nn.Linears, the base's are NF4 and the adapters are below the size rule, so none would; train "
+            "QLoRA with float8=False, or keep float8 with a 16-bit base (no quantize_base, or bits=16)"
+        )
     names = float8_linear_names(model)
     if not names:
         raise ValueError(
@@ -88,6 +95,11 @@ def _output_head(model: nn.Module) -> nn.Module | None:
     hf = next((m for m in model.modules() if isinstance(m, transformers.PreTrainedModel)), None)
     head = None if hf is None else hf.get_output_embeddings()
     return head if isinstance(head, nn.Module) else None
+
+
+def _is_nf4(module: nn.Module) -> bool:
+    nf4 = sys.modules.get("shardtrain.pretrained.nf4")  # an NF4Linear implies its module is imported
+    return nf4 is not None and isinstance(module, nf4.NF4Linear)
 
 
 def _is_float8(module: nn.Module) -> bool:

@@ -302,3 +302,10 @@ class Config:
             f"float8 Linears split over engine.tp={self.engine.tp} ranks need torchao's float8 parallel styles, "
             "which the engine's plans do not use: give --engine.tp 1 or --train.float8 false",
         )
+        _require(
+            not (self.train.float8 and self.lora.bits == 4),
+            "train.float8",
+            self.train.float8,
+            f"with lora.base_bits={self.lora.bits} (QLoRA) no Linear would train in float8 (the frozen ones are "
+            "4-bit NF4, the adapters too small): give --train.float8 false, or --lora.base_bits 16 to keep float8",
+        )

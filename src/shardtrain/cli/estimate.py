@@ -87,6 +87,11 @@ def register(subparsers) -> None:
     parser.add_argument(
         "--loss-parallel", action="store_true", help="with --tp: logits and cross-entropy split over the vocabulary"
     )
+    parser.add_argument(
+        "--float8",
+        action="store_true",
+        help="the large Linears train in float8 (--train.float8; ops/float8.py's rule): their count, their casts",
+    )
     parser.add_argument("--shard-size", type=int, help="hybrid_shard group size (default: up to 8, below --gpus)")
     parser.add_argument("--seq", type=int, default=4096, help="sequence length (default 4096)")
     parser.add_argument("--batch", type=int, default=1, help="micro-batch per device (default 1)")
@@ -182,6 +187,7 @@ def run(args: argparse.Namespace) -> int:
             tp=args.tp,
             sequence_parallel=args.sequence_parallel,
             loss_parallel=args.loss_parallel,
+            float8=args.float8,
             **hints,
         )
     except ValueError as exc:

@@ -17,7 +17,7 @@ from torch import nn
 
 from ..models.llama import OutputHead
 
-__all__ = ["MIN_FEATURES", "check_float8", "convert_to_float8", "converts", "float8_linear_names"]
+__all__ = ["MIN_FEATURES", "check_float8", "convert_to_float8", "converts", "converts_shape", "float8_linear_names"]
 
 MIN_FEATURES = 1024
 _ALIGN = 16
@@ -45,12 +45,15 @@ def converts(module: nn.Module, *, head: nn.Module | None) -> bool:
     """Whether `module` becomes a float8 Linear (the module docstring's rule); `head` is the output head."""
     if not isinstance(module, nn.Linear) or module is head or isinstance(module, OutputHead):
         return False
-    if _is_float8(module):
+    return not _is_float8(module) and converts_shape(in_features=module.in_features, out_features=module.out_features)
+
+
+def converts_shape(*, in_features: int, out_features: int) -> bool:
+    """The size half of `converts`: whether a Linear of this shape (not the head) becomes a float8 Linear;
+    the memory estimator applies it to a model's shape (planning/cost/float8_cost.py)."""
+    if in_features % _ALIGN or out_features % _ALIGN or min(in_features, out_features) < MIN_FEATURES:
         return False
-    n_in, n_out = module.in_features, module.out_features
-    if n_in % _ALIGN or n_out % _ALIGN or min(n_in, n_out) < MIN_FEATURES:
-        return False
-    return not (n_in <= _TENSORWISE_SMALL[0] and n_out <= _TENSORWISE_SMALL[1])
+    return not (in_features <= _TENSORWISE_SMALL[0] and out_features <= _TENSORWISE_SMALL[1])
 
 
 def float8_linear_names(model: nn.Module) -> list[str]:

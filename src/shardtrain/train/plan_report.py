@@ -78,6 +78,7 @@ def plan_report(cfg: Config, *, auto: bool = False, device_memory: str | None = 
         sequence_parallel=setup.sequence_parallel,
         loss_parallel=setup.loss_parallel,
         chunked_loss=cfg.train.chunked_loss if setup.tp == 1 else False,  # train/chunked_choice.py
+        float8=cfg.train.float8,
     )
     held = accumulation_bytes(estimate, grad_accum=setup.grad_accum)
     bill = str(estimate)

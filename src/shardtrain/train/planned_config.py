@@ -180,6 +180,7 @@ def resolve_auto_config(
         micro_batch=setup.micro_batch * (2 if cfg.train.objective == "dpo" else 1),  # DPO: two rows a pair
         grad_accum=setup.grad_accum,
         reference=dpo_reference(cfg),
+        float8=cfg.train.float8,
         precision=setup.precision,
         disk_dir=cfg.engine.offload_dir,
         wrap=built.wrap,

@@ -16,6 +16,7 @@ from ...options import resolve_options
 from ...policy import CPUOffload, MixedPrecision
 from ...tp.mesh import check_tp_divides
 from .finetune import fine_tune_spec
+from .float8_cost import float8_linears
 from .inputs import EstimateInputs, optimizer_bytes, positive_int, recompute_every_of, shard_size_of
 from .model_input import resolve_model
 from .moments import moments, step_states
@@ -128,6 +129,7 @@ def estimate_memory(
     sequence_parallel: bool = False,
     loss_parallel: bool = False,
     chunked_loss: bool | str = False,
+    float8: bool = False,
     reference: str = "none",
     **shape_hints: Any,
 ) -> MemoryEstimate:
@@ -153,6 +155,9 @@ def estimate_memory(
     "auto": chunked where that peaks lower, as `shardtrain train`'s train.chunked_loss auto decides
     (False: the full logits, as `Llama.loss` computes them).
 
+    `float8`: the Linears `Engine(float8=True)` converts train in float8 (`planning.cost.float8_cost`:
+    their count in a note, their transient float8 copies in the overhead); not with tp > 1 or base_bits=4.
+
     `reference`: DPO's reference model, "none" (LoRA, or precomputed log-probabilities) or "frozen_copy"
     (`planning.cost.preference`); give DPO's sequences (two per pair) as `micro_batch`.
     """
@@ -167,9 +172,11 @@ def estimate_memory(
         raise ValueError("loss_parallel=True splits the logits over the tp ranks: also give tp > 1")
     if chunked_loss not in (True, False, "auto"):
         raise ValueError(f"chunked_loss={chunked_loss!r} is invalid: use True, False or 'auto'")
+    _check_float8(float8, tp=tp, base_bits=base_bits)
     optimizer_name, optimizer_state_bytes = optimizer_bytes(optimizer)
+    resolved = resolve_model(model_or_spec, params=params, wrap=wrap, **shape_hints)
     model = fine_tune_spec(
-        resolve_model(model_or_spec, params=params, wrap=wrap, **shape_hints),
+        resolved,
         lora_rank=lora_rank,
         lora_targets=lora_targets,
         trainable_fraction=trainable_fraction,
@@ -194,8 +201,24 @@ def estimate_memory(
         sequence_parallel=bool(sequence_parallel),
         loss_parallel=bool(loss_parallel),
         chunked_loss=chunked_loss,
+        float8=float8_linears(model_or_spec, resolved) if float8 else None,
     )
     return with_reference(_estimate(inputs), reference=reference)
+
+
+def _check_float8(float8: Any, *, tp: int, base_bits: int) -> None:
+    """The refusals of `Engine(float8=True)` and the training config, for the same combinations."""
+    if not isinstance(float8, bool):
+        raise ValueError(f"float8={float8!r} is invalid: use True or False")
+    if float8 and tp > 1:
+        raise ValueError(
+            f"float8=True with tp={tp}: the engine trains float8 with tp=1 only; pass tp=1 or float8=False"
+        )
+    if float8 and base_bits == 4:
+        raise ValueError(
+            "float8=True with base_bits=4: under a 4-bit base (QLoRA) no Linear would convert (the frozen ones "
+            "are NF4, the adapters too small); pass float8=False, or base_bits=16 to keep float8"
+        )
 
 
 def _notes(inputs: EstimateInputs) -> tuple[str, ...]:
@@ -218,6 +241,8 @@ def _notes(inputs: EstimateInputs) -> tuple[str, ...]:
             f"{m.frozen_params:,} frozen parameters ({inputs.frozen_param_bytes:g} B each as stored): "
             "no gradients or optimizer state",
         )
+    if inputs.float8 is not None:
+        notes += (inputs.float8.note(inputs.micro_batch * inputs.seq_len),)
     return notes
 
 
@@ -227,13 +252,15 @@ def _estimate(inputs: EstimateInputs) -> MemoryEstimate:
     phases = moments(inputs, states)
     totals = {name: sum(items.values()) for name, items in phases.items()}
     peak = max(totals, key=totals.__getitem__)
+    f8 = inputs.float8
+    overhead = OVERHEAD_BYTES + (f8.transient_bytes(inputs.micro_batch * inputs.seq_len) if f8 else 0)
     return MemoryEstimate(
         **phases[peak],
-        overhead=OVERHEAD_BYTES,
+        overhead=overhead,
         host=states.host,
         disk=states.disk,
         peak_phase=peak,
-        phase_totals=tuple((name, total + OVERHEAD_BYTES) for name, total in totals.items()),
+        phase_totals=tuple((name, total + overhead) for name, total in totals.items()),
         notes=_notes(inputs),
         inputs=inputs,
     )

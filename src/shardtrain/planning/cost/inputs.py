@@ -10,6 +10,7 @@ import torch
 
 from ...policy import CPUOffload, MixedPrecision
 from ...strategy import Strategy
+from .float8_cost import Float8Linears
 from .model_spec import ModelSpec
 
 OPTIMIZER_BYTES = {"adamw": 8, "adam": 8, "sgd": 4}  # sgd: momentum buffer
@@ -37,6 +38,7 @@ class EstimateInputs:
     sequence_parallel: bool = False
     loss_parallel: bool = False
     chunked_loss: bool | str = False  # the loss in chunks (True), over the full logits (False), or "auto"
+    float8: Float8Linears | None = None  # the Linears that train in float8 (None: float8 off)
 
     @property
     def param_bytes(self) -> int:

@@ -76,3 +76,15 @@ def test_cli_estimate_and_plan_say_float8_is_on(capsys):
     assert "== automatic plan ==" in out and "note: float8: 80 Linears train in float8" in out
     assert cli.main([*plan, "--device-memory", "80GB"]) == 0
     assert "float8" not in capsys.readouterr().out
+
+
+def test_the_step_time_divides_compute_and_recompute_by_the_measured_ratio():
+    from shardtrain.planning.cost.candidates import predicted_time
+    from shardtrain.planning.cost.speed import FLOAT8_SPEEDUP
+
+    common = dict(world_size=2, activation_checkpointing=True, micro_batch=2, seq_len=4096)
+    plain = predicted_time(st.estimate_memory("8b", **common), grad_accum=2)
+    f8 = predicted_time(st.estimate_memory("8b", float8=True, **common), grad_accum=2)
+    assert f8.compute == pytest.approx(plain.compute / FLOAT8_SPEEDUP, rel=1e-12) and f8.compute < plain.compute
+    assert f8.recompute == pytest.approx(plain.recompute / FLOAT8_SPEEDUP, rel=1e-12) and plain.recompute > 0
+    assert (f8.gathers, f8.overhead, f8.tokens) == (plain.gathers, plain.overhead, plain.tokens)

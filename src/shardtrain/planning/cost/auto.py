@@ -191,7 +191,8 @@ def _weigh(
 
 def _baseline(best: Candidate, *, world_size: int, seq_len: int) -> StepTime | None:
     """full_shard with every block checkpointed at the best's batch split: what the reasons compare with."""
-    spec = best.estimate.inputs.model
+    inputs = best.estimate.inputs
+    spec = inputs.model
     if spec.shape is None:
         return None
     return step_time(
@@ -202,6 +203,7 @@ def _baseline(best: Candidate, *, world_size: int, seq_len: int) -> StepTime | N
         micro_batch=best.micro_batch,
         grad_accum=best.grad_accum,
         seq_len=seq_len,
+        float8=inputs.float8 is not None,
     )
 
 

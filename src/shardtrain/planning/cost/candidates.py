@@ -158,6 +158,7 @@ def predicted_time(estimate: MemoryEstimate, *, grad_accum: int) -> StepTime:
         grad_accum=grad_accum,
         seq_len=inputs.seq_len,
         offload=offload_work(estimate),
+        float8=inputs.float8 is not None,
     )
 
 

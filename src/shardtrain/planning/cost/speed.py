@@ -23,6 +23,7 @@ GATHER_EXPOSED_FRACTION = 0.03
 GATHER_EXPOSED_TOKENS = GATHER_EXPOSED_FRACTION * REFERENCE_TOKENS
 STEP_OVERHEAD_TOKENS = 1950  # fitted with ACHIEVED_FLOPS to torch FSDP2's 8B steps (module docstring)
 ACHIEVED_FLOPS = 0.79 * 790e12  # one token-time is a token's training FLOPs at this rate (fitted)
+FLOAT8_SPEEDUP = 1.10  # compute and recompute with float8 Linears: BENCHMARKS.md, 'float8 against bf16 (1 × H100)'
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,7 +51,8 @@ class StepTime:
 
     @property
     def relative(self) -> float:
-        """Total over the ideal (the tokens' FLOPs at full efficiency, nothing else): 1.0 or more."""
+        """Total over the ideal (the tokens' FLOPs at full efficiency in bf16, nothing else): 1.0 or more,
+        except with float8 Linears, whose matmuls beat the bf16 rate."""
         return self.total / self.tokens
 
     def describe(self) -> str:
@@ -118,12 +120,15 @@ def step_time(
     grad_accum: int,
     seq_len: int,
     offload: OffloadWork | None = None,
+    float8: bool = False,
 ) -> StepTime:
     """Predicted time of one optimizer step (grad_accum micro-batches of micro_batch sequences);
-    `offload`: what CPU offload moves per rank (None: nothing)."""
+    `offload`: what CPU offload moves per rank (None: nothing); `float8`: the large Linears train in
+    float8, the compute and its recomputation FLOAT8_SPEEDUP times faster (the whole step's measured
+    ratio, applied to those terms only)."""
     micro_tokens = micro_batch * seq_len
     tokens = micro_tokens * grad_accum
-    compute = tokens / efficiency(micro_tokens)
+    compute = tokens / efficiency(micro_tokens) / (FLOAT8_SPEEDUP if float8 else 1.0)
     recompute = 0.0
     if checkpointed_blocks:
         if model.shape is None:

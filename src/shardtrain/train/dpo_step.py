@@ -5,14 +5,16 @@ micro-batches and ranks), as if the global batch were one: micro-batch m on a ra
 of its pairs' losses times world / batch_size, and the engine's gradient average over the ranks restores
 the global mean. A micro-batch runs the reference on its rows first (train/dpo_ref.py), then the policy.
 TRL's metrics (rewards/chosen, rewards/rejected, rewards/margins, rewards/accuracies, logps/chosen,
-logps/rejected) are summed on each rank and reduced once per log record; evaluation gives the same over
-the held-out pairs, with eval_loss the mean DPO loss per held-out pair.
+logps/rejected) are summed on each rank in the job's log window (train/log_window.py, kept through
+checkpoints) and reduced once per log record; evaluation gives the same over the held-out pairs, with
+eval_loss the mean DPO loss per held-out pair.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -28,7 +30,7 @@ class DpoJob(Job):
 
     beta: float
     reference: LiveReference | PrecomputedReference
-    sums: torch.Tensor = field(default_factory=lambda: torch.zeros(len(METRIC_NAMES) + 2))
+    window_metrics: ClassVar[int] = len(METRIC_NAMES) + 2  # metric_sums' vector, kept in the log window
 
     def pair_terms(self, batch: Batch, *, held_out: bool = False) -> PairTerms:
         """The DPO terms of a batch's pairs: the reference's log-probabilities, then the policy's (with grad)."""
@@ -56,14 +58,12 @@ class DpoJob(Job):
                 loss = terms.losses.sum() * scale
                 self.engine.backward(loss)
             total += loss.detach()
-            self.sums += metric_sums(terms, batch["pair"] >= 0).cpu()
+            self.window.sums += metric_sums(terms, batch["pair"] >= 0).cpu()
         norm, skipped = self.optimizer_step(step, total)
         return total, norm, skipped
 
     def log_metrics(self) -> dict[str, float]:
-        sums = self.engine.all_reduce(self.sums, op="sum").cpu()
-        self.sums.zero_()
-        means = metric_means(sums)
+        means = metric_means(self.window.take_sums(self.engine))
         means.pop("loss")  # the record's own loss is the step's mean (skipped steps left out)
         return means
 

@@ -1,8 +1,8 @@
 """The main job's DPO step and evaluation (train.objective dpo), on every rank.
 
-The loss of a step is the mean DPO loss over the step's pairs (train.batch_size of them, over all
-micro-batches and ranks), as if the global batch were one: micro-batch m on a rank backpropagates the sum
-of its pairs' losses times world / batch_size, and the engine's gradient average over the ranks restores
+The loss of a step is the mean DPO loss (dpo.loss: sigmoid or IPO) over the step's pairs (train.batch_size
+of them, over all micro-batches and ranks), as if the global batch were one: micro-batch m on a rank
+backpropagates the sum of its pairs' losses times world / batch_size, and the engine's gradient average over the ranks restores
 the global mean. A micro-batch runs the reference on its rows first (train/dpo_ref.py), then the policy.
 TRL's metrics (rewards/chosen, rewards/rejected, rewards/margins, rewards/accuracies, logps/chosen,
 logps/rejected) are summed on each rank in the job's log window (train/log_window.py, kept through
@@ -18,6 +18,7 @@ from typing import ClassVar
 
 import torch
 
+from ..data.pack import IGNORE
 from .dpo_loss import METRIC_NAMES, PairTerms, dpo_terms, metric_means, metric_sums, sequence_logps
 from .dpo_ref import LiveReference, PrecomputedReference
 from .packed import forward_logits
@@ -29,6 +30,7 @@ class DpoJob(Job):
     """A `Job` whose objective is DPO on preference pairs (its data: PairBatches)."""
 
     beta: float
+    loss: str  # dpo.loss: sigmoid or ipo
     reference: LiveReference | PrecomputedReference
     window_metrics: ClassVar[int] = len(METRIC_NAMES) + 2  # metric_sums' vector, kept in the log window
 
@@ -37,12 +39,16 @@ class DpoJob(Job):
         ref = self.reference.logps(batch, held_out=held_out)
         logps = sequence_logps(forward_logits(self.model, batch["input_ids"], position_ids=None), batch["labels"])
         n = batch["pair"].numel()
+        tokens = (batch["labels"] != IGNORE).sum(-1).clamp(min=1)  # a padding pair's rows score none
         return dpo_terms(
             chosen_logps=logps[:n],
             rejected_logps=logps[n:],
             ref_chosen_logps=ref[:n],
             ref_rejected_logps=ref[n:],
             beta=self.beta,
+            loss=self.loss,
+            chosen_tokens=tokens[:n],
+            rejected_tokens=tokens[n:],
         )
 
     def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor | None, bool]:

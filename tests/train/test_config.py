@@ -100,6 +100,7 @@ def test_unknown_key_in_file_is_an_error(tmp_path):
         (["stray"], "unexpected argument 'stray'"),
         (["--train.steps.x", "1"], "is not a table"),
         (["--model.activation_checkpointing", "-1"], r"model.activation_checkpointing=-1 is invalid: use true"),
+        (["--dpo.loss", "hinge"], r"dpo.loss='hinge' is invalid: use one of sigmoid, ipo"),
     ],
 )
 def test_bad_values_name_key_and_fix(tokens, expected):

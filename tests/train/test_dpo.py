@@ -3,7 +3,8 @@
 The reference below is written from Rafailov et al. (2023) on the Hugging Face model itself (peft's model
 for LoRA): the summed log-probability of each answer's tokens, the reference's the same with the adapters
 disabled (LoRA) or of an untouched copy (full fine-tuning), and the mean of -log sigmoid(beta * (the
-chosen log-ratio - the rejected one)) over the step's 8 pairs. One step of plain SGD at lr 1 moves each
+chosen log-ratio - the rejected one)) over the step's 8 pairs; for --dpo.loss ipo, Azar et al.'s (2023) squared
+loss on the per-token log-ratios. One step of plain SGD at lr 1 moves each
 trained weight by minus its gradient, which must equal the reference's.
 """
 
@@ -29,26 +30,28 @@ def setup(tmp_path_factory):
     return llama_folder(tmp / "model", hidden=32), write_jsonl(preference_rows()[:24], tmp / "pairs.jsonl"), tmp
 
 
-def _answer_logps(model, batch) -> torch.Tensor:
+def _answer_logps(model, batch, *, per_token: bool = False) -> torch.Tensor:
     logits = model(input_ids=batch["input_ids"]).logits
     scored = batch["labels"] != -100
     logp = torch.log_softmax(logits, -1).gather(-1, batch["labels"].clamp(min=0)[..., None])[..., 0]
-    return (logp * scored).sum(-1)
+    return (logp * scored).sum(-1) / (scored.sum(-1) if per_token else 1)
 
 
-def _paper_loss(policy, reference_logps, batches) -> torch.Tensor:
+def _paper_loss(policy, reference_logps, batches, *, ipo: bool) -> torch.Tensor:
+    """DPO's -log sigmoid(beta h), or IPO's (h - 1 / (2 beta))^2 with h of the mean per-token log-probabilities
+    (Azar et al., 2023, eq. 17, as TRL's loss_type="ipo")."""
     losses = []
     for batch in batches:
         n = batch["pair"].numel()
-        pi = _answer_logps(policy, batch)
+        pi = _answer_logps(policy, batch, per_token=ipo)
         with torch.no_grad():
-            ref = reference_logps(batch)
-        logits = (pi[:n] - ref[:n]) - (pi[n:] - ref[n:])
-        losses.append(-F.logsigmoid(BETA * logits))
+            ref = reference_logps(batch, per_token=ipo)
+        h = (pi[:n] - ref[:n]) - (pi[n:] - ref[n:])
+        losses.append((h - 1 / (2 * BETA)) ** 2 if ipo else -F.logsigmoid(BETA * h))
     return torch.cat(losses).mean()
 
 
-def _reference_step(folder, results, *, lora: bool):
+def _reference_step(folder, results, *, lora: bool, ipo: bool = False):
     """(loss, {name: gradient}) of the step's pairs (every rank's micro-batches) by the paper's formula."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -64,30 +67,31 @@ def _reference_step(folder, results, *, lora: bool):
             p.copy_(weights[name])
     if lora:
 
-        def reference_logps(batch):
+        def reference_logps(batch, *, per_token):
             with model.disable_adapter():
-                return _answer_logps(model, batch)
+                return _answer_logps(model, batch, per_token=per_token)
     else:
         frozen = copy.deepcopy(model).eval()
 
-        def reference_logps(batch):
-            return _answer_logps(frozen, batch)
+        def reference_logps(batch, *, per_token):
+            return _answer_logps(frozen, batch, per_token=per_token)
 
     batches = [b for r in results for b in r["batches"]]
-    loss = _paper_loss(model, reference_logps, batches)
+    loss = _paper_loss(model, reference_logps, batches, ipo=ipo)
     loss.backward()
     return loss.item(), {n: p.grad for n, p in trained.items()}
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_dpo_step_equals_the_papers_formula(pools, setup, lora):
+@pytest.mark.parametrize(("lora", "ipo"), [(False, False), (True, False), (True, True)], ids=["full", "lora", "ipo"])
+def test_dpo_step_equals_the_papers_formula(pools, setup, lora, ipo):
     folder, data, tmp = setup
-    extra = ["--lora.rank", "4"] if lora else []
+    extra = (["--lora.rank", "4"] if lora else []) + (["--dpo.loss", "ipo"] if ipo else [])
     results = pools(2).run(dpo_step, str(folder), str(data), str(tmp / "cache"), *STEP, *extra)
-    loss, grads = _reference_step(folder, results, lora=lora)
+    loss, grads = _reference_step(folder, results, lora=lora, ipo=ipo)
     r = results[0]
     assert r["loss"] == pytest.approx(loss, rel=1e-5)
-    assert loss == pytest.approx(0.693147, abs=1e-5)  # the reference is the starting policy
+    # the reference is the starting policy: log 2, or IPO's (1 / (2 beta))^2
+    assert loss == pytest.approx(25.0 if ipo else 0.693147, abs=1e-5)
     moved = 0
     for name, grad in grads.items():
         step = r["before"][name] - r["after"][name]  # SGD at lr 1: the gradient

@@ -1,13 +1,15 @@
-"""The DPO objective (Rafailov et al., 2023, the sigmoid loss) on the log-probabilities of preference pairs.
+"""The DPO objective on the log-probabilities of preference pairs: the sigmoid loss (Rafailov et al., 2023)
+or IPO's squared loss (Azar et al., 2023), `dpo.loss`.
 
 For a pair (x, y_w, y_l) with the policy's summed answer log-probabilities pi_w, pi_l and the reference's
 ref_w, ref_l, the implicit rewards are r_w = beta (pi_w - ref_w) and r_l = beta (pi_l - ref_l), and
 
-    loss = -log sigmoid(r_w - r_l)
+    sigmoid   loss = -log sigmoid(r_w - r_l)
+    ipo       loss = ((pi_w - ref_w) / n_w - (pi_l - ref_l) / n_l - 1 / (2 beta))^2
 
-Only the sigmoid loss is offered: IPO's squared loss needs length-normalised log-probabilities (the
-answers' token counts carried through batching and the precomputed cache) and its own reference tests,
-which the sigmoid form, the one DPO papers and TRL default to, does not.
+with n_w, n_l the answers' scored tokens: IPO's log-ratios are per token, as TRL's loss_type="ipo" takes them
+(the counts come from each batch's labels, so precomputed reference sums serve both losses). The rewards and
+logps TRL logs are the summed ones whichever the loss.
 """
 
 from __future__ import annotations
@@ -46,12 +48,25 @@ def dpo_terms(
     ref_chosen_logps: torch.Tensor,
     ref_rejected_logps: torch.Tensor,
     beta: float,
+    loss: str = "sigmoid",
+    chosen_tokens: torch.Tensor | None = None,
+    rejected_tokens: torch.Tensor | None = None,
 ) -> PairTerms:
-    """The sigmoid DPO loss of each pair and its rewards (the rewards carry no gradient)."""
+    """The DPO loss (`loss`: dpo_section.DPO_LOSSES) of each pair and its rewards (the rewards carry no gradient); IPO needs
+    each answer's scored token count."""
     chosen = beta * (chosen_logps - ref_chosen_logps)
     rejected = beta * (rejected_logps - ref_rejected_logps)
+    if loss == "ipo":
+        if chosen_tokens is None or rejected_tokens is None:
+            raise ValueError("dpo_terms(loss='ipo') needs chosen_tokens and rejected_tokens (the answers' lengths)")
+        per_token = (chosen_logps - ref_chosen_logps) / chosen_tokens - (rejected_logps - ref_rejected_logps) / (
+            rejected_tokens
+        )
+        losses = (per_token - 1 / (2 * beta)) ** 2
+    else:
+        losses = -F.logsigmoid(chosen - rejected)
     return PairTerms(
-        losses=-F.logsigmoid(chosen - rejected),
+        losses=losses,
         chosen_rewards=chosen.detach(),
         rejected_rewards=rejected.detach(),
         chosen_logps=chosen_logps.detach(),

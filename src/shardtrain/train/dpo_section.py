@@ -8,6 +8,7 @@ from .section_fields import help_field as _help
 from .section_fields import require as _require
 
 OBJECTIVES = ("lm", "dpo")
+DPO_LOSSES = ("sigmoid", "ipo")  # train/dpo_loss.py
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -16,6 +17,11 @@ class DpoConfig:
         "with train.objective dpo: the DPO temperature beta (the sigmoid loss -log sigmoid(beta x the policy's "
         "minus the reference's log-ratio of the chosen to the rejected answer); larger keeps closer to the reference",
         0.1,
+    )
+    loss: str = _help(
+        "with train.objective dpo: sigmoid (DPO's -log sigmoid loss) or ipo (IPO's squared loss on the per-token "
+        "log-ratios, as TRL's loss_type='ipo'; beta is its regularisation tau)",
+        "sigmoid",
     )
     precompute_ref: bool = _help(
         "compute the reference model's log-probabilities of every pair once before training and cache them with "
@@ -26,6 +32,7 @@ class DpoConfig:
 
     def __post_init__(self) -> None:
         _require(self.beta > 0, "dpo.beta", self.beta, "use a positive temperature such as 0.1")
+        _require(self.loss in DPO_LOSSES, "dpo.loss", self.loss, f"use one of {', '.join(DPO_LOSSES)}")
 
 
 def dpo_reference(cfg) -> str:

@@ -101,7 +101,7 @@ def dpo_fields(cfg: Config, engine, *, model: nn.Module, data: TrainData, prepar
         copy = engine.setup(built.module, wrap=built.wrap, activation_checkpointing=None)
         live = LiveReference(model=frozen_copy(model, copy), adapters_off=False)
     if not cfg.dpo.precompute_ref:
-        return {"beta": cfg.dpo.beta, "reference": live}
+        return {"beta": cfg.dpo.beta, "loss": cfg.dpo.loss, "reference": live}
     order = dict(seq_len=cfg.data.seq_len, pad_id=pad_id(data.tokenizer), shuffle=False)
 
     def compute() -> dict[str, np.ndarray]:
@@ -128,6 +128,7 @@ def dpo_fields(cfg: Config, engine, *, model: nn.Module, data: TrainData, prepar
     held = tables.get("held_out")
     return {
         "beta": cfg.dpo.beta,
+        "loss": cfg.dpo.loss,
         "reference": PrecomputedReference(
             train=torch.from_numpy(tables["train"]).to(device),
             held_out=None if held is None else torch.from_numpy(held).to(device),

@@ -229,14 +229,13 @@ def _loop(
     if stopper and not first_step:  # a resumed run's stopper already took the evaluations up to first_step
         stopper.update(first_step, first_eval[metric])
     last_eval, memory, stopped, final_step = first_eval, [0] * engine.world_size, None, cfg.train.steps
-    loss_sum, loss_count, norm = torch.zeros((), device=engine.device), 0, None
+    norm = None
     interval_start, interval_steps, train_time, train_tokens = time.perf_counter(), 0, 0.0, 0
     for step in range(first_step, cfg.train.steps):
         heartbeat(step + 1, "train")
         loss, norm, skipped = job.train_step(step)
         if not skipped:
-            loss_sum += loss
-            loss_count += 1
+            job.window.add_step(loss)
         interval_steps += 1
         done = step + 1
         if bar is not None:
@@ -250,8 +249,7 @@ def _loop(
         if logs or evaluates or saves:  # a host sync: the moment to stop on a bad step, before any checkpoint
             job.guard.check()
         if logs:
-            # Skipped steps are agreed by every rank, so loss_count is the same on all of them.
-            mean_loss = engine.all_reduce(loss_sum / loss_count).item() if loss_count else None
+            mean_loss = job.window.take_loss(engine)
             memory = [
                 int(b) for b in engine.all_gather(torch.tensor(memory_bytes(job.model, job.optimizer, engine.device)))
             ]
@@ -281,8 +279,7 @@ def _loop(
                     mem="/".join(format_bytes(b) for b in memory),
                     **({"acc": f"{record['rewards/accuracies']:.2f}"} if "rewards/accuracies" in record else {}),
                 )
-            loss_sum.zero_()
-            loss_count, interval_steps, interval_start, job.load_s = 0, 0, time.perf_counter(), 0.0
+            interval_steps, interval_start, job.load_s = 0, time.perf_counter(), 0.0
         if evaluates:
             heartbeat(done, "eval")
             pause = time.perf_counter()

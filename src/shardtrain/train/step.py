@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +32,7 @@ from .finetune import checkpoint_params
 from .finite import NonFiniteGuard
 from .head_loss import head_loss_sum, output_head
 from .inputs import TrainData
+from .log_window import LogWindow
 from .packed import forward_logits
 from .samples import greedy_samples
 from .sections import Config
@@ -80,6 +82,11 @@ class Job:
     guard: NonFiniteGuard
     stopper: EarlyStop | None = None  # train.early_stop_patience; its state is checkpointed with the run
     load_s: float = 0.0  # host seconds spent reading batches since the last log record (the loop resets it)
+    window: LogWindow = field(init=False)  # what the loop has trained since its last log record (checkpointed)
+    window_metrics: ClassVar[int] = 0  # the objective's own sums in the window (none for the LM loss)
+
+    def __post_init__(self) -> None:
+        self.window = LogWindow.empty(device=self.engine.device, metrics=self.window_metrics)
 
     def to_device(self, batch: Batch) -> Batch:
         """The batch on the device; on CUDA through pinned memory, so the copy does not wait for the
@@ -217,6 +224,7 @@ class Job:
         state["data"] = data_position(step=step, batch_size=self.cfg.train.batch_size)
         if self.stopper is not None:
             state["early_stop"] = self.stopper.state_dict()
+        state["log_window"] = self.window.gathered(self.engine)
         self.engine.save(str(run_dir / "checkpoints" / f"step_{step:06d}"), state, params=checkpoint_params(self.cfg))
 
     def resume(self, path: str) -> int:
@@ -224,4 +232,6 @@ class Job:
         rest = self.engine.load(path, self.checkpoint_state(), params=checkpoint_params(self.cfg))
         if self.stopper is not None and "early_stop" in rest:
             self.stopper.load_state_dict(rest["early_stop"])
+        if "log_window" in rest:  # absent from checkpoints written before the window was kept
+            self.window.restore(rest["log_window"], engine=self.engine)
         return check_data_position(rest["data"], batch_size=self.cfg.train.batch_size)

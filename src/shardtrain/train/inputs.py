@@ -23,7 +23,7 @@ from torch import nn
 
 from ..data.batches import WindowBatches
 from ..data.mixing import MixedBatches
-from ..data.sources import is_structured
+from ..data.sources import is_structured, load_rows
 from ..data.stream import StreamBatches
 from .data import ByteTokenizer, TokenBatches, build_cache, corpus_files
 from .sections import Config
@@ -165,6 +165,8 @@ def plan_data(cfg: Config, module: nn.Module, *, progress: bool = False) -> Data
         return DataPlan(tokenizer=tokenizer, corpus=None, notice=notice)
     for spec in data_specs(cfg):
         read_source(spec, tokenizer=tokenizer, cache_dir=data.cache_dir, progress=progress, streaming=data.streaming)
+    if data.sources and data.eval_path is not None:  # the whole mix's held-out rows, read once the sources are
+        load_rows(data.eval_path, key="data.eval_path", pattern=data.pattern, cache_dir=data.cache_dir)
     return DataPlan(tokenizer=tokenizer, corpus=None, notice=notice)
 
 

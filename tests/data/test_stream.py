@@ -217,3 +217,34 @@ def test_neediest_keeps_each_share_of_the_trained_tokens_within_a_window():
         total = sum(trained)
         assert all(abs(t - w * total) <= 2 * max(sizes) for t, w in zip(trained, weights))
     assert neediest([0.3, 0.7], [0, 0]) == 1
+
+
+def test_windows_packed_while_a_step_runs_are_taken_without_waiting(tmp_path, tok):
+    """What each train record's data_load_s measures: during a step the reading thread packs the next
+    read_ahead micro-batches, across buffer ends, so taking them waits on no reading or tokenizing."""
+    path = _jsonl(tmp_path / "rows.jsonl", _rows(3000))
+    spec = DataSpec(path=str(path), seq_len=64)
+    source = StreamSource(
+        open_rows=lambda: stream_rows(spec, tokenizer=tok, cache_dir=None, rank=0, world_size=1),
+        encoder=_encoder(tok),
+        where="test rows",
+    )
+    batches = _stream_batches([source], buffer=50, seed=1, state=None)  # 8 micro-batches of 4 read ahead
+    ahead = batches._queues[0]
+    batches.batch(0)
+    taken = []
+    for step in range(6):  # 6 x 32 windows: past several 50-document buffers
+        deadline = time.perf_counter() + 30
+        while not ahead.full() and time.perf_counter() < deadline:  # the device's step
+            time.sleep(0.01)
+        assert ahead.full(), step
+        documents, start = int(batches.served[0, 1]), time.perf_counter()
+        for _ in range(8):
+            batches.batch(batches.next_index)
+        taken.append(time.perf_counter() - start)
+    documents = int(batches.served[0, 1]) - documents  # those of the last step's 8 micro-batches
+    rows = _rows(documents)
+    start = time.perf_counter()
+    _encoder(tok)({k: [r[k] for r in rows] for k in ("prompt", "completion")}, list(range(documents)))
+    encoding = time.perf_counter() - start
+    assert sorted(taken)[len(taken) // 2] < encoding / 4, (taken, encoding)

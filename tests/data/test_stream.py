@@ -39,8 +39,8 @@ def _encoder(tok, fmt=Format.PROMPT_COMPLETION, seq_len=64):
     return Encoder(tokenizer=tok, format=fmt, train_on=TrainOn.COMPLETION, seq_len=seq_len, overlong=Overlong.TRUNCATE)
 
 
-def _windows(path, tok, *, rank=0, world_size=1, buffer=PACK_GROUP, shuffle=False, start=None):
-    spec = DataSpec(path=str(path), seq_len=64)
+def _windows(path, tok, *, rank=0, world_size=1, buffer=PACK_GROUP, shuffle=False, start=None, columns=()):
+    spec = DataSpec(path=str(path), seq_len=64, columns=columns)
     return stream_windows(
         lambda: stream_rows(spec, tokenizer=tok, cache_dir=None, rank=rank, world_size=world_size),
         encoder=_encoder(tok),
@@ -63,6 +63,23 @@ def test_streamed_windows_are_the_cached_windows_in_the_same_order_mode(tmp_path
     assert [w for w, _ in streamed[: len(cached)]] == expected
     assert streamed[-1][0] == expected[0]  # the second pass starts over
     assert streamed[len(cached) - 1][1].buffer == 2 and streamed[-1][1].passes == 1
+
+
+def test_a_sources_column_renames_read_as_the_renamed_file_cached_and_streamed(tmp_path, tok):
+    rows = _rows(300)
+    plain = _jsonl(tmp_path / "plain.jsonl", rows)
+    asked = _jsonl(tmp_path / "qa.jsonl", [{"question": r["prompt"], "answer": r["completion"]} for r in rows])
+    renames = (("question", "prompt"), ("answer", "completion"))
+
+    def cached(path, **columns):
+        spec = DataSpec(path=str(path), seq_len=64, **columns)
+        train = prepare(spec, tokenizer=tok, cache_dir=str(tmp_path / "c"), num_proc=1, progress=False).train
+        return list(zip(train["input_ids"], train["labels"], train["position_ids"]))
+
+    expected = cached(plain)
+    assert cached(asked, columns=renames) == expected
+    streamed = itertools.islice(_windows(asked, tok, columns=renames), len(expected))
+    assert [w for w, _ in streamed] == expected
 
 
 def test_two_ranks_read_disjoint_rows_whose_union_is_every_row(tmp_path, tok):

@@ -39,8 +39,8 @@ def _encoder(tok, fmt=Format.PROMPT_COMPLETION, seq_len=64):
     return Encoder(tokenizer=tok, format=fmt, train_on=TrainOn.COMPLETION, seq_len=seq_len, overlong=Overlong.TRUNCATE)
 
 
-def _windows(path, tok, *, rank=0, world_size=1, buffer=PACK_GROUP, shuffle=False, start=None):
-    spec = DataSpec(path=str(path), seq_len=64)
+def _windows(path, tok, *, rank=0, world_size=1, buffer=PACK_GROUP, shuffle=False, start=None, columns=()):
+    spec = DataSpec(path=str(path), seq_len=64, columns=columns)
     return stream_windows(
         lambda: stream_rows(spec, tokenizer=tok, cache_dir=None, rank=rank, world_size=world_size),
         encoder=_encoder(tok),
@@ -63,6 +63,23 @@ def test_streamed_windows_are_the_cached_windows_in_the_same_order_mode(tmp_path
     assert [w for w, _ in streamed[: len(cached)]] == expected
     assert streamed[-1][0] == expected[0]  # the second pass starts over
     assert streamed[len(cached) - 1][1].buffer == 2 and streamed[-1][1].passes == 1
+
+
+def test_a_sources_column_renames_read_as_the_renamed_file_cached_and_streamed(tmp_path, tok):
+    rows = _rows(300)
+    plain = _jsonl(tmp_path / "plain.jsonl", rows)
+    asked = _jsonl(tmp_path / "qa.jsonl", [{"question": r["prompt"], "answer": r["completion"]} for r in rows])
+    renames = (("question", "prompt"), ("answer", "completion"))
+
+    def cached(path, **columns):
+        spec = DataSpec(path=str(path), seq_len=64, **columns)
+        train = prepare(spec, tokenizer=tok, cache_dir=str(tmp_path / "c"), num_proc=1, progress=False).train
+        return list(zip(train["input_ids"], train["labels"], train["position_ids"]))
+
+    expected = cached(plain)
+    assert cached(asked, columns=renames) == expected
+    streamed = itertools.islice(_windows(asked, tok, columns=renames), len(expected))
+    assert [w for w, _ in streamed] == expected
 
 
 def test_two_ranks_read_disjoint_rows_whose_union_is_every_row(tmp_path, tok):
@@ -217,3 +234,34 @@ def test_neediest_keeps_each_share_of_the_trained_tokens_within_a_window():
         total = sum(trained)
         assert all(abs(t - w * total) <= 2 * max(sizes) for t, w in zip(trained, weights))
     assert neediest([0.3, 0.7], [0, 0]) == 1
+
+
+def test_windows_packed_while_a_step_runs_are_taken_without_waiting(tmp_path, tok):
+    """What each train record's data_load_s measures: during a step the reading thread packs the next
+    read_ahead micro-batches, across buffer ends, so taking them waits on no reading or tokenizing."""
+    path = _jsonl(tmp_path / "rows.jsonl", _rows(3000))
+    spec = DataSpec(path=str(path), seq_len=64)
+    source = StreamSource(
+        open_rows=lambda: stream_rows(spec, tokenizer=tok, cache_dir=None, rank=0, world_size=1),
+        encoder=_encoder(tok),
+        where="test rows",
+    )
+    batches = _stream_batches([source], buffer=50, seed=1, state=None)  # 8 micro-batches of 4 read ahead
+    ahead = batches._queues[0]
+    batches.batch(0)
+    taken = []
+    for step in range(6):  # 6 x 32 windows: past several 50-document buffers
+        deadline = time.perf_counter() + 30
+        while not ahead.full() and time.perf_counter() < deadline:  # the device's step
+            time.sleep(0.01)
+        assert ahead.full(), step
+        documents, start = int(batches.served[0, 1]), time.perf_counter()
+        for _ in range(8):
+            batches.batch(batches.next_index)
+        taken.append(time.perf_counter() - start)
+    documents = int(batches.served[0, 1]) - documents  # those of the last step's 8 micro-batches
+    rows = _rows(documents)
+    start = time.perf_counter()
+    _encoder(tok)({k: [r[k] for r in rows] for k in ("prompt", "completion")}, list(range(documents)))
+    encoding = time.perf_counter() - start
+    assert sorted(taken)[len(taken) // 2] < encoding / 4, (taken, encoding)

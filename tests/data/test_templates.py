@@ -2,6 +2,7 @@
 messages' `tool_calls` reach the template, only the assistant's spans train, and a row the template cannot
 render is one line naming the row and its fields."""
 
+import copy
 import json
 
 import pytest
@@ -121,8 +122,23 @@ def test_a_row_the_template_cannot_render_names_the_row_and_its_fields(tok):
     with pytest.raises(ValueError) as err:
         _encode(tok, row)
     message = str(err.value)
-    assert message.startswith("data row 0: the chat template cannot render its messages (fields ['content', 'role']")
+    assert message.startswith(
+        "data row 0: the chat template cannot render its messages (fields ['content', 'role'], without tools; "
+        "first at message 2: role 'critic', fields ['content', 'role'])"
+    )
     assert "unknown role critic" in message and "--data.chat_template" in message and "\n" not in message
+
+
+def test_a_tool_schema_the_template_cannot_render_is_named(tok):
+    strict = copy.deepcopy(tok)
+    strict.chat_template = TOOLS.replace(
+        "{{ tools | tojson }}", "{% for t in tools %}{{ t.function.name + 1 }}{% endfor %}"
+    )
+    with pytest.raises(
+        ValueError, match=r"^data row 0: .*, with tools; at the tools\); fix the row.* \(TypeError: "
+    ) as err:
+        _encode(strict, {"messages": CALLING, "tools": [WEATHER]})
+    assert "\n" not in str(err.value)
 
 
 def test_a_template_file_or_a_shipped_name_replaces_the_template_and_is_exported(tmp_path, tok):

@@ -2,11 +2,13 @@
 (slow tier), and the data errors a user can make, each one line on every rank."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from transformers import AutoTokenizer
 
 from tests.train.checks import prepare_error
 from tests.train.facts import accuracy, chat_rows, llama_folder, prompt_completion_rows, write_jsonl
@@ -109,3 +111,22 @@ def test_data_mistakes_are_one_line_on_every_rank_before_any_communication(pools
     for overrides, message in cases:
         for error in pools(2).run(prepare_error, *overrides):
             assert message in error and "\n" not in error, error
+
+
+def test_a_chat_template_file_trains_and_is_exported_with_the_model(pools, folder, tmp_path):
+    template = tmp_path / "chat.jinja"
+    template.write_text(
+        "{%- for m in messages -%}### {{ m['role'] }}:{% if m['role'] == 'assistant' %}{% generation %}"
+        "{{ m['content'] }}{{ eos_token }}{% endgeneration %}{% else %}{{ m['content'] }}{% endif %}{{ '\\n' }}"
+        "{%- endfor -%}{%- if add_generation_prompt %}### assistant:{% endif -%}"
+    )
+    data = write_jsonl(chat_rows()[:16], tmp_path / "chat.jsonl")
+    args = _args(folder, data, tmp_path, "--data.chat_template", str(template), "--train.steps", "2",
+                 "--train.batch_size", "4", "--data.show", "1", "--run.export_hf", "true")  # fmt: skip
+    out = _train_on(pools(2), args)
+    shown = out.split("--- window 0, document 0 ---\n")[1].split("\n")[:2]
+    # the file's rendering, only the answer trained
+    assert re.fullmatch(r"### user:[^#\[\]]+\?", shown[0]), shown
+    assert re.fullmatch(r"### assistant:\[\[[^#\[\]]+</s>\]\]", shown[1]), shown
+    exported = AutoTokenizer.from_pretrained(str(tmp_path / "runs" / "ft" / "hf"))
+    assert exported.chat_template == template.read_text()

@@ -7,7 +7,8 @@ import pytest
 import yaml
 
 from tests.data.hub_fixture import cache_snapshot, dataset_repo
-from tests.train.facts import chat_rows, llama_folder, prompt_completion_rows
+from tests.train.data_runs import records
+from tests.train.facts import chat_rows, llama_folder, prompt_completion_rows, write_jsonl
 from tests.train.hub_ranks import fetch_error, train_offline
 from tests.train.test_finetune_data import _args as hub_args
 
@@ -17,13 +18,16 @@ SHORT = ("--train.batch_size", "4", "--train.steps", "2", "--optim.warmup_steps"
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory) -> dict:
-    """HF_HOME with 'org/llama' (a model) and 'org/facts' (a dataset: configs chat and completions) cached."""
+    """HF_HOME with 'org/llama' (a model), 'org/facts' (a dataset: configs chat and completions) and 'org/held'
+    (16 other prompt/completion rows) cached."""
     root = tmp_path_factory.mktemp("hub")
     cache = root / "home" / "hub"
     model = cache_snapshot(cache, kind="model", repo_id="org/llama", folder=llama_folder(root / "llama"))
     parts = {"chat": {"train": chat_rows()[:40]}, "completions": {"train": prompt_completion_rows()[:24]}}
     facts = dataset_repo(root / "facts", parts)
     cache_snapshot(cache, kind="dataset", repo_id="org/facts", folder=facts)
+    held = dataset_repo(root / "held", {"default": {"train": prompt_completion_rows()[24:40]}})
+    cache_snapshot(cache, kind="dataset", repo_id="org/held", folder=held)
     return {"home": str(root / "home"), "cache": cache, "model": model}
 
 
@@ -61,4 +65,35 @@ def test_each_missing_hub_id_is_one_line_on_every_rank(pools, hub, tmp_path):
     ]
     for overrides, message in cases:
         for error in pools(2).run(fetch_error, hub["home"], *_args(tmp_path), *overrides):
+            assert message in error and "\n" not in error, error
+
+
+def _mix_args(tmp_path, *extra: str) -> list[str]:
+    """Two sources (a Hub config and a local file) held out as a whole mix by data.eval_path."""
+    local = write_jsonl(prompt_completion_rows()[40:80], tmp_path / "local.jsonl")
+    sources = f"[{{path: org/facts, config: completions, weight: 0.5}}, {{path: {local}, weight: 0.5}}]"
+    args = _args(tmp_path, "--data.sources", sources, "--train.eval_every", "2", *extra)
+    cut = args.index("--data.path")
+    return [*args[:cut], *args[cut + 2 :]]
+
+
+@pytest.mark.parametrize("streaming", ["false", "true"])
+def test_a_hub_id_as_the_whole_mixs_eval_path_is_read_offline_from_the_cache(pools, hub, tmp_path, streaming):
+    args = _mix_args(tmp_path, "--data.eval_path", "org/held", "--data.streaming", streaming)
+    results = pools(2).run(train_offline, hub["home"], args)
+    assert [code for code, _, _ in results] == [0, 0], [err for _, _, err in results]
+    evals = [r for r in records(tmp_path / "runs" / "ft") if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [0, 2] and all(r["eval_loss"] > 0 for r in evals)
+
+
+def test_a_missing_eval_path_beside_sources_is_one_line_on_every_rank(pools, hub, tmp_path):
+    cache, missing = hub["cache"], str(tmp_path / "none.jsonl")
+    offline = "offline (HF_HUB_OFFLINE=1), so only the HF cache was searched"
+    cases = [
+        ("org/nohold", f"data.eval_path='org/nohold': not a local path; {offline}, and the dataset is not in the HF "
+         f"cache at {cache}; download it once with network (HF_HUB_OFFLINE unset), or pass a local file or folder"),
+        (missing, f"data.eval_path={missing!r} does not exist; pass an existing file or folder"),
+    ]  # fmt: skip
+    for eval_path, message in cases:
+        for error in pools(2).run(fetch_error, hub["home"], *_mix_args(tmp_path, "--data.eval_path", eval_path)):
             assert message in error and "\n" not in error, error

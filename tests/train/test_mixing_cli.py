@@ -1,6 +1,7 @@
 """`shardtrain train` on two weighted sources (data.sources): the summary's per-source shares, `--data.show`'s
 source headers, and `--resume` mid-run training on the batches the uninterrupted run trained on."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -29,7 +30,9 @@ def test_two_weighted_sources_report_their_shares_and_resume_on_the_same_batches
     common = _args(tmp_path)
     out = _train_on(pools(2), [*common, "--run.name", "whole", "--data.show", "1"])
     task, general = str(tmp_path / "task.jsonl"), str(tmp_path / "general.jsonl")
-    assert f"=== source {task} ===" in out and f"=== source {general} ===" in out
+    # --data.show: each source's share of the trained tokens, its rows and tokens, then its documents
+    assert f"=== source {task} ===\n70.0% of the trained tokens (" in out
+    assert re.search(f"=== source {re.escape(general)} ===\n30.0% of the trained tokens .*; 150 rows .* tokens", out)
     table = " ".join(out.replace("│", " ").split())  # the summary's cells, unwrapped
     assert "70.0% of the trained tokens" in table and "30.0% of the trained tokens" in table
     assert table.count("this run; ") == 2 and "(14 held out)" in table and "(0 held out)" in table

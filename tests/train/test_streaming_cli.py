@@ -63,7 +63,7 @@ def test_two_streamed_sources_mix_by_weight_evaluate_each_and_resume_on_the_same
         "--data.sources", sources, "--data.streaming", "true", "--data.stream_buffer", "16",
     ]  # fmt: skip
     out = _train_on(pools(2), [*common, "--run.name", "whole", "--data.show", "1"])
-    assert f"=== source data.path='{paths['chat']}' ===" in out
+    assert f"=== source data.path='{paths['chat']}' ===\n30.0% of the trained tokens aimed" in out
     table = " ".join(out.replace("│", " ").split())
     shares = [float(x) for x in re.findall(r"aimed, ([\d.]+)% this run; [\d,]+ rows streamed", table)]
     assert len(shares) == 2 and abs(shares[0] - 70) <= 5 and abs(sum(shares) - 100) < 0.2, table

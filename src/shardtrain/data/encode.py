@@ -15,7 +15,7 @@ from typing import Any
 from jinja2 import TemplateError
 
 from .deps import first_line
-from .formats import Format, conversation_of, tools_of
+from .formats import Format, conversation_of, messages_of, tools_of
 from .tokenizer import has_generation_marks
 
 
@@ -68,7 +68,8 @@ class Encoder:
             try:
                 ids, trained = self.encode(row)
             except (TemplateError, TypeError) as exc:  # the template met a field it cannot render
-                raise ValueError(f"data row {index}: {_what_failed(row, self.format)} ({first_line(exc)})") from exc
+                what = _what_failed(row, self.format, self.tokenizer)
+                raise ValueError(f"data row {index}: {what} ({first_line(exc)})") from exc
             except ValueError as exc:
                 raise ValueError(f"data row {index}: {exc}") from exc
             pieces, truncated, kept = [(ids, trained)], False, True
@@ -101,17 +102,40 @@ def one_bos(ids: list[int], trained: list[int], bos: int | None) -> tuple[list[i
     return ids[start:], trained[start:]
 
 
-def _what_failed(row: dict, fmt: Format) -> str:
-    """Which part of a row failed to encode, for the one-line error: the chat's fields, or the format's columns."""
+def _what_failed(row: dict, fmt: Format, tokenizer) -> str:
+    """Which part of a row failed to encode, for the one-line error: the chat's fields and the first message
+    (or the tools) the template fails on, or the format's columns."""
     conversation = row.get("messages") or row.get("conversations")
     if fmt is not Format.MESSAGES or not isinstance(conversation, list):
         return f"cannot be encoded as {fmt.value} rows (columns {sorted(row)})"
     fields = sorted({k for m in conversation if isinstance(m, dict) for k, v in m.items() if v is not None})
     tools = "with" if row.get("tools") else "without"
     return (
-        f"the chat template cannot render its messages (fields {fields}, {tools} tools); fix the row, or pick a "
-        "template that handles them with --data.chat_template"
+        f"the chat template cannot render its messages (fields {fields}, {tools} tools{_failing_part(row, tokenizer)}); "
+        "fix the row, or pick a template that handles them with --data.chat_template"
     )
+
+
+def _failing_part(row: dict, tokenizer) -> str:
+    """'; first at message i: role R, fields [...]' for the shortest prefix of the row's chat the template
+    cannot render ('; at the tools' where the first message renders without them); '' where none is found."""
+    messages, tools = messages_of(row), tools_of(row)
+    for i, message in enumerate(messages):
+        if _renders(tokenizer, messages[: i + 1], tools):
+            continue
+        if i == 0 and tools is not None and _renders(tokenizer, messages[:1], None):
+            return "; at the tools"
+        fields = sorted(k for k, v in message.items() if v is not None)
+        return f"; first at message {i}: role {message.get('role')!r}, fields {fields}"
+    return ""
+
+
+def _renders(tokenizer, messages: list[dict], tools: list[dict] | None) -> bool:
+    try:
+        tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
+    except (TemplateError, TypeError):
+        return False
+    return True
 
 
 def chat_tokens(tokenizer, messages: list[dict], *, tools: list[dict] | None = None) -> tuple[list[int], list[int]]:

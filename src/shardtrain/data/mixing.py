@@ -139,15 +139,19 @@ class MixStats:
     shares: list[float]  # of the sampled windows
 
     def describe(self, trained_tokens: np.ndarray | None = None) -> str:
-        """One line per source: its share of the trained tokens the mix aims at and of the windows drawn, its
-        share of the tokens trained this run (given each source's count), its rows and tokens."""
+        """One line per source: its name and `per_source` line."""
+        return "\n".join(f"{name}: {line}" for name, line in zip(self.names, self.per_source(trained_tokens)))
+
+    def per_source(self, trained_tokens: np.ndarray | None = None) -> list[str]:
+        """Each source's share of the trained tokens the mix aims at and of the windows drawn, its share of
+        the tokens trained this run (given each source's count), its rows and tokens."""
         expected = [share * st.supervised_tokens / max(1, st.windows) for share, st in zip(self.shares, self.stats)]
         total = None if trained_tokens is None else max(1, int(np.sum(trained_tokens)))
         lines = []
-        for s, (name, stats) in enumerate(zip(self.names, self.stats)):
+        for s, stats in enumerate(self.stats):
             run = "" if total is None else f", {trained_tokens[s] / total:.1%} this run"  # type: ignore[index]
             lines.append(
-                f"{name}: {expected[s] / sum(expected):.1%} of the trained tokens ({self.shares[s]:.1%} of the "
+                f"{expected[s] / sum(expected):.1%} of the trained tokens ({self.shares[s]:.1%} of the "
                 f"windows){run}; {stats.describe()}"
             )
-        return "\n".join(lines)
+        return lines

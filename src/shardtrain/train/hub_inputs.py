@@ -1,4 +1,4 @@
-"""A run's Hub ids (model.pretrained, each data source's path and eval_path), fetched once per node before anything reads them.
+"""A run's Hub ids (model.pretrained, each data source's path and eval_path, data.eval_path), fetched once per node before anything reads them.
 
 model.pretrained 'org/name' is replaced by its local snapshot folder, so the model builder, the
 tokenizer, the weights loader and a LoRA resume all keep taking a folder. A Hub dataset id stays in
@@ -24,6 +24,8 @@ def fetch_hub_inputs(cfg: Config, *, engine=None) -> Config:
     keys = ("data",) if not cfg.data.sources else [f"data.sources.{i}" for i in range(len(sources))]
     inputs = [(f"{k}.path", s.path, s.revision) for k, s in zip(keys, sources)]
     inputs += [(f"{k}.eval_path", s.eval_path, None) for k, s in zip(keys, sources)]
+    if cfg.data.sources:  # data.eval_path beside data.sources: the whole mix's held-out rows
+        inputs.append(("data.eval_path", cfg.data.eval_path, None))
     hub_data = [(key, path, revision) for key, path, revision in inputs if is_hub_id(path)]
     if not hub_model and not hub_data:
         return cfg

@@ -23,7 +23,7 @@ from torch import nn
 
 from ..data.batches import WindowBatches
 from ..data.mixing import MixedBatches
-from ..data.sources import is_structured
+from ..data.sources import is_structured, load_rows
 from ..data.stream import StreamBatches
 from .data import ByteTokenizer, TokenBatches, build_cache, corpus_files
 from .sections import Config
@@ -54,20 +54,26 @@ class TrainData:
     held_out_sources: tuple[tuple[str, WindowBatches], ...] = ()
 
     def show(self, count: int) -> str:
-        """`--data.show`: the first `count` documents of each source, the trained spans marked."""
+        """`--data.show`: the first `count` documents of each source, the trained spans marked; with several
+        sources, each under its share of the trained tokens and (read through the cache) its rows and tokens."""
         from ..data.display import show
 
         if isinstance(self.train, StreamBatches):
             names = [s.where for s in self.train.sources]
             parts = [self.train.first_windows(s, count) for s in range(len(names))]
+            lines = [
+                f"{w:.1%} of the trained tokens aimed; its rows and tokens are counted as they stream (run summary)"
+                for w in self.train.weights
+            ]
         elif isinstance(self.train, MixedBatches):
-            names, parts = self.train.names, self.train.parts
+            names, parts, lines = self.train.names, self.train.parts, self.stats.per_source()
         else:
             return show(self.train.windows, self.tokenizer, count=count)
         if len(parts) == 1:
             return show(parts[0], self.tokenizer, count=count)
         return "\n".join(
-            f"=== source {n} ===\n{show(part, self.tokenizer, count=count)}" for n, part in zip(names, parts)
+            f"=== source {n} ===\n{line}\n{show(part, self.tokenizer, count=count)}"
+            for n, line, part in zip(names, lines, parts)
         )
 
     def describe(self, engine) -> str | None:
@@ -165,6 +171,8 @@ def plan_data(cfg: Config, module: nn.Module, *, progress: bool = False) -> Data
         return DataPlan(tokenizer=tokenizer, corpus=None, notice=notice)
     for spec in data_specs(cfg):
         read_source(spec, tokenizer=tokenizer, cache_dir=data.cache_dir, progress=progress, streaming=data.streaming)
+    if data.sources and data.eval_path is not None:  # the whole mix's held-out rows, read once the sources are
+        load_rows(data.eval_path, key="data.eval_path", pattern=data.pattern, cache_dir=data.cache_dir)
     return DataPlan(tokenizer=tokenizer, corpus=None, notice=notice)
 
 

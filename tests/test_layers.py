@@ -1,7 +1,8 @@
 """The packages form layers that import one way: each imports only from its own layer or those below.
 
     descriptions   policy, strategy, compat, options,    what users choose, read into one ShardOptions, the
-                   models, tp                            built-in model; tensor parallelism whole: plans, the
+                   float8_rule, models, tp               Linears float8 converts; the built-in model; tensor
+                                                         parallelism whole: plans, the
                                                          mesh's roles, the split model core shards, what
                                                          Engine(tp=N) checks and builds
     engine         core, offload                         st.shard's machinery: units, runtime, comm; CPU offload
@@ -29,7 +30,7 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "shardtrain"
 LAYERS = [
-    {"policy", "strategy", "compat", "options", "models", "tp"},
+    {"policy", "strategy", "compat", "options", "float8_rule", "models", "tp"},
     {"core", "offload"},
     {"sharding"},
     {"planning"},

@@ -14,8 +14,9 @@ pytest.importorskip("torchao.float8")
 
 from torchao.float8.float8_linear import Float8Linear
 
+from shardtrain.float8_rule import float8_linear_names
 from shardtrain.models.llama import Llama, llama_config
-from shardtrain.ops.float8 import convert_to_float8, float8_linear_names
+from shardtrain.ops.float8 import convert_to_float8
 
 
 def _meta_llama(size: str, **overrides) -> Llama:
@@ -170,5 +171,5 @@ def test_engine_setup_converts_before_sharding(pools):
 
     results = pools(2).run(through_the_engine)
     assert [r["float8"] for r in results] == [["layers.0.ffn.w1", "layers.0.ffn.w3"]] * 2
-    assert results[0]["printed"] == "float8: 2 Linears train in float8 (ops/float8.py's rule)\n"
+    assert results[0]["printed"] == "float8: 2 Linears train in float8 (float8_rule.py's rule)\n"
     assert results[1]["printed"] == "" and results[0]["rebound"] == 12  # every parameter of the model

@@ -90,7 +90,7 @@ def register(subparsers) -> None:
     parser.add_argument(
         "--float8",
         action="store_true",
-        help="the large Linears train in float8 (--train.float8; ops/float8.py's rule): their count, their casts",
+        help="the large Linears train in float8 (--train.float8; float8_rule.py's rule): their count, their casts",
     )
     parser.add_argument("--shard-size", type=int, help="hybrid_shard group size (default: up to 8, below --gpus)")
     parser.add_argument("--seq", type=int, default=4096, help="sequence length (default 4096)")

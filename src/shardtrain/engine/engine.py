@@ -249,7 +249,7 @@ class Engine(RankCollectives):
         options = resolve_options(**{**self._shard_kwargs, **overrides}) if overrides else self._options
         options = dataclasses.replace(options, device=self.device)
         if self._float8:
-            self.print(f"float8: {len(convert_to_float8(model))} Linears train in float8 (ops/float8.py's rule)")
+            self.print(f"float8: {len(convert_to_float8(model))} Linears train in float8 (float8_rule.py's rule)")
         before = dict(model.named_parameters()) if self._tp > 1 else {}
         if self._tp > 1:
             options = self._with_tensor_parallel(model, options)

@@ -10,8 +10,8 @@ import torch
 import shardtrain as st
 from shardtrain import cli
 from shardtrain.cli import estimate as cli_estimate
+from shardtrain.float8_rule import float8_linear_names
 from shardtrain.models.llama import Llama, llama_config
-from shardtrain.ops.float8 import float8_linear_names
 
 
 def _meta_llama(size: str) -> Llama:
@@ -67,7 +67,7 @@ def test_cli_estimate_and_plan_say_float8_is_on(capsys):
     cli_estimate.register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["estimate", "--model", "1.5b", "--gpus", "1", "--strategy", "full_shard", "--float8"])
     assert args.func(args) == 0
-    assert "note: float8: 80 Linears train in float8 (ops/float8.py's rule)" in capsys.readouterr().out
+    assert "note: float8: 80 Linears train in float8 (float8_rule.py's rule)" in capsys.readouterr().out
     plan = ["plan", "--model.name", "llama-1.5b", "--engine.accelerator", "cuda", "--engine.devices", "1"]
     plan += ["--data.seq_len", "256", "--train.batch_size", "1"]
     float8 = ["--train.float8", "true", "--train.compile", "true", "--device-memory", "80GB"]

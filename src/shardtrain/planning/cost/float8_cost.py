@@ -1,5 +1,5 @@
 """float8 in the memory estimate (`st.estimate_memory(float8=True)`): which Linears convert, by
-ops/float8.py's rule, and the bytes that adds.
+float8_rule.py's rule, and the bytes that adds.
 
 torchao's `Float8Linear` (tensorwise, dynamic scaling) saves its high-precision input and weight for
 backward as `nn.Linear` does (torchao 0.18, float8_linear.py: `matmul_with_hp_or_float8_args` saves
@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import nn
 
-from ...ops.float8 import converts_shape, float8_linear_names
+from ...float8_rule import converts_shape, float8_linear_names
 from .model_spec import LlamaShape, ModelSpec
 from .sizes import format_gib
 
@@ -33,7 +33,7 @@ class Float8Linears:
 
     def note(self, tokens: int) -> str:
         return (
-            f"float8: {self.count} Linears train in float8 (ops/float8.py's rule); activations as in bf16 "
+            f"float8: {self.count} Linears train in float8 (float8_rule.py's rule); activations as in bf16 "
             f"(torchao's Float8Linear saves its bf16 input and weight), + {format_gib(self.transient_bytes(tokens))} "
             "GiB in overhead: the largest one's float8 input, weight and output gradient while it computes"
         )
@@ -52,7 +52,7 @@ def float8_linears(model: Any, spec: ModelSpec) -> Float8Linears:
         shapes = []
     if not shapes:
         raise ValueError(
-            f"float8=True: no Linear of {spec.name} converts by ops/float8.py's rule (in and out features "
+            f"float8=True: no Linear of {spec.name} converts by float8_rule.py's rule (in and out features "
             "multiples of 16, both at least 1024, not the output head); estimate it with float8=False"
         )
     return Float8Linears(count=len(shapes), shapes=tuple(sorted(set(shapes))))

@@ -27,15 +27,8 @@ def reference(folder: str, adapters: dict[str, torch.Tensor], *, targets) -> nn.
     LoRA, each frozen linear weight but the head replaced by torchao's dequantised NF4 of it, and the
     sharded model's adapters copied in."""
     from peft import LoraConfig, get_peft_model
-    from torchao.quantization import to_nf4
 
-    model = ranks.reference(folder).train()
-    head = model.get_output_embeddings()
-    for module in model.modules():
-        if type(module) is nn.Linear and module is not head:
-            blocks = module.weight.numel() // 64
-            nf4 = to_nf4(module.weight.detach(), 64, min(256, blocks & -blocks))
-            module.weight.data.copy_(nf4.get_original_weight())
+    model = dequantized_base(ranks.reference(folder).train())
     modules = targets[0] if targets == ("all-linear",) else list(targets)  # peft reads its shorthand as a string
     peft = get_peft_model(
         model, LoraConfig(r=LORA["rank"], lora_alpha=LORA["alpha"], target_modules=modules, lora_dropout=0.0)
@@ -44,6 +37,20 @@ def reference(folder: str, adapters: dict[str, torch.Tensor], *, targets) -> nn.
     assert set(adapters) <= set(state), sorted(set(adapters) - set(state))[:3]
     peft.load_state_dict({**state, **adapters})
     return peft
+
+
+def dequantized_base(model: nn.Module) -> nn.Module:
+    """`model` (a transformers model) with each linear weight but the head's replaced, in place, by
+    torchao's NF4 of it, dequantised: the base a QLoRA model computes with, by code we did not write."""
+    from torchao.quantization import to_nf4
+
+    head = model.get_output_embeddings()
+    for module in model.modules():
+        if type(module) is nn.Linear and module is not head:
+            blocks = module.weight.numel() // 64
+            nf4 = to_nf4(module.weight.detach(), 64, min(256, blocks & -blocks))
+            module.weight.data.copy_(nf4.get_original_weight())
+    return model
 
 
 def _batch(step: int) -> torch.Tensor:

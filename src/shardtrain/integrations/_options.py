@@ -18,6 +18,7 @@ from torch import nn
 from ..options import ShardOptions, resolve_options
 from ..sharding import shard_with
 from ._lightning_policies import TreePolicy, split_lightning_policies
+from ._qlora import base_bits, quantize_peft
 
 # st.shard options that the host framework decides, and where the user sets them instead.
 _OWNED_BY_HOST = {
@@ -45,15 +46,21 @@ def shard_options(owner: str, options: dict[str, Any]) -> ShardOptions:
 
 @dataclass(frozen=True, kw_only=True)
 class StrategyOptions:
-    """A Lightning ShardtrainStrategy's `st.shard` options: `options` read when the strategy is built, and
-    Lightning's tree policies (`_lightning_policies.py`), which set their option once the model is known."""
+    """A Lightning ShardtrainStrategy's `st.shard` options: `options` read when the strategy is built,
+    Lightning's tree policies (`_lightning_policies.py`), which set their option once the model is known,
+    and the frozen base's bits (4: its peft model's base quantised to NF4 first, `_qlora.py`)."""
 
     options: ShardOptions
     tree_policies: dict[str, TreePolicy] = field(default_factory=dict)
+    base_bits: int = 16
 
     def for_model(self, module: nn.Module) -> ShardOptions:
+        """The options for `module`; with `base_bits=4` its base is quantised now, in place."""
         chosen = {option: policy.on(module) for option, policy in self.tree_policies.items()}
-        return dataclasses.replace(self.options, **chosen)
+        init = quantize_peft(
+            module, bits=self.base_bits, param_init_fn=self.options.param_init_fn, owner="ShardtrainStrategy"
+        )
+        return dataclasses.replace(self.options, **chosen, param_init_fn=init)
 
 
 def shard_hosted(module: nn.Module, strategy: StrategyOptions, *, device: torch.device, precision: str) -> nn.Module:
@@ -92,9 +99,14 @@ def strategy_args(
         raise ValueError(f"ShardtrainStrategy(state_dict_type={state_dict_type!r}): use one of {STATE_DICT_TYPES}")
     if checkpoint_io is not None:
         raise ValueError("ShardtrainStrategy(checkpoint_io=...): checkpoints are shardtrain's own; drop it")
+    bits = base_bits(
+        "ShardtrainStrategy", bits=kwargs.pop("base_bits", 16), load_in_4bit=kwargs.pop("load_in_4bit", False)
+    )
     host = {k: v for k, v in kwargs.items() if k in host_args and v is not None}
     options, tree_policies = split_lightning_policies({k: v for k, v in kwargs.items() if k not in host_args})
-    return host, StrategyOptions(options=shard_options("ShardtrainStrategy", options), tree_policies=tree_policies)
+    return host, StrategyOptions(
+        options=shard_options("ShardtrainStrategy", options), tree_policies=tree_policies, base_bits=bits
+    )
 
 
 def convert_precision(plugin: Any, replacements: dict[type, Callable[[Any], Any]], *, host: str) -> Any:

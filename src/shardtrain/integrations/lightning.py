@@ -49,6 +49,8 @@ class ShardtrainStrategy(DDPStrategy):
         auto_wrap_policy, activation_checkpointing_policy: as Lightning's FSDPStrategy takes them (a set
             of module classes, `ModuleWrapPolicy`, a torch FSDP policy callable): `wrap` and
             `activation_checkpointing` (`_lightning_policies.py`).
+        base_bits, load_in_4bit: `base_bits=4` (or `load_in_4bit=True`) stores the frozen base of the peft
+            model being set up in NF4 (QLoRA, `st.quantize_base`) before sharding; 16 (default) as built.
     """
 
     def __init__(self, *, state_dict_type: str = "sharded", checkpoint_io: Any = None, **kwargs: Any) -> None:

@@ -1,0 +1,43 @@
+"""A 4-bit base (QLoRA) through the integrations' option: `ShardtrainStrategy(load_in_4bit=True)`."""
+
+import pytest
+
+pytest.importorskip("lightning")
+pytest.importorskip("peft")
+pytest.importorskip("torchao")
+
+from tests.integrations.runs import run_script
+
+
+def test_fabric_load_in_4bit_matches_one_process_over_torchaos_nf4(tmp_path):
+    """A peft Llama set up by Fabric on 2 CPU ranks with load_in_4bit=True: 3 steps' losses equal those of
+    the same model in one process whose frozen linears are torchao's dequantised NF4 (without the option
+    they differ by ~1e-3)."""
+    r = run_script("fabric_qlora_run.py", str(tmp_path))
+    assert r["nf4_layers"] == 14  # 2 layers x 7 linears; the head stays
+    assert r["losses"] == pytest.approx(r["ref_losses"], abs=1e-5)
+    assert r["losses"][-1] < r["losses"][0]  # the adapters trained
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"base_bits": 8}, r"base_bits=8.*use 4"),
+        ({"load_in_4bit": "yes"}, r"load_in_4bit='yes'"),
+    ],
+)
+def test_bad_bits_fail_when_the_strategy_is_built(kwargs, message):
+    from shardtrain.integrations.fabric import ShardtrainStrategy
+
+    with pytest.raises(ValueError, match=message):
+        ShardtrainStrategy(**kwargs)
+
+
+def test_a_model_without_peft_is_refused_in_one_line():
+    import torch
+
+    from shardtrain.integrations.lightning import ShardtrainStrategy
+
+    strategy = ShardtrainStrategy(base_bits=4)
+    with pytest.raises(ValueError, match=r"ShardtrainStrategy\(base_bits=4\).*Linear holds none.*get_peft_model"):
+        strategy._shard_options.for_model(torch.nn.Linear(4, 4))

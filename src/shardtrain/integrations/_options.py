@@ -18,7 +18,7 @@ from torch import nn
 from ..options import ShardOptions, resolve_options
 from ..sharding import shard_with
 from ._lightning_policies import TreePolicy, split_lightning_policies
-from ._qlora import base_bits, quantize_peft
+from ._qlora import chosen_bits, quantize_peft
 
 # st.shard options that the host framework decides, and where the user sets them instead.
 _OWNED_BY_HOST = {
@@ -99,7 +99,7 @@ def strategy_args(
         raise ValueError(f"ShardtrainStrategy(state_dict_type={state_dict_type!r}): use one of {STATE_DICT_TYPES}")
     if checkpoint_io is not None:
         raise ValueError("ShardtrainStrategy(checkpoint_io=...): checkpoints are shardtrain's own; drop it")
-    bits = base_bits(
+    bits = chosen_bits(
         "ShardtrainStrategy", bits=kwargs.pop("base_bits", 16), load_in_4bit=kwargs.pop("load_in_4bit", False)
     )
     host = {k: v for k, v in kwargs.items() if k in host_args and v is not None}

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from torch import nn
 
 
-def base_bits(owner: str, *, bits: int, load_in_4bit: bool) -> int:
+def chosen_bits(owner: str, *, bits: int, load_in_4bit: bool) -> int:
     """The frozen base's bits that `owner` was given: 4 with `base_bits=4` or `load_in_4bit=True`, else 16."""
     if bits not in (4, 16):
         raise ValueError(f"{owner}(base_bits={bits!r}): use 4 (an NF4 base, QLoRA) or 16 (the base as built)")

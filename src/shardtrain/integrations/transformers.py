@@ -22,6 +22,7 @@ from torch import nn
 from transformers import Trainer
 
 from ._frozen import is_sharded, shard_frozen
+from ._qlora import chosen_bits, quantize_peft
 from ._trl_hash import sharded_hashing
 from ._wrapped import sharded_root
 from .hf_args import TrainerSharding, trainer_sharding
@@ -34,7 +35,10 @@ class ShardtrainTrainerMixin:
 
     _sharding: TrainerSharding
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, base_bits: int = 16, load_in_4bit: bool = False, **kwargs: Any) -> None:
+        """The host Trainer's arguments, and `base_bits=4` (or `load_in_4bit=True`): the frozen base of the peft
+        `model=` is stored in NF4 (QLoRA, `st.quantize_base`) before it is sharded; 16 (default): as built."""
+        self._base_bits = chosen_bits(self._owner(), bits=base_bits, load_in_4bit=load_in_4bit)
         with sharded_hashing():  # TRL's DPOTrainer fingerprints the (sharded) model it precomputes with
             super().__init__(*args, **kwargs)
 
@@ -44,6 +48,7 @@ class ShardtrainTrainerMixin:
                 "ShardtrainTrainer needs model=...; model_init is not supported (it would rebuild the model)"
             )
         self._sharding = trainer_sharding(self.args, self.model)
+        init = quantize_peft(self.model, bits=self._base_bits, param_init_fn=None, owner=self._owner())
         self.args = _without_fsdp(self.args)
         super().create_accelerator_and_postprocess()
         self.accelerator.prepare_model = self._prepare_sharded
@@ -53,7 +58,10 @@ class ShardtrainTrainerMixin:
         if not dist.is_initialized():  # one process, not launched by torchrun: a world of one
             backend = "nccl" if self.args.device.type == "cuda" else "gloo"
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-        shard(self.model, device=self.args.device, **self._sharding.shard)
+        shard(self.model, device=self.args.device, param_init_fn=init, **self._sharding.shard)
+
+    def _owner(self) -> str:
+        return type(self).__name__
 
     def _prepare_sharded(self, model: nn.Module, device_placement: Any = None, evaluation_mode: bool = False):
         """Accelerate's `prepare_model` for the sharded model: no DDP, no second sharding, no autocast.

@@ -9,17 +9,19 @@ pytest.importorskip("torchao")
 from tests.integrations.runs import run_script
 
 
+@pytest.mark.slow  # end to end in fresh processes, as the other integrations' parity runs
 def test_fabric_load_in_4bit_matches_one_process_over_torchaos_nf4(tmp_path):
-    pytest.importorskip("lightning")
     """A peft Llama set up by Fabric on 2 CPU ranks with load_in_4bit=True: 3 steps' losses equal those of
     the same model in one process whose frozen linears are torchao's dequantised NF4 (without the option
     they differ by ~1e-3)."""
+    pytest.importorskip("lightning")
     r = run_script("fabric_qlora_run.py", str(tmp_path))
     assert r["nf4_layers"] == 14  # 2 layers x 7 linears; the head stays
     assert r["losses"] == pytest.approx(r["ref_losses"], abs=1e-5)
     assert r["losses"][-1] < r["losses"][0]  # the adapters trained
 
 
+@pytest.mark.slow
 def test_trainer_load_in_4bit_matches_ddp_over_torchaos_nf4(tmp_path):
     """ShardtrainTrainer(load_in_4bit=True) on a peft Llama, 2 ranks under torchrun: 3 steps' logged losses
     equal transformers.Trainer's (DDP) on the same model over torchao's dequantised NF4 base."""

@@ -134,15 +134,6 @@ def merged_export(folder: str, out: str) -> dict:
     return {"logits": ranks.logits(model)}
 
 
-def prequantized_message(folder: str) -> str | None:
-    """The error loading `folder` (holding bitsandbytes-quantised tensors) into the QLoRA model raises."""
-    try:
-        setup(folder)
-    except ValueError as exc:
-        return str(exc)
-    return None
-
-
 def random_init(folder: str) -> dict:
     """The public path without a checkpoint: peft's get_peft_model on meta, `st.quantize_base`, `st.shard`
     with the init it returns: the adapters as peft initialises them, the base drawn and quantised."""

@@ -54,24 +54,6 @@ def test_merged_export_reloads_with_from_pretrained_and_matches_the_adapted_mode
     assert (ranks.logits(base) - adapted).abs().max().item() > 1e-3  # quantised and trained: not the base
 
 
-def test_weights_quantised_by_bitsandbytes_are_refused_naming_the_fix(pools, hf_folders, tmp_path):
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    folder = tmp_path / "bnb"
-    shutil.copytree(hf_folders["llama_untied"], folder)
-    tensors = load_file(folder / "model.safetensors")
-    tensors["model.layers.0.self_attn.q_proj.weight.absmax"] = torch.ones(64)
-    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
-    message = pools(2).run(qlora_ranks.prequantized_message, str(folder))[0]
-    assert message == (
-        f"{folder} holds weights already quantised (tensor 'model.layers.0.self_attn.q_proj.weight.absmax'); "
-        "shardtrain loads 16- or 32-bit weights and quantises them to NF4 itself (base_bits=4): load the "
-        "original (unquantised) model folder instead"
-    )
-
-
 def test_every_frozen_linear_but_the_head_is_quantised_and_the_adapters_are_not():
     from shardtrain.pretrained.lora import apply_lora
     from shardtrain.pretrained.nf4 import NF4Linear

@@ -1,6 +1,7 @@
 """Fine-tuning from pretrained Hugging Face checkpoints: sharded reading, export back, LoRA.
 
 files   which safetensors files hold a model, and their headers
+bnb_layout  weights already quantised by bitsandbytes: one entry per weight, dequantised as read
 keys    model parameter names <-> file keys (peft, base-model prefix, tied weights)
 load    st.load_pretrained: each rank reads only the rows it holds
 layout  how an export is split into files, as save_pretrained splits them

@@ -2,9 +2,10 @@
 
 A path names one `.safetensors` file, a `model.safetensors.index.json`, or a Hugging Face model
 folder holding either `model.safetensors` or that index with the files it lists. Only the headers
-are read here (names, shapes, dtypes): cheap enough for every rank to do, so that every rank checks
-the same things and fails the same way before any weight is read. Only safetensors are accepted:
-a pickled `pytorch_model.bin` can run code when loaded.
+are read here (names, shapes, dtypes; and the few bytes of each bitsandbytes quant state, which give
+a quantised weight's true shape): cheap enough for every rank to do, so that every rank checks the
+same things and fails the same way before any weight is read. Only safetensors are accepted: a
+pickled `pytorch_model.bin` can run code when loaded.
 """
 
 from __future__ import annotations
@@ -13,11 +14,16 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import SafetensorError, safe_open
 
 from ..checkpoint.format import dtype_of
+from .bnb_layout import group
+
+if TYPE_CHECKING:
+    from .bnb_layout import Packed
 
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -28,12 +34,14 @@ _ADAPTER = "adapter_model.safetensors"
 
 @dataclass(frozen=True, kw_only=True)
 class TensorEntry:
-    """One tensor of a weights file: its key, the file holding it, its shape and dtype."""
+    """One tensor of a weights file: its key, the file holding it, its shape and dtype. A weight stored
+    quantised by bitsandbytes is one entry of its true shape and dtype, `packed` saying how to read it."""
 
     key: str
     file: Path
     shape: tuple[int, ...]
     dtype: torch.dtype
+    packed: Packed | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,7 +66,8 @@ def weights_in_folder(folder: Path) -> Path | None:
 
 
 def resolve_weights(path: str | os.PathLike) -> WeightFiles:
-    """Find and read the headers of the weights at `path`; ValueError naming the file and the fix."""
+    """Find and read the headers of the weights at `path` (a bitsandbytes-quantised weight and its
+    companion tensors as one entry: bnb_layout.py); ValueError naming the file and the fix."""
     given = Path(path).expanduser()
     if not given.exists():
         raise ValueError(
@@ -95,7 +104,7 @@ def resolve_weights(path: str | os.PathLike) -> WeightFiles:
                 f"{target} maps {absent[0]!r} to {keys[absent[0]].name}, which does not hold it "
                 f"({len(absent)} such key(s)); the index and its files disagree: re-save the model"
             )
-    return WeightFiles(path=given, files=files, tensors=tensors)
+    return WeightFiles(path=given, files=files, tensors=group(tensors, folder=target.parent))
 
 
 def _no_weights(folder: Path) -> str:

@@ -8,7 +8,9 @@ them into its shard in place, converting dtype on the way (a bf16 file into fp32
 are memory-mapped; a unit's handles are closed before the next unit is read, so the file pages a
 rank has touched leave its resident memory with them and no rank ever holds a whole file or model.
 A 4-bit (NF4) layer (qlora.py) is the exception: its weight is read whole, one layer at a time, and
-quantised on the rank's device, which keeps its rows of the packed weight and of the scales.
+quantised on the rank's device, which keeps its rows of the packed weight and of the scales. A weight
+the file holds quantised by bitsandbytes (bnb_layout.py) is read as the blocks of codes and scales
+holding the rank's rows, dequantised on the host (an NF4 layer reads all of it and quantises it again).
 Persistent buffers found in the file are loaded whole on every rank; non-persistent buffers (rotary
 tables) keep the values the model's own initialisation computed when `st.shard` materialised it.
 """
@@ -31,10 +33,11 @@ from ..checkpoint.this_rank import persistent_buffers
 from ..core.held import held_params
 from ..core.shard_module import runtime_of
 from ..tp.boxes import Box
+from .bnb_layout import dequantize
 from .export import install_save_pretrained
 from .files import TensorEntry, WeightFiles, resolve_weights
 from .keys import KeyMatch, match_keys
-from .qlora import QuantizedWeight, quantized_weights, refuse_prequantized
+from .qlora import QuantizedWeight, quantized_weights
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,8 +80,6 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike, *, strict: bool =
         buffers = persistent_buffers(model)
         held = list(held_params(runtime))
         quantized = quantized_weights(model)  # NF4 layers (qlora.py): matched and read as their whole weight
-        if quantized:
-            refuse_prequantized(weights.path, list(weights.tensors))
         component = {name: (q, k) for q in quantized for k, name in enumerate(q.components)}
         params = [h.layout for h in held if h.name not in component] + [q.as_shard() for q in quantized]
         match = match_keys(params=params, buffers=buffers, file_keys=weights.tensors, model=model)
@@ -169,13 +170,17 @@ def _quantized(
 
 def _read_box(handles: _Handles, entry: TensorEntry, box: Box) -> torch.Tensor:
     """The block `box` of `entry` (its rows, and under tensor parallelism perhaps a range of its
-    columns; the whole tensor when it is 0-dim), read from its file."""
-    handle = handles.open(entry.file)
+    columns; the whole tensor when it is 0-dim), read from its file; of a bitsandbytes-quantised weight,
+    the blocks holding those rows, dequantised (then cut to the columns)."""
+    (first, stop), cols = box.rows, box.cols
     try:
+        if entry.packed is not None:
+            rows = dequantize(entry, lambda part, a, b: handles.open(part.file).get_slice(part.key)[a:b], rows=box.rows)
+            return rows if cols is None else rows[:, cols[0] : cols[1]].contiguous()
+        handle = handles.open(entry.file)
         if not entry.shape:
             return handle.get_tensor(entry.key)
         piece = handle.get_slice(entry.key)
-        (first, stop), cols = box.rows, box.cols
         return piece[first:stop] if cols is None else piece[first:stop, cols[0] : cols[1]]
     except SafetensorError as exc:
         raise ValueError(

@@ -3,17 +3,16 @@ frozen parameter.
 
 `quantize_base(model)` turns every frozen `nn.Linear` of a meta-device peft model but the output head
 into an `NF4Linear` before `st.shard`, so nothing in the engine knows the format. The files hold the
-weights in 16 or 32 bits: `QuantizedWeight` lets the loader read one layer's weight whole (the scales'
-mean spans it), have torchao quantise it and keep its rank's rows, and the exporter write it
-dequantised (docs/pretrained.md, "QLoRA: LoRA over a 4-bit base").
+weights in 16 or 32 bits (or quantised by bitsandbytes, which the loader dequantises first: bnb_layout.py):
+`QuantizedWeight` lets the loader read one layer's weight whole (the scales' mean spans it), have torchao
+quantise it and keep its rank's rows, and the exporter write it dequantised (docs/pretrained.md, "QLoRA:
+LoRA over a 4-bit base").
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -126,24 +125,3 @@ def quantized_weights(model: nn.Module) -> list[QuantizedWeight]:
                 )
             )
     return out
-
-
-def refuse_prequantized(folder: Path, keys: list[str]) -> None:
-    """ValueError for weights quantised by bitsandbytes (their `quant_state` keys, or the folder's
-    config.json saying so): their double quantisation differs from torchao's, and converting it is not
-    implemented; load the bf16 (or fp32) weights, which are quantised as they are read."""
-    config = folder / "config.json" if folder.is_dir() else folder.parent / "config.json"
-    method = None
-    if config.is_file():
-        try:
-            method = (json.loads(config.read_text()).get("quantization_config") or {}).get("quant_method")
-        except (OSError, ValueError):
-            method = None
-    marked = next((k for k in keys if ".quant_state." in k or k.endswith((".absmax", ".quant_map"))), None)
-    if method is None and marked is None:
-        return
-    what = f"quantization_config.quant_method={method!r} in {config}" if method else f"tensor {marked!r}"
-    raise ValueError(
-        f"{folder} holds weights already quantised ({what}); shardtrain loads 16- or 32-bit weights and "
-        "quantises them to NF4 itself (base_bits=4): load the original (unquantised) model folder instead"
-    )

@@ -69,3 +69,12 @@ def test_convert_hf_model_to_a_from_pretrained_folder(pools, tmp_path):
     assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
     for name, value in loaded.state_dict().items():
         assert torch.equal(value, full[name]), name
+    # A config of a model read from a bitsandbytes folder keeps its quantization_config; the weights written are
+    # not quantised, so the converted folder's config drops it (from_pretrained would quantise them again).
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    quantized = {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}
+    (tmp_path / "bnb.json").write_text(json.dumps(config | {"quantization_config": quantized}))
+    assert (
+        main(["convert", str(tmp_path / "ckpt"), str(tmp_path / "hf2"), "--hf-config", str(tmp_path / "bnb.json")]) == 0
+    )
+    assert json.loads((tmp_path / "hf2" / "config.json").read_text()) == config

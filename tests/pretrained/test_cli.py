@@ -189,15 +189,10 @@ def test_option_combinations_that_cannot_work(args, message):
 def test_qlora_trains_over_a_4bit_base_and_exports_merged(pools, tmp_path, hf_folders):
     """--lora.base_bits 4 on 2 ranks through cli.main: the adapters train over the NF4 base and the merged
     export is a plain folder of the model's own names, every adapted projection changed."""
-    pytest.importorskip("torchao")
     from transformers import AutoModelForCausalLM
 
     folder = hf_folders["llama_untied"]
-    args = [*_common(tmp_path, folder)[1:], "--lora.rank", "8", "--lora.base_bits", "4", "--train.steps", "2"]
-    args += ["--optim.lr", "1e-2", "--run.export_hf", "true", "--lora.merge_on_export", "true", "--run.name", "q"]
-    out = _train_on(pools(2), args)
-    assert "a 4-bit (NF4)" in out and f"loaded 21 tensors from {folder}" in out, out
-    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "runs" / "q" / "hf").state_dict()
+    merged = AutoModelForCausalLM.from_pretrained(_qlora_merged_export(pools, tmp_path, folder)).state_dict()
     base = AutoModelForCausalLM.from_pretrained(folder).state_dict()
     assert set(merged) == set(base) and merged["model.layers.0.mlp.up_proj.weight"].dtype == torch.float32
     quantised = {k for k in base if not torch.equal(merged[k], base[k])}
@@ -206,6 +201,33 @@ def test_qlora_trains_over_a_4bit_base_and_exports_merged(pools, tmp_path, hf_fo
 
 
 _PROJECTIONS = [f"self_attn.{p}_proj" for p in "qkvo"] + [f"mlp.{p}_proj" for p in ("gate", "up", "down")]
+
+
+def _qlora_merged_export(pools, tmp_path: Path, folder: Path) -> Path:
+    """2 QLoRA steps (rank 8, base_bits 4) over `folder` on 2 ranks through cli.main; the merged export's folder."""
+    pytest.importorskip("torchao")
+    args = [*_common(tmp_path, folder)[1:], "--lora.rank", "8", "--lora.base_bits", "4", "--train.steps", "2"]
+    args += ["--optim.lr", "1e-2", "--run.export_hf", "true", "--lora.merge_on_export", "true", "--run.name", "q"]
+    out = _train_on(pools(2), args)
+    assert "a 4-bit (NF4)" in out and f"loaded 21 tensors from {folder}" in out, out
+    return tmp_path / "runs" / "q" / "hf"
+
+
+def test_qlora_over_a_folder_quantised_by_bitsandbytes_exports_a_plain_folder(pools, tmp_path, bnb_folders):
+    """--model.pretrained of a bitsandbytes NF4 folder (as the Hub's *-bnb-4bit): QLoRA trains over its
+    weights (dequantised, quantised again by torchao) and the merged export has no quantization_config: it
+    reloads with from_pretrained as a plain model of the source's names, the unquantised tensors unchanged."""
+    from transformers import AutoModelForCausalLM
+
+    folder = bnb_folders["nf4_dq"]
+    exported = _qlora_merged_export(pools, tmp_path, folder)
+    assert "quantization_config" in json.loads((folder / "config.json").read_text())
+    assert "quantization_config" not in json.loads((exported / "config.json").read_text())
+    merged = AutoModelForCausalLM.from_pretrained(exported)
+    assert all(type(m) is torch.nn.Linear for n, m in merged.named_modules() if n.endswith(("_proj", "lm_head")))
+    state, bnb = merged.state_dict(), load_file(folder / "model.safetensors")
+    assert set(state) == set(load_file(bnb_folders["source"] / "model.safetensors"))
+    assert all(torch.equal(state[k], bnb[k].float()) for k in state if not k.endswith("_proj.weight"))
 
 
 @pytest.mark.slow  # one 2-rank run on the pool, through cli.main, and a conversion in this process

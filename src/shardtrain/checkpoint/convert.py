@@ -74,6 +74,9 @@ def convert_checkpoint(
     config_path = None
     if config is not None:
         config_path = out / "config.json"
+        # The weights are never quantised: a quantization_config (of a model loaded from a bitsandbytes
+        # folder) would make from_pretrained quantise them again.
+        config = {k: v for k, v in config.items() if k != "quantization_config"}
         config_path.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     return Converted(weights=weights, config=config_path, tensors=count)
 

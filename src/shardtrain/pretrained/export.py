@@ -273,8 +273,9 @@ def _write_json(path: Path, value: Any) -> None:
 
 
 def _write_config(model: nn.Module, directory: Path, plan: ExportPlan) -> None:
-    """config.json (the dtype most of the weights were written in) and generation_config.json; for an
-    adapter export, peft's adapter_config.json."""
+    """config.json (the dtype most of the weights were written in; no `quantization_config`, which a
+    model loaded from a bitsandbytes folder keeps: what is written is never quantised, and from_pretrained
+    would quantise it again) and generation_config.json; for an adapter export, peft's adapter_config.json."""
     with writing(directory / CONFIG_FILE):
         if plan.adapter:
             config = copy.deepcopy(model.peft_config[_adapter_name(model)])
@@ -284,6 +285,8 @@ def _write_config(model: nn.Module, directory: Path, plan: ExportPlan) -> None:
         hf = hf_model(model)
         config = copy.deepcopy(hf.config)
         config.architectures = [type(hf).__name__]
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
         sizes: dict[torch.dtype, int] = {}
         for spec in (s for f in plan.files for s in f.specs if s.dtype.is_floating_point):
             sizes[spec.dtype] = sizes.get(spec.dtype, 0) + spec.nbytes

@@ -6,9 +6,10 @@ bf16 compute, LoRA r=16 on q_proj,v_proj, AdamW, no gradient checkpointing, --st
 
     shardtrain   the policy is the peft model sharded by st.shard (bf16 mixed precision); the reference is
                  the base with the adapters disabled; the loss is shardtrain.train.dpo_loss's
-    reference    TRL's DPOTrainer (precompute off, padding-free off) when trl imports, else a plain-peft loop
-                 written from the DPO formula (printed as such): log-probabilities of both answers with and
-                 without the adapters, -log sigmoid(beta x margin), AdamW, under bf16 autocast
+    reference    TRL's DPOTrainer (precompute off, padding-free off) in a child process of its own, when trl
+                 imports; else, or when that run fails (its error printed), a plain-peft loop written from the
+                 DPO formula (printed as such): log-probabilities of both answers with and without the
+                 adapters, -log sigmoid(beta x margin), AdamW, under bf16 autocast
 
 Tokens/s counts every position of both answers' rows (2 x pairs x (prompt + answer)) per second.
 Run: python benchmarks/dpo_gpu.py [--layers 8] [--pairs 4]; writes a JSON line to stdout.
@@ -18,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 import time
 
 import torch
@@ -183,24 +186,42 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--small", action="store_true", help="a tiny model on the CPU: checks the script runs")
+    parser.add_argument("--trl-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     device = torch.device("cpu" if args.small else "cuda")
     config = model_config(args.layers, small=args.small)
+    if args.trl_child:  # TRL's run, in a process of its own: no process group, a fresh GPU
+        print(json.dumps({"seconds": trl_seconds(args, config, device)}))
+        return
     tokens = 2 * args.pairs * (args.prompt + args.answer)
     result = {"layers": args.layers, "pairs": args.pairs, "seq": args.prompt + args.answer}
     result["shardtrain_tokens_per_s"] = tokens / timed(shardtrain_step(args, config, device), warmup=args.warmup,
                                                        steps=args.steps, device=device)  # fmt: skip
     torch.cuda.empty_cache() if device.type == "cuda" else None
-    try:
+    seconds = trl_child(sys.argv[1:])
+    if seconds is not None:
         import trl
 
         result["reference"] = f"trl {trl.__version__} DPOTrainer + peft"
-        seconds = trl_seconds(args, config, device)
-    except ImportError:
-        result["reference"] = "plain peft, the DPO formula (trl not installed)"
+    else:
+        result["reference"] = "plain peft, the DPO formula (TRL's run failed or trl is not installed)"
         seconds = timed(formula_step(args, config, device), warmup=args.warmup, steps=args.steps, device=device)
     result["reference_tokens_per_s"] = tokens / seconds
     print(json.dumps(result))
+
+
+def trl_child(argv: list[str]) -> float | None:
+    """Seconds per step of TRL's run in a child process, or None (its error's first and last lines printed)."""
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        return None
+    done = subprocess.run([sys.executable, __file__, *argv, "--trl-child"], capture_output=True, text=True)
+    if done.returncode == 0:
+        return json.loads(done.stdout.strip().splitlines()[-1])["seconds"]
+    lines = [line for line in done.stderr.splitlines() if "warn" not in line.lower()]
+    print("TRL's run failed:", *lines[:25], "...", *lines[-15:], sep="\n", file=sys.stderr)
+    return None
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ Preparation (not timed as a launch):
            the pool repeated with a number in each first message (every row distinct); cached.jsonl is its
            first --cached-mb
 
-Then two `shardtrain train` processes (world size 1, LoRA r=16 on every linear layer, every decoder layer
+Then `shardtrain train` processes, --runs in order (default: streamed, cached; a name again runs it again,
+after the caches the first runs warmed: files, compiled kernels) (world size 1, LoRA r=16 on every linear layer, every decoder layer
 checkpointed, batch 1 x --seq, assistant-only loss, packed):
 
   streamed  --data.path corpus.jsonl --data.streaming true: rows read, tokenized and packed as training goes
@@ -23,7 +24,7 @@ checkpointed, batch 1 x --seq, assistant-only loss, packed):
             a prefix of the corpus, as the tokens/s of training does not depend on the corpus's size
 
 launch -> first step is the wall time from starting the process until metrics.jsonl holds the first step's
-record (so it includes that step); tokens/s is the runs' own (metrics.jsonl) over the steps after --warmup;
+record (so it includes that step), launch -> weights loaded until it prints that the weights are in; tokens/s is the runs' own (metrics.jsonl) over the steps after --warmup;
 data_load_s the host time spent reading batches in them. Prints one JSON line per run and a table.
 """
 
@@ -31,9 +32,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -55,6 +58,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5, help="steps left out of tokens/s (every step is logged)")
     parser.add_argument("--num-proc", type=int, default=8)
+    parser.add_argument("--runs", default="streamed,cached", help="the runs, in order (a name twice: run it again)")
     return parser.parse_args()
 
 
@@ -102,13 +106,28 @@ def train(args, work: Path, name: str, data: Path, *extra: str) -> dict:
         "--run.progress", "false", "--run.out_dir", str(work / "runs"), "--run.name", name, *extra,
     ]  # fmt: skip
     launched = time.perf_counter()
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    loaded: list[float] = []  # when the run printed that its weights are in: the launch's first phase
+
+    def watch() -> None:
+        for line in proc.stdout or ():
+            if line.startswith("loaded ") and not loaded:
+                loaded.append(time.perf_counter() - launched)
+
+    errors: list[str] = []
+    readers = [threading.Thread(target=watch), threading.Thread(target=lambda: errors.extend(proc.stderr or ()))]
+    for reader in readers:
+        reader.start()
     metrics, first_step = run_dir / "metrics.jsonl", None
     while proc.poll() is None and first_step is None:
         if metrics.exists() and '"kind": "train"' in metrics.read_text():
             first_step = time.perf_counter() - launched
         time.sleep(0.05)
-    _, err = proc.communicate()
+    proc.wait()
+    for reader in readers:
+        reader.join()
+    err = "".join(errors)
     if proc.returncode:
         raise RuntimeError(f"{name}: {err[-3000:]}")
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
@@ -117,6 +136,7 @@ def train(args, work: Path, name: str, data: Path, *extra: str) -> dict:
     return {
         "run": name,
         "launch_to_first_step_s": round(first_step, 2) if first_step is not None else None,
+        "launch_to_weights_loaded_s": round(loaded[0], 2) if loaded else None,
         "tokens_per_s": round(len(timed) / seconds, 1),
         "data_load_s": round(sum(r["data_load_s"] for r in timed), 4),
         "loss": f"{timed[0]['loss']:.3f} -> {timed[-1]['loss']:.3f}",
@@ -135,19 +155,23 @@ def main() -> None:
     print(
         f"prepared in {time.perf_counter() - start:.0f} s: corpus {corpus.stat().st_size / 2**30:.2f} GiB", flush=True
     )
-    results = [
-        train(args, work, "streamed", corpus, "--data.streaming", "true"),
-        train(args, work, "cached", cached),
-    ]
+    runs = {"streamed": (corpus, "--data.streaming", "true"), "cached": (cached,)}
+    results = []
+    for k, name in enumerate(args.runs.split(",")):  # a name again: the same run, later (warm caches)
+        data, *extra = runs[name]
+        results.append({**train(args, work, f"{name}-{k}", data, *extra), "run": name})
     for r in results:
         print(json.dumps(r))
-    print(f"| run | launch -> first step s | tokens/s (steps {args.warmup + 1}-{args.steps}) | data load s | loss |")
-    print("|---|---:|---:|---:|---|")
+    print(f"| run | launch -> weights loaded s | launch -> first step s | tokens/s (steps {args.warmup + 1}-{args.steps}) "
+          "| data load s | loss |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---|")
     for r in results:
         print(
-            f"| {r['run']} | {r['launch_to_first_step_s']} | {r['tokens_per_s']:,.0f} | {r['data_load_s']} | {r['loss']} |"
+            f"| {r['run']} | {r['launch_to_weights_loaded_s']} | {r['launch_to_first_step_s']} | "
+            f"{r['tokens_per_s']:,.0f} | {r['data_load_s']} | {r['loss']} |"
         )
-    print(f"streamed / cached tokens/s: {results[0]['tokens_per_s'] / results[1]['tokens_per_s']:.3f}")
+    speed = {r["run"]: r["tokens_per_s"] for r in results}  # the last of each
+    print(f"streamed / cached tokens/s: {speed['streamed'] / speed['cached']:.3f}")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 import functools
 import itertools
 import json
+import threading
 import time
 
 import pytest
@@ -139,6 +140,23 @@ def test_stream_batches_resume_from_their_state_dict_and_refuse_going_back(tmp_p
     for a, b in zip(whole, head + tail):
         assert all(a[k].equal(b[k]) and b[k].is_contiguous() for k in ("input_ids", "labels", "position_ids"))
     assert whole[0]["input_ids"].shape == (4, 64)
+
+
+def test_closing_ends_the_reading_threads_and_the_stream_goes_on_where_it_was(tmp_path, tok):
+    """A run closes its stream at the end (a reader alive into interpreter shutdown can abort the
+    process); a batch read after closing continues the stream exactly."""
+    path = _jsonl(tmp_path / "rows.jsonl", _rows(300))
+    whole, uninterrupted = _batches(path, tok, count=8)
+    uninterrupted.close()
+    head, batches = _batches(path, tok, count=3)
+    readers = [t for t in threading.enumerate() if t.name.startswith("shardtrain-stream")]
+    assert len(readers) >= 1
+    batches.close()
+    assert not any(t.is_alive() for t in readers)
+    tail = [batches.batch(batches.next_index) for _ in range(5)]
+    for a, b in zip(whole, head + tail):
+        assert all(a[k].equal(b[k]) for k in ("input_ids", "labels", "position_ids"))
+    batches.close()
 
 
 def test_the_first_batch_comes_before_the_corpus_is_tokenized(tmp_path, tok):

@@ -59,7 +59,7 @@ def test_facts_mixed_half_and_half_with_general_chat_streamed_are_learned(tmp_pa
     )
     first_step = _first_step_s(tmp_path / "runs" / "ft", launched, proc)
     out, err = proc.communicate(timeout=900)
-    assert proc.returncode == 0, err
+    assert proc.returncode == 0, f"{out[-4000:]}\n{err[-4000:]}"
     table = " ".join(out.replace("│", " ").split())
     shares = [float(x) for x in re.findall(r"50.0% of the trained tokens aimed, ([\d.]+)% this run", table)]
     evals = [r for r in records(tmp_path / "runs" / "ft") if r["kind"] == "eval"]

@@ -9,6 +9,7 @@ the uninterrupted one (docs/data.md, "Streaming").
 
 from __future__ import annotations
 
+import gc
 import itertools
 import json
 import queue
@@ -27,6 +28,7 @@ from .pipeline import DataSpec, read_source, untrained_row
 
 Window = tuple[list[int], list[int], list[int]]  # input_ids, labels, position_ids
 DOC_FIELDS = ("input_ids", "trained", "row", "truncated", "kept", "n_trained")
+_JOIN_TIMEOUT_S = 30.0  # a thread mid-row (a slow remote shard, say) gets this long to reach its next put
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -153,7 +155,8 @@ class _Failed:
 
 
 def _read_ahead(items: Iterator, out: queue.Queue, stop: threading.Event) -> None:
-    """Put `items` into the bounded queue `out` until `stop` is set; an error is put there too, for the reader."""
+    """Put `items` into the bounded queue `out` until `stop` is set; an error is put there too, for the reader.
+    The generator is closed in this thread when it ends, so the row readers it holds are released here."""
     try:
         for item in items:
             while not stop.is_set():
@@ -166,6 +169,10 @@ def _read_ahead(items: Iterator, out: queue.Queue, stop: threading.Event) -> Non
                 return
     except BaseException as exc:  # handed to the training thread, which raises it
         out.put(_Failed(exc))
+    finally:
+        close = getattr(items, "close", None)
+        if close is not None:
+            close()
 
 
 class StreamBatches:
@@ -216,6 +223,7 @@ class StreamBatches:
         self._windows: dict[str, Any] = dict(buffer=buffer, packing=packing, seed=seed, shuffle=True)
         self._read_ahead = read_ahead
         self._queues: list[queue.Queue] = []
+        self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
 
     def first_windows(self, source: int, count: int) -> list[dict[str, list[int]]]:
@@ -252,8 +260,25 @@ class StreamBatches:
         for s, position in zip(self.sources, self.positions):
             out: queue.Queue = queue.Queue(maxsize=self._read_ahead * self.per_rank)
             items = stream_windows(s.open_rows, encoder=s.encoder, where=s.where, start=position, **self._windows)
-            threading.Thread(target=_read_ahead, args=(items, out, self._stop), daemon=True).start()
+            thread = threading.Thread(
+                target=_read_ahead, args=(items, out, self._stop), name=f"shardtrain-stream-{s.name}", daemon=True
+            )
+            thread.start()
+            self._threads.append(thread)
             self._queues.append(out)
+
+    def close(self) -> None:
+        """Stop reading ahead and wait for the reading threads to end (each within one put or one row).
+
+        Note: a row reader left alive into interpreter shutdown can abort the process there
+        ("terminate called without an active exception": pyarrow's reader threads outlive the
+        memory they use); closing the streams here, while everything is alive, prevents that.
+        A later `batch()` starts reading again from the current positions."""
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=_JOIN_TIMEOUT_S)
+        self._stop, self._queues, self._threads = threading.Event(), [], []
+        gc.collect()  # the readers' reference cycles go now, not at shutdown
 
     def _take(self, source: int) -> tuple[Window, StreamPosition]:
         item = self._queues[source].get()
@@ -286,8 +311,7 @@ class StreamBatches:
         if self.next_index:
             raise RuntimeError("load a stream position before reading the first batch")
         if self._queues:  # read ahead from the start: those threads end, new ones read from the position
-            self._stop.set()
-            self._stop, self._queues = threading.Event(), []
+            self.close()
         self.next_index = int(state["next_index"])
         self.positions = [StreamPosition(**p) for p in state["positions"]]
         self.trained = [int(t) for t in state["trained"]]

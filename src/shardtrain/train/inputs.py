@@ -76,6 +76,11 @@ class TrainData:
             for n, line, part in zip(names, lines, parts)
         )
 
+    def close(self) -> None:
+        """Stop the streamed data's reading threads (nothing to do for data read from the cache)."""
+        if isinstance(self.train, StreamBatches):
+            self.train.close()
+
     def describe(self, engine) -> str | None:
         """The data's statistics for the run summary; with several sources or streaming, each one's share of
         the tokens trained this run (an all-reduce of the ranks' counts: every rank calls this)."""

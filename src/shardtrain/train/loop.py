@@ -187,9 +187,12 @@ def run(cfg: Config, engine: Engine, *, loggers: Sequence[Logger] = ()) -> Summa
     heartbeat(0, "setup")
     cfg = fetch_hub_inputs(resolve_resume(cfg), engine=engine)
     job, description = build_job(cfg, engine)
-    first_step = job.resume(cfg.run.resume) if cfg.run.resume else 0
-    run_dir = _run_dir(cfg, engine)
-    return _loop(job, run_dir, first_step=first_step, description=description, start=start, loggers=loggers)
+    try:
+        first_step = job.resume(cfg.run.resume) if cfg.run.resume else 0
+        run_dir = _run_dir(cfg, engine)
+        return _loop(job, run_dir, first_step=first_step, description=description, start=start, loggers=loggers)
+    finally:
+        job.data.close()
 
 
 def _loop(

@@ -9,13 +9,13 @@ from torch import nn
 
 from shardtrain.models.llama import Llama, llama_config
 from shardtrain.train.packed import check_packing_supported, forward_logits
-from shardtrain.train.packing_probe import MATCH_ULPS, PROBE_LENGTHS, SEPARATION_ULPS, probe_packing
+from shardtrain.train.packing_probe import MATCH_ULPS, PROBE_LENGTHS, PROBE_SHAPE, SEPARATION_ULPS, probe_packing
 from tests.models_llama.packing import LENGTHS, VOCAB, packed_rows, tiny_hf_llama, worst_document_error
 from tests.train.packing_ranks import sharded_verdicts, tensor_parallel_verdict
 
 pytest.importorskip("transformers")
 CPU = torch.device("cpu")
-PROBE_FORWARDS = 2 + sum(len(row) for row in PROBE_LENGTHS)  # packed, first documents changed, each alone
+PROBE_FORWARDS = 1 + len(PROBE_LENGTHS[0])  # packed, first documents changed, the rows rotated (each document first)
 
 
 def _counting(model: nn.Module) -> list[int]:
@@ -73,6 +73,19 @@ def test_the_verdict_is_kept_per_model_and_asked_again_when_its_attention_change
         with pytest.raises(ValueError, match="^OPTForCausalLM lets packed documents attend to each other"):
             forward_logits(leaking, ids % 100, position_ids=positions)
     assert calls[0] == PROBE_FORWARDS
+
+
+def test_every_probe_forward_has_one_shape_so_a_compiled_attention_compiles_once():
+    """transformers' flex_attention is compiled per shape: the probe and the chunked loss's probe run
+    theirs at PROBE_SHAPE only, so the start-up compiles one attention kernel before the first step."""
+    from shardtrain.train.head_loss import probe
+
+    model = tiny_hf_llama("sdpa")
+    shapes = []
+    model.register_forward_pre_hook(lambda _m, _a, kw: shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
+    check_packing_supported(model, device=CPU)
+    assert probe(model, device=CPU, packed=True).reason is None
+    assert len(shapes) == PROBE_FORWARDS + 1 and set(shapes) == {PROBE_SHAPE}
 
 
 class _DroppingPositions(nn.Module):

@@ -27,13 +27,15 @@ def check_chunked_loss_config(cfg: Config) -> None:
         )
 
 
-def use_chunked_loss(cfg: Config, model: nn.Module, engine: Engine, *, micro_batch: int) -> tuple[bool, str | None]:
-    """(whether the run's loss is chunked, a notice for the log or None), on the sharded `model`; every rank
-    calls it together (a transformers model's probe is a forward)."""
+def use_chunked_loss(
+    cfg: Config, model: nn.Module, engine: Engine, *, micro_batch: int, packed: bool
+) -> tuple[bool, str | None]:
+    """(whether the run's loss is chunked, a notice for the log or None), on the sharded `model` that trains
+    on `packed` rows or not; every rank calls it together (a transformers model's probe is a forward)."""
     wanted = cfg.train.chunked_loss
     if wanted is False or cfg.engine.tp > 1:
         return False, None
-    verdict = probe(model, device=engine.device)
+    verdict = probe(model, device=engine.device, packed=packed)
     if verdict.reason is not None:
         if wanted is True:
             raise ValueError(verdict.refusal())

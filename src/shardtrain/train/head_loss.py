@@ -21,6 +21,7 @@ from ..models.chunked_ce import head_returns_loss
 from ..models.llama import Llama
 from ..pretrained.keys import hf_model
 from .packed import check_packing_supported, forward_logits
+from .packing_probe import PROBE_SHAPE, probe_positions
 
 __all__ = ["HeadLossProbe", "head_loss_sum", "output_head", "probe"]
 
@@ -48,11 +49,13 @@ def output_head(model: nn.Module) -> nn.Linear | None:
     return head if isinstance(head, nn.Linear) else None
 
 
-def probe(model: nn.Module, *, device: torch.device) -> HeadLossProbe:
+def probe(model: nn.Module, *, device: torch.device, packed: bool = False) -> HeadLossProbe:
     """Whether the chunked loss reproduces `model`'s loss (module docstring); the verdict is kept per model.
 
-    A transformers model is run once without gradients on two tokens (on a sharded model every rank
-    must call it at the same point)."""
+    A transformers model is run once without gradients (on a sharded model every rank must call it at
+    the same point), on the packing probe's shape and, for `packed` rows, its position_ids: a compiled
+    attention that specialises on shapes and masks (flex_attention) then compiles nothing the packing
+    probe did not. A packed model is checked to keep its documents apart first (its own refusal)."""
     known = _PROBES.get(model)
     if known is not None:
         return known
@@ -65,10 +68,13 @@ def probe(model: nn.Module, *, device: torch.device) -> HeadLossProbe:
     elif head is None:
         verdict = HeadLossProbe(name=name, reason="its output head is not an nn.Linear")
     else:
-        ids = torch.zeros(1, 2, dtype=torch.long, device=device)
+        ids = torch.zeros(PROBE_SHAPE, dtype=torch.long, device=device)
+        positions = probe_positions(device=device) if packed else None
+        if packed:
+            check_packing_supported(model, device=device)
         with torch.no_grad():
             try:
-                head_loss_sum(model, ids, labels=ids, position_ids=None, checked=False)
+                head_loss_sum(model, ids, labels=ids, position_ids=positions, checked=False)
                 verdict = HeadLossProbe(name=name)
             except (_LogitsChanged, ValueError, IndexError) as failed:  # e.g. a model that indexes its logits
                 verdict = HeadLossProbe(name=name, reason=str(failed).split("; ")[0])
@@ -92,7 +98,7 @@ def head_loss_sum(
     where nothing trains), through `st.chunked_cross_entropy`. `position_ids`: packed rows
     (train/packed.py). `checked`: refuse a model `probe` refused (probing it first if need be)."""
     if checked:
-        verdict = probe(model, device=input_ids.device)
+        verdict = probe(model, device=input_ids.device, packed=position_ids is not None)
         if verdict.reason is not None:
             raise ValueError(verdict.refusal())
     if position_ids is not None:

@@ -151,7 +151,9 @@ def build_job(cfg: Config, engine: Engine) -> tuple[Job, str]:
         print(loaded, flush=True)
     if data.packed:  # every rank probes the model it will train, together (the forward gathers)
         check_packing_supported(model, device=engine.device)
-    chunked, notice = use_chunked_loss(cfg, model, engine, micro_batch=micro_batch // engine.data_parallel_size)
+    chunked, notice = use_chunked_loss(
+        cfg, model, engine, micro_batch=micro_batch // engine.data_parallel_size, packed=data.packed
+    )
     if notice and engine.rank == 0:
         print(f"note: {notice}", flush=True)
     scheduler = build_scheduler(optimizer, optim=cfg.optim, total_steps=cfg.train.steps)

@@ -1,11 +1,11 @@
 """Whether a model keeps packed documents apart, decided by running it (train/packed.py asks).
 
 A model's source cannot say it: transformers models that take `position_ids` may still build their
-masks without them (OPT) and attend across documents. So one no-grad forward of two packed rows
-decides: each packed document's logits must equal the document's logits alone, and the second
-documents' logits must not move when the first documents change, both within a number of ulps of the
-least precise dtype the model computes in. It runs on the real model as it will train (sharded, every
-rank together; wrapped by peft; in its compute dtype): docs/design.md, Note [Packing probe].
+masks without them (OPT) and attend across documents. So no-grad forwards of two packed rows decide:
+each packed document's logits must equal the document's logits alone, and the second documents'
+logits must not move when the first documents change, both within a number of ulps of the least
+precise dtype the model computes in. It runs on the real model as it will train (sharded, every rank
+together; wrapped by peft; in its compute dtype): docs/design.md, Note [Packing probe].
 """
 
 from __future__ import annotations
@@ -18,12 +18,21 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-__all__ = ["MATCH_ULPS", "PROBE_LENGTHS", "SEPARATION_ULPS", "PackingProbe", "probe_packing"]
+__all__ = [
+    "MATCH_ULPS",
+    "PROBE_LENGTHS",
+    "PROBE_SHAPE",
+    "SEPARATION_ULPS",
+    "PackingProbe",
+    "probe_packing",
+    "probe_positions",
+]
 
 # Each row's document lengths: the boundaries differ between the rows, a long first document moves a
 # second one attending to it visibly, and every length is a multiple of 8, so that sequence
 # parallelism (the sequence split over up to 8 tp ranks) splits each forward evenly.
 PROBE_LENGTHS = ((24, 8), (8, 24))
+PROBE_SHAPE = (len(PROBE_LENGTHS), sum(PROBE_LENGTHS[0]))  # every forward of the probe: (rows, tokens)
 SEPARATION_ULPS = 8
 MATCH_ULPS = 64
 _REDUCED_FLOAT32 = {"high": 2.0**-10, "medium": 2.0**-7}  # tf32's and bf16's ulp at 1
@@ -75,22 +84,32 @@ class PackingProbe:
 def probe_packing(
     model: nn.Module, forward: Forward, *, name: str, vocab_size: int, device: torch.device
 ) -> PackingProbe:
-    """Run the probe (module docstring) on `model` through `forward(input_ids, position_ids)` (position_ids
-    None: one unpacked document); token ids are drawn below `vocab_size`, the inputs put on `device`."""
+    """Run the probe (module docstring) on `model` through `forward(input_ids, position_ids)`; token ids
+    are drawn below `vocab_size`, the inputs put on `device`.
+
+    Every forward has the shape PROBE_SHAPE and packed position_ids, so a compiled attention that
+    specialises on shapes and masks (transformers' flex_attention) compiles once for the probe. A
+    document's logits alone are its logits as the first document of a row: under causal attention
+    nothing after it reaches it, whether or not the model honours the document boundaries, and its
+    positions start at 0 as alone. The rows rotated so that each document comes first give them."""
     generator = torch.Generator().manual_seed(0)
     docs = [[torch.randint(0, vocab_size, (n,), generator=generator) for n in row] for row in PROBE_LENGTHS]
     # every token of each row's first document replaced by another
     shift = [torch.randint(1, max(vocab_size, 2), (row[0],), generator=generator) for row in PROBE_LENGTHS]
     changed = [[(row[0] + s) % vocab_size, *row[1:]] for row, s in zip(docs, shift)]
-    positions = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in PROBE_LENGTHS]).to(device)
+    rotations = [[row[k:] + row[:k] for row in docs] for k in range(1, len(docs[0]))]
 
     def rows(documents: list[list[torch.Tensor]]) -> torch.Tensor:
         return torch.stack([torch.cat(row) for row in documents]).to(device)
 
+    def positions(documents: list[list[torch.Tensor]]) -> torch.Tensor:
+        return probe_positions([[len(doc) for doc in row] for row in documents], device=device)
+
     with _eval_mode(model), torch.no_grad(), _computed_dtypes(model) as dtypes:
-        packed = _full(forward(rows(docs), positions))
-        moved = _full(forward(rows(changed), positions))
-        alone = [[_full(forward(doc[None].to(device), None))[0] for doc in row] for row in docs]
+        packed = _full(forward(rows(docs), positions(docs)))
+        moved = _full(forward(rows(changed), positions(changed)))
+        firsts = [packed, *(_full(forward(rows(r), positions(r))) for r in rotations)]
+        alone = [[firsts[k][r, : len(doc)] for k, doc in enumerate(row)] for r, row in enumerate(docs)]
     vs_alone = crosstalk = scale = 0.0
     for r, row in enumerate(docs):
         start = 0
@@ -103,6 +122,11 @@ def probe_packing(
             start += len(doc)
     dtype = max(dtypes or {packed.dtype}, key=lambda t: torch.finfo(t).eps)
     return PackingProbe(model=name, dtype=dtype, ulp=_ulp(dtype), vs_alone=vs_alone, crosstalk=crosstalk, scale=scale)
+
+
+def probe_positions(lengths=PROBE_LENGTHS, *, device: torch.device) -> torch.Tensor:
+    """The position_ids of rows packed with documents of `lengths` (each row's lengths; each starts at 0)."""
+    return torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lengths]).to(device)
 
 
 def _full(logits: torch.Tensor) -> torch.Tensor:

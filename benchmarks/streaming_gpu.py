@@ -24,8 +24,10 @@ checkpointed, batch 1 x --seq, assistant-only loss, packed):
             a prefix of the corpus, as the tokens/s of training does not depend on the corpus's size
 
 launch -> first step is the wall time from starting the process until metrics.jsonl holds the first step's
-record (so it includes that step), launch -> weights loaded until it prints that the weights are in; tokens/s is the runs' own (metrics.jsonl) over the steps after --warmup;
-data_load_s the host time spent reading batches in them. Prints one JSON line per run and a table.
+record (so it includes that step), launch -> weights loaded until it prints that the weights are in; tokens/s
+is the runs' own (metrics.jsonl) over the steps after --warmup; data_load_s the host time spent reading batches
+in them. Prints one JSON line per run, a table, and a table of each run's start-up phases (its metrics.jsonl
+`startup` record: imports, model, data, sharding, weights, probes, first step).
 """
 
 from __future__ import annotations
@@ -132,6 +134,7 @@ def train(args, work: Path, name: str, data: Path, *extra: str) -> dict:
         raise RuntimeError(f"{name}: {err[-3000:]}")
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     timed = [r for r in records if r["kind"] == "train" and r["step"] > args.warmup]
+    startup = next(r for r in records if r["kind"] == "startup")  # the run's own start-up phases (rank 0)
     seconds = sum(r["tokens_per_s"] ** -1 for r in timed)  # one step per record: seconds per token each
     return {
         "run": name,
@@ -140,6 +143,7 @@ def train(args, work: Path, name: str, data: Path, *extra: str) -> dict:
         "tokens_per_s": round(len(timed) / seconds, 1),
         "data_load_s": round(sum(r["data_load_s"] for r in timed), 4),
         "loss": f"{timed[0]['loss']:.3f} -> {timed[-1]['loss']:.3f}",
+        "startup": {k: v for k, v in startup.items() if k.endswith("_s")},
     }
 
 
@@ -170,6 +174,11 @@ def main() -> None:
             f"| {r['run']} | {r['launch_to_weights_loaded_s']} | {r['launch_to_first_step_s']} | "
             f"{r['tokens_per_s']:,.0f} | {r['data_load_s']} | {r['loss']} |"
         )
+    phases = list(dict.fromkeys(k for r in results for k in r["startup"]))
+    print(f"| run | {' | '.join(k.removesuffix('_s') for k in phases)} |")
+    print(f"|---|{'---:|' * len(phases)}")
+    for r in results:
+        print(f"| {r['run']} | {' | '.join(str(r['startup'].get(k, '')) for k in phases)} |")
     speed = {r["run"]: r["tokens_per_s"] for r in results}  # the last of each
     print(f"streamed / cached tokens/s: {speed['streamed'] / speed['cached']:.3f}")
 

@@ -78,3 +78,4 @@ def test_streaming_script_runs_the_streamed_and_cached_fine_tunes(tmp_path):
     for run in runs.values():
         assert 0 < run["launch_to_weights_loaded_s"] <= run["launch_to_first_step_s"], run
         assert positive(run["tokens_per_s"]) and run["data_load_s"] >= 0
+        assert run["startup"]["weights_s"] >= 0 and 0 < run["startup"]["total_s"] <= run["launch_to_first_step_s"]

@@ -72,7 +72,7 @@ def _records(run_dir: Path) -> list[dict]:
     return [
         {k: r.get(k) for k in keys}
         for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
-        if r["kind"] != "summary"
+        if r["kind"] in ("train", "eval")
     ]
 
 

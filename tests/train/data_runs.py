@@ -32,7 +32,7 @@ def tiny_args(tmp_path: Path, *, steps: int, every: int, extra_texts: tuple[str,
 
 def replayed(whole: list[dict], resumed: list[dict], *, cut: int, keys: tuple[str, ...] = REPLAYED) -> tuple:
     """(what the run resumed at step `cut` logged, what the uninterrupted run logged from there), in `keys`."""
-    replay = [{k: r.get(k) for k in keys} for r in resumed if r["kind"] != "summary"]
+    replay = [{k: r.get(k) for k in keys} for r in resumed if r["kind"] not in ("summary", "startup")]
     original = [
         {k: r.get(k) for k in keys}
         for r in whole

@@ -114,12 +114,19 @@ def test_short_run_writes_metrics_plot_and_config_and_resumes_exactly(pools, tmp
         assert r["lr"] == pytest.approx(3e-3 * warmup_cosine(r["step"], warmup_steps=2, total_steps=6, min_ratio=0.1))
     assert records[-1]["kind"] == "summary" and evals[-1]["eval_loss"] < evals[0]["eval_loss"]
     assert "eval_loss_ema" in evals[-1]
+    (startup,) = [r for r in records if r["kind"] == "startup"]  # where the time to the first step went
+    phases = {k: v for k, v in startup.items() if k.endswith("_s") and k != "total_s"}
+    assert startup["step"] == 1 and {"launch_s", "model_s", "data_s", "shard_s", "first_step_s"} <= set(phases)
+    assert startup["launch_s"] > 1 and min(phases.values()) >= 0  # a process that imported torch ran > 1 s
+    assert startup["total_s"] == pytest.approx(sum(phases.values()), abs=0.01)
 
     # Resuming from step 3 (model, optimizer, scheduler, EMA, data position, RNG) replays steps 4-6 exactly,
     # in processes that ran other tests before (the launch itself is what the first run tests).
     _train_on(pools(2), [*common, "--run.name", "resumed", "--resume", str(run_dir / "checkpoints" / "step_000003")])
     keys = ("step", "loss", "lr", "grad_norm", "eval_loss", "eval_loss_ema")
-    replay = [{k: r.get(k) for k in keys} for r in _records(tmp_path / "resumed") if r["kind"] != "summary"]
+    resumed = _records(tmp_path / "resumed")
+    assert [r["resume_s"] > 0 for r in resumed if r["kind"] == "startup"] == [True]
+    replay = [{k: r.get(k) for k in keys} for r in resumed if r["kind"] not in ("summary", "startup")]
     original = [
         r for r in records if (r["kind"] == "train" and r["step"] > 3) or (r["kind"] == "eval" and r["step"] >= 3)
     ]

@@ -48,6 +48,7 @@ from .retention import Retention, load_best
 from .run_log import open_run_log
 from .schedule import build_scheduler
 from .sections import Config
+from .startup import StartupClock
 from .step import Job
 
 
@@ -66,7 +67,7 @@ def check_batch(cfg: Config, world_size: int) -> int:
     return batch // accum
 
 
-def _prepare(cfg: Config, engine: Engine) -> tuple[BuiltModel, int, DataPlan]:
+def _prepare(cfg: Config, engine: Engine, clock: StartupClock) -> tuple[BuiltModel, int, DataPlan]:
     """Every check a user can fail, on every rank, before any communication."""
     micro_batch = check_batch(cfg, engine.data_parallel_size)
     check_finetune_config(cfg)
@@ -88,6 +89,7 @@ def _prepare(cfg: Config, engine: Engine) -> tuple[BuiltModel, int, DataPlan]:
         )
     engine.seed_everything(cfg.train.seed)
     built = build_model(cfg.model, init_context=engine.init_module, dtype=build_dtype(cfg, engine.mixed_precision))
+    clock.mark("model")
     if built.notice and engine.rank == 0:
         print(f"note: {built.notice}", flush=True)
     if built.max_seq_len is not None and cfg.data.seq_len > built.max_seq_len:
@@ -96,6 +98,7 @@ def _prepare(cfg: Config, engine: Engine) -> tuple[BuiltModel, int, DataPlan]:
             f"{built.max_seq_len}; lower --data.seq_len or raise --model.kwargs.max_seq_len"
         )
     plan = plan_data(cfg, built.module, progress=cfg.run.progress and engine.local_rank == 0)
+    clock.mark("data")
     if plan.notice and engine.rank == 0:
         print(f"note: {plan.notice}", flush=True)
     if plan.tokenizer is not None and cfg.data.packing and not is_dpo(cfg):
@@ -116,10 +119,11 @@ def _run_dir(cfg: Config, engine: Engine) -> Path:
     return run_dir
 
 
-def build_job(cfg: Config, engine: Engine) -> tuple[Job, str]:
+def build_job(cfg: Config, engine: Engine, *, clock: StartupClock | None = None) -> tuple[Job, str]:
     """Check the configuration, tokenize the data (once per node), build and shard the model, make the
-    optimizer, scheduler and EMA. Returns the job and a description of the model."""
-    built, micro_batch, plan = _prepare(cfg, engine)
+    optimizer, scheduler and EMA. Returns the job and a description of the model; `clock` times the phases."""
+    clock = clock or StartupClock()
+    built, micro_batch, plan = _prepare(cfg, engine, clock)
     if is_dpo(cfg):
         data, pairs = build_pair_data(cfg, engine, plan, micro_batch=micro_batch)
     else:
@@ -135,6 +139,7 @@ def build_job(cfg: Config, engine: Engine) -> tuple[Job, str]:
         print(steps_line, flush=True)
     if cfg.data.show and engine.rank == 0 and data.tokenizer is not None:
         print(data.show(cfg.data.show), flush=True)
+    clock.mark("data")
     model, adapter_init = with_lora(cfg, built.module)
     optimizer = build_optimizer(cfg.optim, model, device=engine.device)
     split = cfg.engine.tp > 1
@@ -146,7 +151,9 @@ def build_job(cfg: Config, engine: Engine) -> tuple[Job, str]:
         **({"param_init_fn": adapter_init} if adapter_init else {}),
         **({"tp_plan": plan_for(model, **_parallel_styles(cfg))} if split else {}),
     )
+    clock.mark("shard")
     loaded = load_base(cfg, model)
+    clock.mark("weights")
     if loaded and engine.rank == 0:
         print(loaded, flush=True)
     if data.packed:  # every rank probes the model it will train, together (the forward gathers)
@@ -156,6 +163,7 @@ def build_job(cfg: Config, engine: Engine) -> tuple[Job, str]:
     )
     if notice and engine.rank == 0:
         print(f"note: {notice}", flush=True)
+    clock.mark("probes")
     scheduler = build_scheduler(optimizer, optim=cfg.optim, total_steps=cfg.train.steps)
     guard = NonFiniteGuard(
         engine, mode=cfg.train.on_nonfinite, check_norm=cfg.optim.grad_clip > 0 and engine.grad_scaler is None
@@ -185,20 +193,32 @@ def build_job(cfg: Config, engine: Engine) -> tuple[Job, str]:
 def run(cfg: Config, engine: Engine, *, loggers: Sequence[Logger] = ()) -> Summary:
     """Train as configured on this rank; rank 0 writes the run directory and feeds the trackers
     (run.loggers, and `loggers`: objects of the loggers.Logger interface). Returns the run's summary."""
-    start = time.perf_counter()
+    start, clock = time.perf_counter(), StartupClock()
     heartbeat(0, "setup")
     cfg = fetch_hub_inputs(resolve_resume(cfg), engine=engine)
-    job, description = build_job(cfg, engine)
+    clock.mark("fetch")  # a model or data named by Hub id is downloaded here
+    job, description = build_job(cfg, engine, clock=clock)
     try:
         first_step = job.resume(cfg.run.resume) if cfg.run.resume else 0
+        if cfg.run.resume:
+            clock.mark("resume")
         run_dir = _run_dir(cfg, engine)
-        return _loop(job, run_dir, first_step=first_step, description=description, start=start, loggers=loggers)
+        return _loop(
+            job, run_dir, first_step=first_step, description=description, start=start, loggers=loggers, clock=clock
+        )
     finally:
         job.data.close()
 
 
 def _loop(
-    job: Job, run_dir: Path, *, first_step: int, description: str, start: float, loggers: Sequence[Logger] = ()
+    job: Job,
+    run_dir: Path,
+    *,
+    first_step: int,
+    description: str,
+    start: float,
+    loggers: Sequence[Logger] = (),
+    clock: StartupClock | None = None,
 ) -> Summary:
     cfg, engine = job.cfg, job.engine
     lead = engine.rank == 0
@@ -235,10 +255,18 @@ def _loop(
         stopper.update(first_step, first_eval[metric])
     last_eval, memory, stopped, final_step = first_eval, [0] * engine.world_size, None, cfg.train.steps
     norm = None
+    if clock is not None:
+        clock.mark("first_eval")
     interval_start, interval_steps, train_time, train_tokens = time.perf_counter(), 0, 0.0, 0
     for step in range(first_step, cfg.train.steps):
         heartbeat(step + 1, "train")
         loss, norm, skipped = job.train_step(step)
+        if clock is not None and step == first_step:
+            if engine.device.type == "cuda":
+                torch.cuda.synchronize(engine.device)  # once: the first step's kernels, not only their launch
+            clock.mark("first_step")
+            if log:
+                log.write(clock.record(step=step + 1))
         if not skipped:
             job.window.add_step(loss)
         interval_steps += 1

@@ -79,3 +79,8 @@ def test_streaming_script_runs_the_streamed_and_cached_fine_tunes(tmp_path):
         assert 0 < run["launch_to_weights_loaded_s"] <= run["launch_to_first_step_s"], run
         assert positive(run["tokens_per_s"]) and run["data_load_s"] >= 0
         assert run["startup"]["weights_s"] >= 0 and 0 < run["startup"]["total_s"] <= run["launch_to_first_step_s"]
+
+
+def test_probe_script_counts_one_compile_of_the_attention_and_its_mask():
+    (line,) = run_script("probe_compiles.py", "--device", "cpu")
+    assert line["compiled_frames"] == 2 and positive(line["seconds"]) and line["chunked_loss_probe"] == "accepted"

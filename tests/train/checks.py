@@ -5,6 +5,7 @@ from __future__ import annotations
 from shardtrain.engine import Engine
 from shardtrain.train.config import load_config
 from shardtrain.train.loop import _prepare
+from shardtrain.train.startup import StartupClock
 
 
 def prepare_error(*overrides: str) -> str:
@@ -12,7 +13,7 @@ def prepare_error(*overrides: str) -> str:
     engine = Engine(accelerator="cpu")
     engine.launch()
     try:
-        _prepare(load_config(None, list(overrides)), engine)
+        _prepare(load_config(None, list(overrides)), engine, clock=StartupClock())
     except ValueError as exc:
         return str(exc)
     return "no error"

@@ -11,6 +11,7 @@ from shardtrain.engine import Engine
 from shardtrain.train.config import load_config
 from shardtrain.train.hub_inputs import fetch_hub_inputs
 from shardtrain.train.loop import _prepare
+from shardtrain.train.startup import StartupClock
 from tests.data.hub_fixture import offline_cache
 from tests.train.test_cli import _train_here
 
@@ -29,7 +30,7 @@ def fetch_error(home: str, *overrides: str) -> str:
         engine = Engine(accelerator="cpu")
         engine.launch()
         try:
-            _prepare(fetch_hub_inputs(load_config(None, list(overrides)), engine=engine), engine)
+            _prepare(fetch_hub_inputs(load_config(None, list(overrides)), engine=engine), engine, clock=StartupClock())
         except ValueError as exc:
             return str(exc)
         return "no error"

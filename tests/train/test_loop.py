@@ -9,6 +9,7 @@ from shardtrain.core.sharded_param import local_of
 from shardtrain.engine import Engine
 from shardtrain.train.config import load_config
 from shardtrain.train.loop import _prepare, build_job, check_batch
+from shardtrain.train.startup import StartupClock
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +114,7 @@ def _prepare_error(*overrides: str) -> str:
     engine = Engine(accelerator="cpu")
     engine.launch()
     try:
-        _prepare(load_config(None, list(overrides)), engine)
+        _prepare(load_config(None, list(overrides)), engine, clock=StartupClock())
     except ValueError as exc:
         return str(exc)
     return "no error"

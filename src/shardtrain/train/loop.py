@@ -67,7 +67,7 @@ def check_batch(cfg: Config, world_size: int) -> int:
     return batch // accum
 
 
-def _prepare(cfg: Config, engine: Engine, clock: StartupClock) -> tuple[BuiltModel, int, DataPlan]:
+def _prepare(cfg: Config, engine: Engine, *, clock: StartupClock) -> tuple[BuiltModel, int, DataPlan]:
     """Every check a user can fail, on every rank, before any communication."""
     micro_batch = check_batch(cfg, engine.data_parallel_size)
     check_finetune_config(cfg)
@@ -123,7 +123,7 @@ def build_job(cfg: Config, engine: Engine, *, clock: StartupClock | None = None)
     """Check the configuration, tokenize the data (once per node), build and shard the model, make the
     optimizer, scheduler and EMA. Returns the job and a description of the model; `clock` times the phases."""
     clock = clock or StartupClock()
-    built, micro_batch, plan = _prepare(cfg, engine, clock)
+    built, micro_batch, plan = _prepare(cfg, engine, clock=clock)
     if is_dpo(cfg):
         data, pairs = build_pair_data(cfg, engine, plan, micro_batch=micro_batch)
     else:

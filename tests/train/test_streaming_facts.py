@@ -1,7 +1,8 @@
 """Issue 44's acceptance 2 (slow tier): the 48 facts mixed 0.5/0.5 with 2,400 invented general-chat rows,
 streamed on 2 CPU ranks as `shardtrain train` is launched; the exported model, asked every question
 through its own tokenizer, chat template and `generate()`, answers at least 85% right. Prints the
-accuracy, each source's share of the trained tokens and the time from launch to the first step."""
+accuracy, each source's share of the trained tokens, the time from launch to the first step and rank 0's
+start-up record (where that time went)."""
 
 import json
 import re
@@ -63,10 +64,17 @@ def test_facts_mixed_half_and_half_with_general_chat_streamed_are_learned(tmp_pa
     table = " ".join(out.replace("│", " ").split())
     shares = [float(x) for x in re.findall(r"50.0% of the trained tokens aimed, ([\d.]+)% this run", table)]
     evals = [r for r in records(tmp_path / "runs" / "ft") if r["kind"] == "eval"]
+    (startup,) = [r for r in records(tmp_path / "runs" / "ft") if r["kind"] == "startup"]
     right = accuracy(tmp_path / "runs" / "ft" / "hf", chat=True)
     print(
         json.dumps(
-            {"accuracy": right, "shares": shares, "first_step_s": round(first_step, 2), "eval": evals[-1]["loss"]}
+            {
+                "accuracy": right,
+                "shares": shares,
+                "first_step_s": round(first_step, 2),
+                "startup": startup,
+                "eval": evals[-1]["loss"],
+            }
         )
     )
     assert len(shares) == 2 and all(abs(share - 50) <= 3 for share in shares), table

@@ -121,5 +121,30 @@ def shard_with(model: nn.Module, options: ShardOptions) -> nn.Module:
         raise TypeError(f"st.shard expects an nn.Module, got {type(model).__name__}")
     if hasattr(model, RUNTIME_ATTR):
         raise ValueError(f"{type(model).__name__} is already sharded; call st.shard once per model")
+    _refuse_bitsandbytes(model)
     require_process_group()
     return shard_offloaded(model, options)
+
+
+def _refuse_bitsandbytes(model: nn.Module) -> None:
+    """ValueError for a model holding bitsandbytes' quantised parameters (a model loaded with
+    `BitsAndBytesConfig(load_in_4bit=True)` or `load_in_8bit=True`): their packed storage and the quant
+    state beside it are not a tensor whose rows a rank can hold, and bitsandbytes' kernels repack them in
+    place, so sharding them would crash or compute garbage. shardtrain's own 4-bit base shards instead."""
+    found = next(
+        (
+            (name, type(p).__name__)
+            for name, p in model.named_parameters()
+            if type(p).__module__.startswith("bitsandbytes")
+        ),
+        None,
+    )
+    if found is not None:
+        name, kind = found
+        raise ValueError(
+            f"{name} is a bitsandbytes {kind} (a model loaded with BitsAndBytesConfig): its packed weights cannot "
+            "be sharded. Load the model in 16 bits and let shardtrain store the frozen base in 4 bits "
+            "(st.quantize_base; base_bits=4 or load_in_4bit=True in the trainer integrations; --lora.base_bits 4), "
+            "or save it with save_pretrained and load that folder with st.load_pretrained / --model.pretrained, "
+            "which read bitsandbytes' layout (docs/pretrained.md)"
+        )

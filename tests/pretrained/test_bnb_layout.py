@@ -206,3 +206,23 @@ def test_another_quantization_method_is_refused(hf_folders, tmp_path):
         "weights and bitsandbytes' 4- and 8-bit layouts, not gptq's: load the model's 16-bit (unquantised) "
         "folder instead"
     )
+
+
+@pytest.mark.parametrize("mode", ["nf4_dq", "int8"])
+def test_a_live_bitsandbytes_model_is_refused_by_shard_naming_the_weight_and_the_fix(bnb_folders, mode):
+    """Sharding bitsandbytes' packed parameters crashed a training step (a segfault on 2 CPU ranks): st.shard,
+    which the Engine and every trainer integration call, refuses them before anything is touched."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    import shardtrain as st
+
+    model = AutoModelForCausalLM.from_pretrained(bnb_folders[mode], device_map="cpu")
+    model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    kind = "Int8Params" if mode == "int8" else "Params4bit"
+    with pytest.raises(
+        ValueError,
+        match=rf"^base_model\.model\.model\.layers\.0\.self_attn\.q_proj\.base_layer\.weight is a bitsandbytes {kind} .*load_in_4bit=True.*st\.load_pretrained",
+    ):
+        st.shard(model)
+    assert not hasattr(model, "_shardtrain_runtime") and all(not p.is_meta for p in model.parameters())

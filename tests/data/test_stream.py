@@ -3,8 +3,12 @@
 import functools
 import itertools
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -157,6 +161,51 @@ def test_closing_ends_the_reading_threads_and_the_stream_goes_on_where_it_was(tm
     for a, b in zip(whole, head + tail):
         assert all(a[k].equal(b[k]) for k in ("input_ids", "labels", "position_ids"))
     batches.close()
+
+
+_EXIT_SCRIPT = """
+import atexit, sys, threading
+from transformers import AutoTokenizer
+from shardtrain.data import DataSpec
+from shardtrain.data.stream import StreamSource, stream_rows
+from tests.data.test_stream import _encoder, _stream_batches
+
+def alive():  # registered before the stream's own hook, so it runs after it (atexit runs the last first)
+    names = [t.name for t in threading.enumerate() if t.name.startswith("shardtrain-stream") and t.is_alive()]
+    print("alive at exit:", names, flush=True)
+
+atexit.register(alive)
+tok, spec = AutoTokenizer.from_pretrained(sys.argv[1]), DataSpec(path=sys.argv[2], seq_len=64)
+source = StreamSource(
+    open_rows=lambda: stream_rows(spec, tokenizer=tok, cache_dir=None, rank=0, world_size=1),
+    encoder=_encoder(tok),
+    where="rows",
+    name="rows",
+)
+batches = _stream_batches([source], buffer=50, seed=1, state=None)
+batches.batch(0)
+print("reading:", [t.name for t in threading.enumerate() if t.name.startswith("shardtrain-stream")], flush=True)
+"""
+
+
+def test_a_stream_left_open_is_closed_at_exit(tmp_path, tok):
+    """A loop of one's own that never calls close(), or an error before the training loop: the exit hook
+    closes the reading threads before the interpreter's shutdown."""
+    tok.save_pretrained(tmp_path / "tok")
+    path = _jsonl(tmp_path / "rows.jsonl", _rows(300))
+    script = tmp_path / "left_open.py"
+    script.write_text(_EXIT_SCRIPT)
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(root / "src"), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "tok"), str(path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "reading: ['shardtrain-stream-rows']" in done.stdout and "alive at exit: []" in done.stdout, done.stdout
 
 
 def test_the_first_batch_comes_before_the_corpus_is_tokenized(tmp_path, tok):

@@ -9,11 +9,13 @@ the uninterrupted one (docs/data.md, "Streaming").
 
 from __future__ import annotations
 
+import atexit
 import gc
 import itertools
 import json
 import queue
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -225,6 +227,7 @@ class StreamBatches:
         self._queues: list[queue.Queue] = []
         self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
+        self._closed_at_exit = False
 
     def first_windows(self, source: int, count: int) -> list[dict[str, list[int]]]:
         """The first `count` windows of `source`'s stream in file order (for `--data.show`; a fresh read)."""
@@ -257,6 +260,9 @@ class StreamBatches:
         tokenized while the model is built. A position loaded afterwards starts the reading again."""
         if self._queues:
             return
+        if not self._closed_at_exit:  # a run closes its streams; this covers every other way out
+            atexit.register(_close_at_exit, weakref.ref(self))
+            self._closed_at_exit = True
         for s, position in zip(self.sources, self.positions):
             out: queue.Queue = queue.Queue(maxsize=self._read_ahead * self.per_rank)
             items = stream_windows(s.open_rows, encoder=s.encoder, where=s.where, start=position, **self._windows)
@@ -272,7 +278,9 @@ class StreamBatches:
 
         Note: a row reader left alive into interpreter shutdown can abort the process there
         ("terminate called without an active exception": pyarrow's reader threads outlive the
-        memory they use); closing the streams here, while everything is alive, prevents that.
+        memory they use); closing the streams while everything is alive prevents that. The training
+        loop closes them when it ends; an exit hook, registered when reading starts, closes them on
+        any other way out (an error before the loop, a loop of one's own that does not call this).
         A later `batch()` starts reading again from the current positions."""
         self._stop.set()
         for thread in self._threads:
@@ -318,3 +326,9 @@ class StreamBatches:
 
     def __del__(self) -> None:
         self._stop.set()  # the reading threads hold no reference to self: they end at their next put
+
+
+def _close_at_exit(ref: weakref.ref) -> None:
+    batches = ref()
+    if batches is not None:
+        batches.close()

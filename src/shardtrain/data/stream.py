@@ -227,7 +227,7 @@ class StreamBatches:
         self._queues: list[queue.Queue] = []
         self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
-        self._closed_at_exit = False
+        self._exit_hook_registered = False
 
     def first_windows(self, source: int, count: int) -> list[dict[str, list[int]]]:
         """The first `count` windows of `source`'s stream in file order (for `--data.show`; a fresh read)."""
@@ -260,9 +260,9 @@ class StreamBatches:
         tokenized while the model is built. A position loaded afterwards starts the reading again."""
         if self._queues:
             return
-        if not self._closed_at_exit:  # a run closes its streams; this covers every other way out
+        if not self._exit_hook_registered:  # a run closes its streams; this covers every other way out
             atexit.register(_close_at_exit, weakref.ref(self))
-            self._closed_at_exit = True
+            self._exit_hook_registered = True
         for s, position in zip(self.sources, self.positions):
             out: queue.Queue = queue.Queue(maxsize=self._read_ahead * self.per_rank)
             items = stream_windows(s.open_rows, encoder=s.encoder, where=s.where, start=position, **self._windows)

@@ -69,9 +69,10 @@ def probe(model: nn.Module, *, device: torch.device, packed: bool = False) -> He
         verdict = HeadLossProbe(name=name, reason="its output head is not an nn.Linear")
     else:
         ids = torch.zeros(PROBE_SHAPE, dtype=torch.long, device=device)
-        positions = probe_positions(device=device) if packed else None
+        positions = None
         if packed:
             check_packing_supported(model, device=device)
+            positions = probe_positions(device=device)
         with torch.no_grad():
             try:
                 head_loss_sum(model, ids, labels=ids, position_ids=positions, checked=False)
